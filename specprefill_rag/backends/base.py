@@ -1,0 +1,54 @@
+"""The one small interface every main-model backend implements.
+
+A backend receives the kept prompt tokens with their original positions and yields generated
+token ids. It never knows how the tokens were chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..config import GenerationParams
+
+
+@dataclass(frozen=True)
+class SparsePrompt:
+    """Prompt tokens the main model prefills, each at its original position.
+
+    Attributes:
+        token_ids: ``[K]`` long, the kept tokens.
+        position_ids: ``[K]`` long, strictly increasing original positions, all ``< prompt_length``.
+        prompt_length: ``L``, the full prompt length; the first generated token sits at position ``L``.
+    """
+
+    token_ids: torch.Tensor
+    position_ids: torch.Tensor
+    prompt_length: int
+
+    @classmethod
+    def full(cls, token_ids: torch.Tensor) -> SparsePrompt:
+        """The whole prompt, positions ``0..L-1``."""
+        return cls(token_ids, torch.arange(token_ids.numel(), device=token_ids.device), int(token_ids.numel()))
+
+    @classmethod
+    def kept(cls, token_ids: torch.Tensor, kept: torch.Tensor) -> SparsePrompt:
+        """The tokens of ``token_ids`` at the sorted indices ``kept``."""
+        return cls(token_ids[kept], kept, int(token_ids.numel()))
+
+
+class MainBackend(Protocol):
+    """Runs the main model: sparse prefill, then decoding from position ``prompt_length``."""
+
+    @property
+    def context_length(self) -> int:
+        """Largest position + 1 the main model supports."""
+        ...
+
+    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+        """Yield generated token ids, the first right after prefill; stop at end-of-sequence
+        (not yielded) or after ``params.max_new_tokens``."""
+        ...

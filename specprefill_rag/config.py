@@ -1,0 +1,106 @@
+"""One typed configuration, validated at construction.
+
+Defaults reproduce the paper (Liu, Chen, Zhang, ICML 2025, arXiv 2502.02789): look-ahead 8,
+average-pooling kernel 13, chunks of 32 tokens, max over layers x heads, mean over look-ahead.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_MODEL = "smollm2-135m"
+SELF_DRAFT_PREFIX = "self:"
+
+
+class SpecPrefillConfig(BaseModel):
+    """Settings of a :class:`~specprefill_rag.engine.SpecPrefillEngine`.
+
+    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field on bad values.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    main: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
+    draft: str = Field(
+        DEFAULT_MODEL,
+        description="Draft model spec (same forms as `main`), or 'self:<n>' to score with the main model's first n layers.",
+    )
+    keep_rate: float = Field(0.3, gt=0.0, le=1.0, description="Fraction of document tokens the main model prefills.")
+    max_document_tokens: int | None = Field(
+        None, ge=0, description="Hard cap on kept document tokens; with keep_rate, the tighter budget wins."
+    )
+    look_ahead: int = Field(8, ge=1, le=64, description="Queries: last prompt token + look_ahead-1 draft tokens.")
+    pool_kernel: int = Field(13, ge=1, description="Average-pooling kernel along the prompt (odd).")
+    chunk_size: int = Field(32, ge=1, description="Document tokens are kept or dropped in chunks of this size.")
+    min_prompt_tokens: int = Field(
+        1024, ge=0, description="Prompts shorter than this are prefilled whole (compression would not pay)."
+    )
+    protect_tail_tokens: int = Field(
+        64, ge=1, description="For raw prompts without roles: the last tokens that are always kept."
+    )
+    device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto' = float32 on CPU, bfloat16 on CUDA."
+    )
+
+    @field_validator("pool_kernel")
+    @classmethod
+    def _odd_kernel(cls, value: int) -> int:
+        if value % 2 == 0:
+            raise ValueError(f"pool_kernel must be odd so pooling keeps the prompt length; got {value}, try {value + 1}")
+        return value
+
+    @field_validator("draft")
+    @classmethod
+    def _draft_spec(cls, value: str) -> str:
+        if value.startswith(SELF_DRAFT_PREFIX):
+            layers = value[len(SELF_DRAFT_PREFIX) :]
+            if not layers.isdigit() or int(layers) < 1:
+                raise ValueError(f"draft {value!r}: use 'self:<n>' with n >= 1 layers of the main model, e.g. 'self:8'")
+        return value
+
+    @model_validator(mode="after")
+    def _self_draft_look_ahead(self) -> SpecPrefillConfig:
+        if self.self_draft_layers is not None and "look_ahead" in self.model_fields_set and self.look_ahead != 1:
+            raise ValueError(
+                f"draft {self.draft!r} scores with part of the main model and cannot decode look-ahead tokens; "
+                "leave look_ahead unset or set it to 1"
+            )
+        return self
+
+    @property
+    def self_draft_layers(self) -> int | None:
+        """n for a 'self:<n>' draft, else None."""
+        if self.draft.startswith(SELF_DRAFT_PREFIX):
+            return int(self.draft[len(SELF_DRAFT_PREFIX) :])
+        return None
+
+    @property
+    def effective_look_ahead(self) -> int:
+        """Look-ahead actually used: always 1 for a 'self:<n>' draft."""
+        return 1 if self.self_draft_layers is not None else self.look_ahead
+
+
+class GenerationParams(BaseModel):
+    """Per-request decoding settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, description="Seed for sampling; None = nondeterministic.")
+    stop: tuple[str, ...] = Field((), description="Stop strings; the returned text ends before the first match.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = (value,)
+        if value is None:
+            return ()
+        if any(not isinstance(s, str) or s == "" for s in value):  # type: ignore[union-attr]
+            raise ValueError("stop must be non-empty strings")
+        return tuple(value)  # type: ignore[arg-type]

@@ -1,0 +1,162 @@
+"""Draft scoring: run a draft over the prompt and turn its attention into token importance.
+
+The draft prefill runs through transformers' SDPA kernel. Inside :func:`capture_attention`, the
+model's attention dispatch points at a wrapper that calls SDPA unchanged and, for the last query
+row of each call (the last prompt token at prefill, the new token at each look-ahead step), folds
+its post-RoPE attention onto the prompt keys into an :class:`ImportanceAccumulator`. The wrapper
+is registered under a private name and removed, with the models' previous settings restored, in
+``finally``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .importance import ImportanceAccumulator, query_importance
+
+_capture_ids = itertools.count()
+
+
+def _attention_configs(model: nn.Module) -> list[Any]:
+    """Distinct config objects that attention modules of ``model`` read their implementation from."""
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            configs.setdefault(id(config), config)
+    return list(configs.values())
+
+
+@contextmanager
+def capture_attention(model: nn.Module, accumulator: ImportanceAccumulator, pool_kernel: int) -> Iterator[str]:
+    """Score every attention call of ``model`` (batch 1) into ``accumulator``, for the ``with`` body only.
+
+    Yields the private attention-implementation name in use (tests check it is gone afterwards).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    prompt_length = accumulator.prompt_length
+
+    def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):  # type: ignore[no-untyped-def]
+        output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        last_query = query[0, :, -1]  # [H, d]
+        scale = scaling if scaling is not None else last_query.shape[-1] ** -0.5
+        accumulator.add(query_importance(last_query, key[0, :, :prompt_length], scale, pool_kernel))
+        return output
+
+    name = f"specprefill_capture_{next(_capture_ids)}"
+    configs = _attention_configs(model)
+    previous = [config._attn_implementation for config in configs]
+    ALL_ATTENTION_FUNCTIONS[name] = scoring_sdpa
+    ALL_MASK_ATTENTION_FUNCTIONS[name] = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        for config in configs:
+            config._attn_implementation = name
+        yield name
+    finally:
+        for config, implementation in zip(configs, previous):
+            config._attn_implementation = implementation
+        del ALL_ATTENTION_FUNCTIONS[name]
+        del ALL_MASK_ATTENTION_FUNCTIONS[name]
+
+
+class _StopForward(Exception):
+    """Raised by a pre-hook to end a forward pass after the layers a layer-prefix draft needs."""
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The stack of decoder layers of a causal LM (the ModuleList as long as ``num_hidden_layers``)."""
+    n_layers = model.config.num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n_layers:
+            return module
+    raise TypeError(f"cannot find the {n_layers} decoder layers of {type(model).__name__}")
+
+
+@contextmanager
+def stop_after_layers(model: nn.Module, n_layers: int) -> Iterator[None]:
+    """Make a forward pass of ``model`` raise :class:`_StopForward` before layer ``n_layers`` runs."""
+    layers = decoder_layers(model)
+    if n_layers >= len(layers):
+        yield
+        return
+
+    def stop(_module: nn.Module, _args: Any) -> None:
+        raise _StopForward
+
+    handle = layers[n_layers].register_forward_pre_hook(stop)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _step_inputs(token_ids: torch.Tensor, first_position: int) -> dict[str, torch.Tensor]:
+    positions = torch.arange(first_position, first_position + token_ids.numel(), device=token_ids.device)
+    return {"input_ids": token_ids.view(1, -1), "position_ids": positions.view(1, -1), "cache_position": positions}
+
+
+@dataclass
+class ModelDraft:
+    """A separate small draft model sharing the main model's tokenizer (the paper's setting).
+
+    Queries are the last prompt token plus ``look_ahead - 1`` greedily decoded draft tokens; decoding
+    stops early at an end-of-sequence token.
+    """
+
+    model: nn.Module
+    look_ahead: int = 8
+    pool_kernel: int = 13
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @torch.inference_mode()
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
+        from transformers import DynamicCache
+
+        prompt_length = input_ids.numel()
+        accumulator = ImportanceAccumulator(prompt_length, self.look_ahead, input_ids.device)
+        use_cache = self.look_ahead > 1
+        cache = DynamicCache(config=self.model.config) if use_cache else None
+        with capture_attention(self.model, accumulator, self.pool_kernel):
+            output = self.model(**_step_inputs(input_ids, 0), past_key_values=cache, use_cache=use_cache, logits_to_keep=1)
+            for step in range(1, self.look_ahead):
+                token = output.logits[0, -1].argmax()
+                if int(token) in self.eos_token_ids:
+                    break
+                accumulator.step = step
+                inputs = _step_inputs(token.view(1), prompt_length + step - 1)
+                output = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return accumulator.result()
+
+
+@dataclass
+class LayerPrefixDraft:
+    """``self:<n>``: the first ``n_layers`` of the main model itself, weights shared, look-ahead 1.
+
+    For users without a smaller sibling model. The forward pass stops after layer ``n_layers``.
+    """
+
+    model: nn.Module
+    n_layers: int
+    pool_kernel: int = 13
+
+    @torch.inference_mode()
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
+        accumulator = ImportanceAccumulator(input_ids.numel(), 1, input_ids.device)
+        with capture_attention(self.model, accumulator, self.pool_kernel), stop_after_layers(self.model, self.n_layers):
+            try:
+                self.model(**_step_inputs(input_ids, 0), use_cache=False, logits_to_keep=1)
+            except _StopForward:
+                pass
+        return accumulator.result()

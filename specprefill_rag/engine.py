@@ -1,0 +1,241 @@
+"""SpecPrefillEngine: layout -> draft scoring -> selection -> sparse prefill and decoding.
+
+Example::
+
+    engine = SpecPrefillEngine(keep_rate=0.2)            # embedded SmolLM2-135M as draft and main
+    result = engine.generate("When did the bridge open?", documents=[text_a, text_b])
+    print(result.text, result.stats.keep_rate, result.stats.ttft_ms)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .backends.base import MainBackend, SparsePrompt
+from .backends.hf import HFBackend, eos_token_ids
+from .config import GenerationParams, SpecPrefillConfig
+from .detokenize import IncrementalText
+from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
+from .errors import ContextLengthError, InvalidRequestError
+from .models import LoadedModel, check_same_vocabulary, load_model
+from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
+from .results import GenerationResult, SpecPrefillStats, StreamChunk
+from .selection import select_kept
+
+
+def _milliseconds(since: float) -> float:
+    return (time.perf_counter() - since) * 1000.0
+
+
+class SpecPrefillEngine:
+    """SpecPrefill in front of a main model.
+
+    Args:
+        config: a :class:`SpecPrefillConfig`; or pass its fields as keyword arguments.
+
+    Loads both models at construction (see :meth:`from_models` for models already in memory).
+    Thread-safe: requests may run concurrently; forward passes on the shared models are serialised.
+    """
+
+    def __init__(self, config: SpecPrefillConfig | None = None, **settings: Any) -> None:
+        config = _make_config(config, settings)
+        main = load_model(config.main, config.device, config.dtype)
+        draft = None
+        if config.self_draft_layers is None and config.draft != config.main:
+            draft = load_model(config.draft, config.device, config.dtype)
+        self._setup(config, main, draft)
+
+    @classmethod
+    def from_models(
+        cls,
+        main_model: Any,
+        tokenizer: Any,
+        draft_model: Any | None = None,
+        config: SpecPrefillConfig | None = None,
+        **settings: Any,
+    ) -> SpecPrefillEngine:
+        """An engine over models already loaded; ``draft_model=None`` means the main model drafts for
+        itself (whole, or its first n layers with ``draft='self:<n>'``)."""
+        engine = cls.__new__(cls)
+        config = _make_config(config, settings)
+        draft = LoadedModel(draft_model, tokenizer, "draft") if draft_model is not None else None
+        engine._setup(config, LoadedModel(main_model, tokenizer, "main"), draft)
+        return engine
+
+    def _setup(self, config: SpecPrefillConfig, main: LoadedModel, draft: LoadedModel | None) -> None:
+        self.config = config
+        self.main = main
+        self.tokenizer = main.tokenizer
+        self._lock = threading.RLock()
+        eos = eos_token_ids(main.model, main.tokenizer)
+        self.backend: MainBackend = HFBackend(main.model, eos, self._lock)
+        n_layers = config.self_draft_layers
+        if n_layers is not None:
+            available = len(decoder_layers(main.model))
+            if n_layers > available:
+                raise InvalidRequestError(f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})")
+            self.draft = LayerPrefixDraft(main.model, n_layers, config.pool_kernel)
+            return
+        if draft is not None:
+            check_same_vocabulary(main.tokenizer, draft.tokenizer)
+        draft_model = draft.model if draft is not None else main.model
+        self.draft = ModelDraft(draft_model, config.look_ahead, config.pool_kernel, eos)
+
+    # -- prompts ---------------------------------------------------------------------------------
+
+    def layout(
+        self, question: str, documents: Sequence[DocumentLike], instructions: str | None = None, use_chat_template: bool = True
+    ) -> PromptLayout:
+        """Token ids and roles of a RAG prompt rendered with the main model's chat template."""
+        return build_rag_layout(self.tokenizer, question, documents, instructions, use_chat_template)
+
+    def text_layout(self, prompt: str) -> PromptLayout:
+        """Layout of an already-rendered prompt (no roles: see :func:`build_text_layout`)."""
+        return build_text_layout(self.tokenizer, prompt, self.config.protect_tail_tokens)
+
+    # -- selection -------------------------------------------------------------------------------
+
+    def select(self, layout: PromptLayout, keep_rate: float | None = None) -> tuple[torch.Tensor, float]:
+        """Sorted kept token indices ``[K]`` and the draft time in ms (0 when nothing is compressed)."""
+        rate = self.config.keep_rate if keep_rate is None else keep_rate
+        if not 0.0 < rate <= 1.0:
+            raise InvalidRequestError(f"keep_rate must be in (0, 1], got {rate}")
+        whole = rate >= 1.0 and self.config.max_document_tokens is None
+        if whole or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0:
+            return torch.arange(len(layout)), 0.0
+        started = time.perf_counter()
+        device = next(self.main.model.parameters()).device
+        with self._lock:
+            importance = self.draft.score(layout.input_ids.to(device)).cpu()
+        draft_ms = _milliseconds(started)
+        kept = select_kept(
+            importance,
+            layout.document_index,
+            keep_rate=rate,
+            chunk_size=self.config.chunk_size,
+            max_document_tokens=self.config.max_document_tokens,
+        )
+        return kept, draft_ms
+
+    # -- generation ------------------------------------------------------------------------------
+
+    def stream_layout(
+        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
+    ) -> Iterator[StreamChunk]:
+        """Stream the answer to a prepared layout; the last chunk carries the stats and full result."""
+        return self._stream(layout, params or GenerationParams(), keep_rate, time.perf_counter())
+
+    def generate_layout(
+        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
+    ) -> GenerationResult:
+        return _last_result(self.stream_layout(layout, params, keep_rate))
+
+    def stream(
+        self,
+        question: str,
+        documents: Sequence[DocumentLike],
+        instructions: str | None = None,
+        keep_rate: float | None = None,
+        **params: Any,
+    ) -> Iterator[StreamChunk]:
+        """Stream the answer to ``question`` over ``documents``; ``params`` are :class:`GenerationParams` fields."""
+        started = time.perf_counter()
+        generation = GenerationParams(**params)
+        layout = self.layout(question, documents, instructions)
+        return self._stream(layout, generation, keep_rate, started)
+
+    def generate(
+        self,
+        question: str,
+        documents: Sequence[DocumentLike],
+        instructions: str | None = None,
+        keep_rate: float | None = None,
+        **params: Any,
+    ) -> GenerationResult:
+        """Answer ``question`` over ``documents``; only document tokens are compressed."""
+        return _last_result(self.stream(question, documents, instructions, keep_rate, **params))
+
+    def generate_text(self, prompt: str, keep_rate: float | None = None, **params: Any) -> GenerationResult:
+        """Complete an already-rendered prompt; all but template tokens and the tail are candidates."""
+        started = time.perf_counter()
+        generation = GenerationParams(**params)
+        return _last_result(self._stream(self.text_layout(prompt), generation, keep_rate, started))
+
+    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        context = self.backend.context_length
+        if prompt_tokens + max_new_tokens > context:
+            raise ContextLengthError(prompt_tokens, max_new_tokens, context)
+
+    def _stream(
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
+    ) -> Iterator[StreamChunk]:
+        self._check_length(len(layout), params.max_new_tokens)
+        return self._decode(layout, params, keep_rate, started)
+
+    def _decode(
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
+    ) -> Iterator[StreamChunk]:
+        kept, draft_ms = self.select(layout, keep_rate)
+        text = IncrementalText(self.tokenizer, params.stop)
+        tokens: list[int] = []
+        pending: list[int] = []
+        prefill_started = time.perf_counter()
+        first_token_at: float | None = None
+        generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, kept), params)
+        try:
+            for token in generated:
+                first_token_at = first_token_at or time.perf_counter()
+                tokens.append(token)
+                pending.append(token)
+                delta = text.push(token)
+                if delta or text.stopped:
+                    yield StreamChunk(delta, pending)
+                    pending = []
+                if text.stopped:
+                    break
+        finally:
+            generated.close()
+        finished_at = time.perf_counter()
+        first_token_at = first_token_at or finished_at
+        stopped = text.stopped or len(tokens) < params.max_new_tokens
+        decode_s = finished_at - first_token_at
+        stats = SpecPrefillStats(
+            prompt_tokens=len(layout),
+            document_tokens=layout.n_document_tokens,
+            kept_tokens=int(kept.numel()),
+            kept_document_tokens=int((layout.document_index[kept] >= 0).sum()),
+            keep_rate=_keep_rate(layout, kept),
+            compressed=int(kept.numel()) < len(layout),
+            draft_ms=draft_ms,
+            main_prefill_ms=(first_token_at - prefill_started) * 1000.0,
+            ttft_ms=(first_token_at - started) * 1000.0,
+            completion_tokens=len(tokens),
+            decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
+        )
+        tail = text.finish()
+        result = GenerationResult(text.emitted, tokens, "stop" if stopped else "length", stats, kept)
+        yield StreamChunk(tail, pending, result.finish_reason, stats, result)
+
+
+def _keep_rate(layout: PromptLayout, kept: torch.Tensor) -> float:
+    documents = layout.n_document_tokens
+    return float((layout.document_index[kept] >= 0).sum()) / documents if documents else 1.0
+
+
+def _last_result(chunks: Iterator[StreamChunk]) -> GenerationResult:
+    result = None
+    for chunk in chunks:
+        result = chunk.result
+    assert result is not None  # the last chunk always carries the result
+    return result
+
+
+def _make_config(config: SpecPrefillConfig | None, settings: dict[str, Any]) -> SpecPrefillConfig:
+    if config is not None and settings:
+        raise InvalidRequestError("pass either a SpecPrefillConfig or its fields as keyword arguments, not both")
+    return config if config is not None else SpecPrefillConfig(**settings)

@@ -1,0 +1,44 @@
+"""Typed errors. Every one names the problem and the fix.
+
+All derive from :class:`SpecPrefillError`, itself a :class:`ValueError`, so callers can catch
+either the precise kind or the whole family.
+"""
+
+from __future__ import annotations
+
+
+class SpecPrefillError(ValueError):
+    """Base class of every error this library raises on bad input or configuration."""
+
+
+class InvalidRequestError(SpecPrefillError):
+    """A request (question, documents, generation settings) is malformed."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt, or the prompt plus the tokens to generate, exceeds the main model's context."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.context_length = context_length
+        if prompt_tokens > context_length:
+            msg = (
+                f"the prompt has {prompt_tokens} tokens but the main model's context is {context_length} tokens; "
+                "retrieve fewer or shorter documents (nothing is truncated silently)"
+            )
+        else:
+            msg = (
+                f"prompt of {prompt_tokens} tokens + max_new_tokens={max_new_tokens} = "
+                f"{prompt_tokens + max_new_tokens} exceeds the main model's context of {context_length} tokens; "
+                f"lower max_new_tokens to at most {context_length - prompt_tokens} or shorten the prompt"
+            )
+        super().__init__(msg)
+
+
+class ModelLoadError(SpecPrefillError):
+    """A model spec could not be resolved or loaded."""
+
+
+class TokenizerMismatchError(SpecPrefillError):
+    """The draft and main models do not share a vocabulary, so token ids cannot be passed between them."""

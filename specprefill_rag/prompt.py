@@ -1,0 +1,208 @@
+"""RAG prompt layout: parts with roles -> token ids plus the role of every token.
+
+A prompt is a list of :class:`Segment` s (text + role). It is tokenized once, as one string, and
+each token's role comes from its character offsets: a token lying inside one segment takes that
+segment's role; a token straddling two segments, or a special token, is template scaffolding.
+Only document tokens are ever candidates for dropping.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Union
+
+import torch
+
+from .errors import InvalidRequestError
+
+
+class Role(IntEnum):
+    """What a prompt token is. Only ``DOCUMENT`` tokens may be dropped."""
+
+    TEMPLATE = 0
+    INSTRUCTION = 1
+    DOCUMENT = 2
+    QUESTION = 3
+
+
+@dataclass(frozen=True)
+class Document:
+    """One retrieved document."""
+
+    text: str
+    title: str | None = None
+    id: str | None = None
+
+
+DocumentLike = Union[Document, str, bytes, Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of prompt text with its role; ``document`` is the document index for ``Role.DOCUMENT``."""
+
+    text: str
+    role: Role
+    document: int = -1
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """A tokenized prompt with roles.
+
+    Attributes:
+        input_ids: ``[L]`` long token ids.
+        roles: ``[L]`` long, a :class:`Role` per token.
+        document_index: ``[L]`` long, document of each document token, ``-1`` elsewhere.
+        text: the rendered prompt.
+    """
+
+    input_ids: torch.Tensor
+    roles: torch.Tensor
+    document_index: torch.Tensor
+    text: str
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def n_document_tokens(self) -> int:
+        return int((self.document_index >= 0).sum())
+
+
+def as_document(value: DocumentLike, index: int) -> Document:
+    """Normalise a document given as text, UTF-8 bytes, a mapping with text/title/id, or a Document."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise InvalidRequestError(
+                f"document {index} is not valid UTF-8 (byte {error.start}: {value[error.start:error.start + 4]!r}); "
+                "decode it with its real encoding before passing it"
+            ) from None
+    if isinstance(value, str):
+        value = Document(value)
+    elif isinstance(value, Mapping):
+        if "text" not in value:
+            raise InvalidRequestError(f"document {index} is a mapping without a 'text' key; give text, title and id")
+        value = Document(str(value["text"]), value.get("title"), value.get("id"))
+    if not isinstance(value, Document):
+        raise InvalidRequestError(
+            f"document {index} has type {type(value).__name__}; pass str, bytes, Document or a mapping with 'text'"
+        )
+    if not value.text.strip():
+        raise InvalidRequestError(f"document {index} is empty; drop it before calling")
+    return value
+
+
+def rag_segments(question: str, documents: Sequence[DocumentLike], instructions: str | None) -> list[list[Segment]]:
+    """Validate a RAG request and split it into messages of segments: ``[system?, user]``."""
+    if not isinstance(question, str) or not question.strip():
+        raise InvalidRequestError("question is empty; pass the user's question as a non-empty string")
+    if isinstance(documents, (str, bytes)) or not documents:
+        raise InvalidRequestError(
+            "no documents given; pass a list of retrieved documents, or use generate_text() for a plain prompt"
+        )
+    user: list[Segment] = []
+    for index, raw in enumerate(documents):
+        document = as_document(raw, index)
+        label = f"Document [{index + 1}]" + (f" {document.title}" if document.title else "")
+        user += [Segment(f"{label}\n", Role.TEMPLATE), Segment(document.text.strip(), Role.DOCUMENT, index)]
+        user.append(Segment("\n\n", Role.TEMPLATE))
+    user += [Segment("Question: ", Role.TEMPLATE), Segment(question.strip(), Role.QUESTION)]
+    system = [[Segment(instructions, Role.INSTRUCTION)]] if instructions else []
+    return system + [user]
+
+
+_SENTINEL = "\x1eSPR{}\x1e"
+_SENTINEL_RE = re.compile("\x1eSPR(\\d+)\x1e")
+
+
+def render_chat(tokenizer: Any, messages: list[list[Segment]]) -> list[Segment]:
+    """Render ``[system?, user]`` messages with the tokenizer's chat template, keeping segment roles.
+
+    Each non-template segment is rendered as a unique sentinel, located in the output, and put back.
+    """
+    flat = [segment for message in messages for segment in message]
+    chat = []
+    for role_name, message in zip(("system", "user")[-len(messages) :], messages):
+        content = "".join(_SENTINEL.format(flat.index(s)) if s.role != Role.TEMPLATE else s.text for s in message)
+        chat.append({"role": role_name, "content": content})
+    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    found = [int(m.group(1)) for m in _SENTINEL_RE.finditer(rendered)]
+    expected = [i for i, s in enumerate(flat) if s.role != Role.TEMPLATE]
+    if found != expected:
+        raise InvalidRequestError(
+            "the chat template reordered or altered message content, so document spans cannot be located; "
+            "pass use_chat_template=False"
+        )
+    segments, cursor = [], 0
+    for match in _SENTINEL_RE.finditer(rendered):
+        segments.append(Segment(rendered[cursor : match.start()], Role.TEMPLATE))
+        segments.append(flat[int(match.group(1))])
+        cursor = match.end()
+    segments.append(Segment(rendered[cursor:], Role.TEMPLATE))
+    return [s for s in segments if s.text]
+
+
+def render_plain(messages: list[list[Segment]]) -> list[Segment]:
+    """Render messages without a chat template: system text, then user text, then ``Answer:``."""
+    segments: list[Segment] = []
+    for message in messages:
+        segments += message + [Segment("\n\n", Role.TEMPLATE)]
+    return segments[:-1] + [Segment("\nAnswer:", Role.TEMPLATE)]
+
+
+def layout_from_segments(tokenizer: Any, segments: Sequence[Segment], add_special_tokens: bool) -> PromptLayout:
+    """Tokenize the concatenated segments once and give every token its segment's role."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise InvalidRequestError("a fast (Rust) tokenizer is required to locate document spans by offsets")
+    text = "".join(s.text for s in segments)
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.long).view(-1, 2)
+    starts = torch.tensor([0] + [len(s.text) for s in segments]).cumsum(0)
+    first = torch.searchsorted(starts, offsets[:, 0], right=True) - 1
+    last = torch.searchsorted(starts, (offsets[:, 1] - 1).clamp(min=0), right=True) - 1
+    inside = (first == last) & (offsets[:, 1] > offsets[:, 0])
+    segment_roles = torch.tensor([int(s.role) for s in segments] + [Role.TEMPLATE])
+    segment_documents = torch.tensor([s.document for s in segments] + [-1])
+    index = torch.where(inside, first, torch.full_like(first, len(segments)))
+    roles = segment_roles[index]
+    document_index = torch.where(roles == Role.DOCUMENT, segment_documents[index], torch.full_like(index, -1))
+    input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
+    return PromptLayout(input_ids, roles, document_index, text)
+
+
+def build_rag_layout(
+    tokenizer: Any,
+    question: str,
+    documents: Sequence[DocumentLike],
+    instructions: str | None = None,
+    use_chat_template: bool = True,
+) -> PromptLayout:
+    """Layout of a RAG prompt: instructions (system), documents and question (user), generation prompt."""
+    messages = rag_segments(question, documents, instructions)
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        return layout_from_segments(tokenizer, render_chat(tokenizer, messages), add_special_tokens=False)
+    return layout_from_segments(tokenizer, render_plain(messages), add_special_tokens=True)
+
+
+def build_text_layout(tokenizer: Any, prompt: str, protect_tail_tokens: int) -> PromptLayout:
+    """Layout of an already-rendered prompt with no roles.
+
+    Every token is a candidate except special tokens (template scaffolding) and the last
+    ``protect_tail_tokens`` (taken as the question). Runs between special tokens are separate
+    pseudo-documents, so no chunk spans a special token.
+    """
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise InvalidRequestError("prompt is empty; pass the rendered prompt text")
+    input_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    special = torch.isin(input_ids, torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long))
+    roles = torch.where(special, Role.TEMPLATE, Role.DOCUMENT).long()
+    roles[-protect_tail_tokens:] = torch.where(special[-protect_tail_tokens:], Role.TEMPLATE, Role.QUESTION)
+    pseudo_document = torch.cumsum(special.long(), 0)
+    document_index = torch.where(roles == Role.DOCUMENT, pseudo_document, torch.full_like(pseudo_document, -1))
+    return PromptLayout(input_ids, roles, document_index, prompt)

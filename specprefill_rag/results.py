@@ -1,0 +1,66 @@
+"""Typed results: numbers, not formatted strings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SpecPrefillStats:
+    """What SpecPrefill did for one request, and how long it took.
+
+    Attributes:
+        prompt_tokens: ``L``, tokens in the full prompt.
+        document_tokens: prompt tokens that belong to documents (the only candidates).
+        kept_tokens: ``K``, prompt tokens the main model prefilled.
+        kept_document_tokens: document tokens among them.
+        keep_rate: ``kept_document_tokens / document_tokens`` (1.0 without documents).
+        compressed: whether any token was dropped.
+        draft_ms: draft scoring time (0 when the prompt was not compressed).
+        main_prefill_ms: main-model prefill up to the first token.
+        ttft_ms: request start to first token: layout, draft, selection and main prefill.
+        completion_tokens: tokens generated.
+        decode_tokens_per_s: generation speed after the first token (0 with fewer than 2 tokens).
+    """
+
+    prompt_tokens: int
+    document_tokens: int
+    kept_tokens: int
+    kept_document_tokens: int
+    keep_rate: float
+    compressed: bool
+    draft_ms: float
+    main_prefill_ms: float
+    ttft_ms: float
+    completion_tokens: int
+    decode_tokens_per_s: float
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    stats: SpecPrefillStats
+    kept_positions: torch.Tensor = field(repr=False)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One piece of a streamed generation; the last chunk has ``finish_reason``, ``stats`` and ``result``."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stats: SpecPrefillStats | None = None
+    result: GenerationResult | None = field(default=None, repr=False)

@@ -1,0 +1,25 @@
+"""Next-token choice from logits: greedy, temperature and nucleus (top-p) sampling."""
+
+from __future__ import annotations
+
+import torch
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
+    """Pick one token.
+
+    Args:
+        logits: ``[V]`` scores of the next token.
+        temperature: 0 means greedy (argmax).
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p``.
+        generator: random source for reproducible sampling, or None.
+    """
+    if temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,111 @@
+"""Draft scoring against a reference built from eager attention weights (the paper's formula)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from specprefill_rag.draft import LayerPrefixDraft, ModelDraft, capture_attention, decoder_layers, stop_after_layers
+from specprefill_rag.importance import ImportanceAccumulator, query_importance
+
+
+def reference_importance(model, input_ids, look_ahead, pool_kernel, n_layers=None):
+    """Importance from eager attention probabilities of the prompt + greedy look-ahead tokens.
+
+    Softmax over the prompt keys only equals the full attention row restricted to the prompt and
+    renormalised, which is what this computes from ``output_attentions``.
+    """
+    prompt_length = input_ids.numel()
+    with torch.no_grad():
+        full = model.generate(input_ids[None], max_new_tokens=look_ahead - 1, do_sample=False) if look_ahead > 1 else input_ids[None]
+        implementation = model.config._attn_implementation
+        model.set_attn_implementation("eager")
+        try:
+            attentions = model(full, output_attentions=True).attentions
+        finally:
+            model.set_attn_implementation(implementation)
+    attentions = attentions[:n_layers] if n_layers else attentions
+    rows = torch.stack([a[0, :, prompt_length - 1 : prompt_length - 1 + look_ahead, :prompt_length] for a in attentions])
+    rows = rows / rows.sum(-1, keepdim=True)  # [layers, H, N, L]
+    pooled = F.avg_pool1d(rows.flatten(0, 2)[:, None], pool_kernel, 1, pool_kernel // 2).view(rows.shape)
+    return pooled.amax(dim=(0, 1)).mean(0)
+
+
+def prompt_ids(tokenizer, words=60):
+    text = " ".join(["the bridge opened in 1883 after thirteen years of work"] * (words // 10))
+    return torch.tensor(tokenizer(text)["input_ids"])
+
+
+def test_query_importance_matches_naive_gqa():
+    torch.manual_seed(0)
+    query, keys = torch.randn(6, 8), torch.randn(2, 30, 8)
+    got = query_importance(query, keys, 8**-0.5, pool_kernel=5)
+    repeated = keys.repeat_interleave(3, dim=0)  # query head h reads KV head h // 3
+    probs = torch.softmax((repeated @ query[:, :, None]).squeeze(-1) * 8**-0.5, dim=-1)
+    pooled = F.avg_pool1d(probs[:, None], 5, 1, 2).squeeze(1)
+    torch.testing.assert_close(got, pooled.amax(0))
+
+
+def test_accumulator_max_over_layers_mean_over_steps():
+    accumulator = ImportanceAccumulator(3, n_steps=2)
+    accumulator.add(torch.tensor([1.0, 0.0, 0.0]))
+    accumulator.add(torch.tensor([0.0, 2.0, 0.0]))
+    accumulator.step = 1
+    accumulator.add(torch.tensor([3.0, 0.0, 4.0]))
+    assert accumulator.result().tolist() == [2.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("look_ahead", [1, 4])
+def test_model_draft_matches_reference(tokenizer, tiny_model, look_ahead):
+    input_ids = prompt_ids(tokenizer)
+    draft = ModelDraft(tiny_model, look_ahead=look_ahead, pool_kernel=13, eos_token_ids=frozenset())
+    got = draft.score(input_ids)
+    assert got.shape == input_ids.shape
+    torch.testing.assert_close(got, reference_importance(tiny_model, input_ids, look_ahead, 13), atol=1e-5, rtol=1e-4)
+
+
+def test_layer_prefix_draft_uses_first_layers_only(tokenizer, tiny_model):
+    input_ids = prompt_ids(tokenizer)
+    got = LayerPrefixDraft(tiny_model, n_layers=1, pool_kernel=13).score(input_ids)
+    torch.testing.assert_close(got, reference_importance(tiny_model, input_ids, 1, 13, n_layers=1), atol=1e-5, rtol=1e-4)
+    assert not decoder_layers(tiny_model)[1]._forward_pre_hooks
+
+
+def test_capture_attention_is_removed_even_on_error(tiny_model, tokenizer):
+    before = tiny_model.config._attn_implementation
+    accumulator = ImportanceAccumulator(4, 1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with capture_attention(tiny_model, accumulator, 13) as name:
+            assert tiny_model.config._attn_implementation == name
+            assert name in ALL_ATTENTION_FUNCTIONS
+            raise RuntimeError("boom")
+    assert tiny_model.config._attn_implementation == before
+    assert name not in ALL_ATTENTION_FUNCTIONS and name not in ALL_MASK_ATTENTION_FUNCTIONS
+    assert all(m.config._attn_implementation == before for m in tiny_model.modules() if hasattr(m, "config"))
+
+
+def test_stop_after_layers_hook_is_removed(tiny_model):
+    layers = decoder_layers(tiny_model)
+    with stop_after_layers(tiny_model, 1):
+        assert layers[1]._forward_pre_hooks
+    assert not layers[1]._forward_pre_hooks
+
+
+def test_scoring_after_capture_leaves_model_outputs_unchanged(tokenizer, tiny_model):
+    input_ids = prompt_ids(tokenizer)
+    with torch.no_grad():
+        before = tiny_model(input_ids[None]).logits
+    ModelDraft(tiny_model, look_ahead=3).score(input_ids)
+    with torch.no_grad():
+        after = tiny_model(input_ids[None]).logits
+    torch.testing.assert_close(before, after)
+
+
+def test_draft_stops_look_ahead_at_eos(tokenizer, tiny_model):
+    input_ids = prompt_ids(tokenizer)
+    with torch.no_grad():
+        first = int(tiny_model(input_ids[None]).logits[0, -1].argmax())
+    only_last = ModelDraft(tiny_model, look_ahead=1).score(input_ids)
+    stopped = ModelDraft(tiny_model, look_ahead=4, eos_token_ids=frozenset({first})).score(input_ids)
+    torch.testing.assert_close(stopped, only_last)
