@@ -127,25 +127,31 @@ def render_chat(tokenizer: Any, messages: list[list[Segment]]) -> list[Segment]:
     Each non-template segment is rendered as a unique sentinel, located in the output, and put back.
     """
     flat = [segment for message in messages for segment in message]
-    chat = []
-    for role_name, message in zip(("system", "user")[-len(messages) :], messages):
-        content = "".join(_SENTINEL.format(flat.index(s)) if s.role != Role.TEMPLATE else s.text for s in message)
-        chat.append({"role": role_name, "content": content})
-    rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    marked = [Segment(_SENTINEL.format(i), s.role) if s.role != Role.TEMPLATE else s for i, s in enumerate(flat)]
+    rendered = _apply_template(tokenizer, messages, marked)
     found = [int(m.group(1)) for m in _SENTINEL_RE.finditer(rendered)]
     expected = [i for i, s in enumerate(flat) if s.role != Role.TEMPLATE]
-    if found != expected:
-        raise InvalidRequestError(
-            "the chat template reordered or altered message content, so document spans cannot be located; "
-            "pass use_chat_template=False"
-        )
     segments, cursor = [], 0
     for match in _SENTINEL_RE.finditer(rendered):
         segments.append(Segment(rendered[cursor : match.start()], Role.TEMPLATE))
         segments.append(flat[int(match.group(1))])
         cursor = match.end()
     segments.append(Segment(rendered[cursor:], Role.TEMPLATE))
+    if found != expected or "".join(s.text for s in segments) != _apply_template(tokenizer, messages, flat):
+        raise InvalidRequestError(
+            "the chat template reorders or rewrites message content, so document spans cannot be located; "
+            "pass use_chat_template=False"
+        )
     return [s for s in segments if s.text]
+
+
+def _apply_template(tokenizer: Any, messages: list[list[Segment]], flat: list[Segment]) -> str:
+    """Render ``messages`` (as ``[system?, user]``) with their segments replaced by ``flat``, in order."""
+    pieces = iter(flat)
+    chat = []
+    for role_name, message in zip(("system", "user")[-len(messages) :], messages):
+        chat.append({"role": role_name, "content": "".join(next(pieces).text for _ in message)})
+    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
 
 def render_plain(messages: list[list[Segment]]) -> list[Segment]:
@@ -163,10 +169,11 @@ def layout_from_segments(tokenizer: Any, segments: Sequence[Segment], add_specia
     text = "".join(s.text for s in segments)
     encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
     offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.long).view(-1, 2)
+    token_starts, token_ends = offsets[:, 0].contiguous(), offsets[:, 1].contiguous()
     starts = torch.tensor([0] + [len(s.text) for s in segments]).cumsum(0)
-    first = torch.searchsorted(starts, offsets[:, 0], right=True) - 1
-    last = torch.searchsorted(starts, (offsets[:, 1] - 1).clamp(min=0), right=True) - 1
-    inside = (first == last) & (offsets[:, 1] > offsets[:, 0])
+    first = torch.searchsorted(starts, token_starts, right=True) - 1
+    last = torch.searchsorted(starts, (token_ends - 1).clamp(min=0), right=True) - 1
+    inside = (first == last) & (token_ends > token_starts)
     segment_roles = torch.tensor([int(s.role) for s in segments] + [Role.TEMPLATE])
     segment_documents = torch.tensor([s.document for s in segments] + [-1])
     index = torch.where(inside, first, torch.full_like(first, len(segments)))

@@ -1,0 +1,95 @@
+"""SpecPrefillEngine end to end on a tiny random Llama."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from specprefill_rag import GenerationParams, SpecPrefillEngine
+from specprefill_rag.prompt import Role
+
+from .conftest import random_documents
+
+QUESTION = "When did the bridge open?"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tiny_draft, tokenizer):
+    return SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, tiny_draft, keep_rate=0.2, min_prompt_tokens=0, look_ahead=3
+    )
+
+
+def test_keep_rate_one_equals_plain_greedy_generation(engine, tiny_model):
+    layout = engine.layout(QUESTION, random_documents(3, 60))
+    result = engine.generate_layout(layout, GenerationParams(max_new_tokens=16), keep_rate=1.0)
+    with torch.no_grad():
+        expected = tiny_model.generate(layout.input_ids[None], max_new_tokens=16, do_sample=False)
+    expected = expected[0, len(layout) :].tolist()
+    eos = engine.tokenizer.eos_token_id
+    assert result.token_ids == (expected[: expected.index(eos)] if eos in expected else expected)
+    assert not result.stats.compressed and result.stats.draft_ms == 0.0
+
+
+def test_compressed_request_keeps_question_and_template(engine):
+    layout = engine.layout(QUESTION, random_documents(4, 80), instructions="Answer briefly.")
+    result = engine.generate_layout(layout, GenerationParams(max_new_tokens=8))
+    stats = result.stats
+    kept = result.kept_positions
+    assert stats.compressed and stats.draft_ms > 0
+    assert stats.prompt_tokens == len(layout) and stats.kept_tokens == kept.numel()
+    assert stats.kept_document_tokens == stats.kept_tokens - (stats.prompt_tokens - stats.document_tokens)
+    assert 0.2 <= stats.keep_rate < 0.2 + 32 * 4 / stats.document_tokens
+    roles = layout.roles[kept]
+    for role in (Role.QUESTION, Role.INSTRUCTION, Role.TEMPLATE):
+        assert int((roles == role).sum()) == int((layout.roles == role).sum())
+    assert stats.ttft_ms >= stats.draft_ms + stats.main_prefill_ms * 0.99
+    assert isinstance(stats.decode_tokens_per_s, float)
+
+
+def test_short_prompts_are_not_compressed(tiny_model, tokenizer):
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, keep_rate=0.1, min_prompt_tokens=10_000)
+    result = engine.generate(QUESTION, random_documents(2, 50), max_new_tokens=4)
+    assert not result.stats.compressed and result.stats.keep_rate == 1.0
+
+
+def test_stream_chunks_add_up_to_result(engine):
+    chunks = list(engine.stream(QUESTION, random_documents(3, 60), max_new_tokens=24, temperature=0.8, seed=3))
+    final = chunks[-1]
+    assert final.result is not None and final.stats is not None and final.finish_reason in ("stop", "length")
+    assert "".join(c.text for c in chunks) == final.result.text
+    assert [t for c in chunks for t in c.token_ids] == final.result.token_ids
+    assert all(c.result is None for c in chunks[:-1])
+
+
+def test_stop_string_ends_text_before_it(engine):
+    documents = random_documents(3, 60)
+    free = engine.generate(QUESTION, documents, max_new_tokens=30)
+    assert len(free.text) > 6, "the random model must produce some text for this test"
+    stop = free.text[3:6]
+    stopped = engine.generate(QUESTION, documents, max_new_tokens=30, stop=[stop])
+    assert stopped.text == free.text[: free.text.index(stop)]
+    assert stopped.finish_reason == "stop"
+
+
+def test_self_draft_scores_with_main_layers(tiny_model, tokenizer):
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft="self:1", keep_rate=0.3, min_prompt_tokens=0)
+    result = engine.generate(QUESTION, random_documents(3, 80), max_new_tokens=4)
+    assert result.stats.compressed and 0.3 <= result.stats.keep_rate < 0.7
+
+
+def test_concurrent_requests_match_sequential(engine):
+    requests = [(f"Question {i}?", random_documents(2, 40 + 7 * i, seed=i)) for i in range(6)]
+    sequential = [engine.generate(q, d, max_new_tokens=6).token_ids for q, d in requests]
+    with ThreadPoolExecutor(4) as pool:
+        concurrent = list(pool.map(lambda r: engine.generate(r[0], r[1], max_new_tokens=6).token_ids, requests))
+    assert concurrent == sequential
+
+
+def test_raw_text_prompt_is_compressed_except_tail(engine):
+    prompt = " ".join(random_documents(4, 60)) + " Question: when?"
+    result = engine.generate_text(prompt, max_new_tokens=4)
+    layout = engine.text_layout(prompt)
+    tail = torch.arange(len(layout) - engine.config.protect_tail_tokens, len(layout))
+    assert result.stats.compressed
+    assert torch.isin(tail, result.kept_positions).all()
