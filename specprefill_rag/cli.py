@@ -1,0 +1,97 @@
+"""Command line: ``specprefill-rag ask --question ... --docs FILE...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .config import DEFAULT_MODEL
+from .errors import SpecPrefillError
+from .prompt import Document
+
+DEFAULT_INSTRUCTIONS = "Answer the question using the documents. Be brief."
+
+
+def read_documents(paths: Sequence[str]) -> list[Document]:
+    """Read each file as one document titled by its file name; reject files that are not UTF-8."""
+    documents = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise SpecPrefillError(f"document file {name} does not exist")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise SpecPrefillError(f"{name} is not UTF-8 (byte {error.start}); convert it, e.g. with iconv") from None
+        documents.append(Document(text, title=path.stem, id=str(path)))
+    return documents
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="specprefill-rag", description=__doc__)
+    commands = root.add_subparsers(dest="command", required=True)
+    ask = commands.add_parser("ask", help="answer a question over document files")
+    ask.add_argument("--question", required=True)
+    ask.add_argument("--docs", nargs="+", required=True, metavar="FILE", help="one document per UTF-8 text file")
+    ask.add_argument("--instructions", default=DEFAULT_INSTRUCTIONS, help="system instructions (kept whole)")
+    ask.add_argument("--keep-rate", type=float, default=0.3, help="fraction of document tokens to prefill (0, 1]")
+    ask.add_argument("--main", default=DEFAULT_MODEL, help="HF id, model folder, .gguf file or 'smollm2-135m'")
+    ask.add_argument("--draft", default=DEFAULT_MODEL, help="same forms as --main, or 'self:<n>'")
+    ask.add_argument("--min-prompt-tokens", type=int, default=1024, help="shorter prompts are not compressed")
+    ask.add_argument("--max-new-tokens", type=int, default=128)
+    ask.add_argument("--temperature", type=float, default=0.0)
+    ask.add_argument("--device", default="cpu")
+    ask.add_argument("--stream", action="store_true", help="print the answer as it is generated")
+    ask.add_argument("--json", action="store_true", help="print one JSON object with the answer and the stats")
+    return root
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    from .engine import SpecPrefillEngine
+
+    documents = read_documents(args.docs)
+    engine = SpecPrefillEngine(
+        main=args.main,
+        draft=args.draft,
+        keep_rate=args.keep_rate,
+        min_prompt_tokens=args.min_prompt_tokens,
+        device=args.device,
+    )
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    result = None
+    for chunk in engine.stream(args.question, documents, args.instructions, **params):
+        if args.stream and not args.json:
+            print(chunk.text, end="", flush=True)
+        result = chunk.result or result
+    assert result is not None
+    if args.json:
+        payload = {"answer": result.text, "finish_reason": result.finish_reason, "stats": result.stats.as_dict()}
+        print(json.dumps(payload, indent=2))
+        return 0
+    if not args.stream:
+        print(result.text, end="")
+    stats = result.stats
+    print(
+        f"\n[kept {stats.kept_document_tokens}/{stats.document_tokens} document tokens "
+        f"({stats.keep_rate:.0%}), TTFT {stats.ttft_ms:.0f} ms (draft {stats.draft_ms:.0f} ms)]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return run_ask(args)
+    except (SpecPrefillError, ValidationError) as error:
+        print(f"specprefill-rag: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

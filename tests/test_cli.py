@@ -1,0 +1,49 @@
+import json
+
+from specprefill_rag.cli import main
+
+from .conftest import random_documents
+
+
+def write_documents(folder, count=3):
+    paths = []
+    for index, text in enumerate(random_documents(count, 70)):
+        path = folder / f"doc{index}.txt"
+        path.write_text(text)
+        paths.append(str(path))
+    return paths
+
+
+def test_ask_json_reports_numeric_stats(tmp_path, tiny_model_dir, capsys):
+    docs = write_documents(tmp_path)
+    model = str(tiny_model_dir)
+    argv = ["ask", "--question", "When?", "--docs", *docs, "--main", model, "--draft", model]
+    code = main([*argv, "--keep-rate", "0.2", "--min-prompt-tokens", "0", "--max-new-tokens", "5", "--json"])
+    assert code == 0
+    payload = json.loads(capsys.readouterr().out)
+    stats = payload["stats"]
+    assert isinstance(payload["answer"], str)
+    assert stats["compressed"] is True and 0.2 <= stats["keep_rate"] < 1.0
+    assert isinstance(stats["ttft_ms"], float) and stats["completion_tokens"] <= 5
+
+
+def test_ask_stream_prints_answer_and_stats(tmp_path, tiny_model_dir, capsys):
+    docs = write_documents(tmp_path)
+    model = str(tiny_model_dir)
+    code = main(["ask", "--question", "When?", "--docs", *docs, "--main", model, "--draft", model, "--stream"])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "document tokens" in captured.err and "TTFT" in captured.err
+
+
+def test_ask_reports_bad_input_without_traceback(tmp_path, tiny_model_dir, capsys):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9")
+    model = str(tiny_model_dir)
+    assert main(["ask", "--question", "Q?", "--docs", str(bad), "--main", model, "--draft", model]) == 2
+    assert "latin1.txt is not UTF-8" in capsys.readouterr().err
+    good = write_documents(tmp_path, 1)
+    assert main(["ask", "--question", "Q?", "--docs", *good, "--keep-rate", "2", "--main", model]) == 2
+    assert "keep_rate" in capsys.readouterr().err
+    assert main(["ask", "--question", "Q?", "--docs", str(tmp_path / "missing.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
