@@ -22,7 +22,7 @@ from .config import GenerationParams, SpecPrefillConfig
 from .detokenize import IncrementalText
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
 from .errors import ContextLengthError, InvalidRequestError
-from .models import LoadedModel, check_same_vocabulary, load_model
+from .models import LoadedModel, check_same_vocabulary, shared_model
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
 from .results import GenerationResult, SpecPrefillStats, StreamChunk
 from .selection import select_kept
@@ -44,10 +44,10 @@ class SpecPrefillEngine:
 
     def __init__(self, config: SpecPrefillConfig | None = None, **settings: Any) -> None:
         config = _make_config(config, settings)
-        main = load_model(config.main, config.device, config.dtype)
+        main = shared_model(config.main, config.device, config.dtype)
         draft = None
         if config.self_draft_layers is None and config.draft != config.main:
-            draft = load_model(config.draft, config.device, config.dtype)
+            draft = shared_model(config.draft, config.device, config.dtype)
         self._setup(config, main, draft)
 
     @classmethod

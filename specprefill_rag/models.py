@@ -12,6 +12,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,3 +151,19 @@ def check_same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> None:
         f"draft and main tokenizers differ ({len(main_vocab)} vs {len(draft_vocab)} tokens; e.g. {differing}); "
         "SpecPrefill passes token ids between them, so pick a draft of the same model family or use draft='self:<n>'"
     )
+
+
+_shared: dict[tuple[str, str, str], LoadedModel] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
+    """:func:`load_model`, loading each (spec, device, dtype) once per process.
+
+    Engines, and the LangChain/LlamaIndex objects built on them, share weights this way.
+    """
+    key = (spec, device, dtype)
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = load_model(spec, device, dtype)
+        return _shared[key]

@@ -98,37 +98,56 @@ def as_document(value: DocumentLike, index: int) -> Document:
     return value
 
 
-def rag_segments(question: str, documents: Sequence[DocumentLike], instructions: str | None) -> list[list[Segment]]:
-    """Validate a RAG request and split it into messages of segments: ``[system?, user]``."""
-    if not isinstance(question, str) or not question.strip():
-        raise InvalidRequestError("question is empty; pass the user's question as a non-empty string")
+@dataclass(frozen=True)
+class Turn:
+    """One chat message: a role name understood by chat templates and its content as segments."""
+
+    role: str
+    segments: tuple[Segment, ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+
+def document_segments(documents: Sequence[DocumentLike], first_index: int = 0) -> list[Segment]:
+    """Validated documents as labelled segments: ``Document [i] title`` (template), then the text."""
     if isinstance(documents, (str, bytes)) or not documents:
         raise InvalidRequestError(
             "no documents given; pass a list of retrieved documents, or use generate_text() for a plain prompt"
         )
-    user: list[Segment] = []
-    for index, raw in enumerate(documents):
+    segments: list[Segment] = []
+    for offset, raw in enumerate(documents):
+        index = first_index + offset
         document = as_document(raw, index)
         label = f"Document [{index + 1}]" + (f" {document.title}" if document.title else "")
-        user += [Segment(f"{label}\n", Role.TEMPLATE), Segment(document.text.strip(), Role.DOCUMENT, index)]
-        user.append(Segment("\n\n", Role.TEMPLATE))
-    user += [Segment("Question: ", Role.TEMPLATE), Segment(question.strip(), Role.QUESTION)]
-    system = [[Segment(instructions, Role.INSTRUCTION)]] if instructions else []
-    return system + [user]
+        segments += [Segment(f"{label}\n", Role.TEMPLATE), Segment(document.text.strip(), Role.DOCUMENT, index)]
+        segments.append(Segment("\n\n", Role.TEMPLATE))
+    return segments
+
+
+def rag_turns(question: str, documents: Sequence[DocumentLike], instructions: str | None) -> list[Turn]:
+    """Validate a RAG request and lay it out as ``[system?, user]`` turns; the question comes last."""
+    if not isinstance(question, str) or not question.strip():
+        raise InvalidRequestError("question is empty; pass the user's question as a non-empty string")
+    user = document_segments(documents) + [Segment("Question: ", Role.TEMPLATE), Segment(question.strip(), Role.QUESTION)]
+    system = [Turn("system", (Segment(instructions, Role.INSTRUCTION),))] if instructions else []
+    return system + [Turn("user", tuple(user))]
 
 
 _SENTINEL = "\x1eSPR{}\x1e"
 _SENTINEL_RE = re.compile("\x1eSPR(\\d+)\x1e")
 
 
-def render_chat(tokenizer: Any, messages: list[list[Segment]]) -> list[Segment]:
-    """Render ``[system?, user]`` messages with the tokenizer's chat template, keeping segment roles.
+def render_chat(tokenizer: Any, turns: Sequence[Turn]) -> list[Segment]:
+    """Render turns with the tokenizer's chat template (plus generation prompt), keeping segment roles.
 
-    Each non-template segment is rendered as a unique sentinel, located in the output, and put back.
+    Each non-template segment is rendered as a unique sentinel, located in the output, and put back;
+    the result must equal the template rendered over the real text, or the template is rejected.
     """
-    flat = [segment for message in messages for segment in message]
+    flat = [segment for turn in turns for segment in turn.segments]
     marked = [Segment(_SENTINEL.format(i), s.role) if s.role != Role.TEMPLATE else s for i, s in enumerate(flat)]
-    rendered = _apply_template(tokenizer, messages, marked)
+    rendered = _apply_template(tokenizer, turns, marked)
     found = [int(m.group(1)) for m in _SENTINEL_RE.finditer(rendered)]
     expected = [i for i, s in enumerate(flat) if s.role != Role.TEMPLATE]
     segments, cursor = [], 0
@@ -137,7 +156,7 @@ def render_chat(tokenizer: Any, messages: list[list[Segment]]) -> list[Segment]:
         segments.append(flat[int(match.group(1))])
         cursor = match.end()
     segments.append(Segment(rendered[cursor:], Role.TEMPLATE))
-    if found != expected or "".join(s.text for s in segments) != _apply_template(tokenizer, messages, flat):
+    if found != expected or "".join(s.text for s in segments) != _apply_template(tokenizer, turns, flat):
         raise InvalidRequestError(
             "the chat template reorders or rewrites message content, so document spans cannot be located; "
             "pass use_chat_template=False"
@@ -145,20 +164,20 @@ def render_chat(tokenizer: Any, messages: list[list[Segment]]) -> list[Segment]:
     return [s for s in segments if s.text]
 
 
-def _apply_template(tokenizer: Any, messages: list[list[Segment]], flat: list[Segment]) -> str:
-    """Render ``messages`` (as ``[system?, user]``) with their segments replaced by ``flat``, in order."""
+def _apply_template(tokenizer: Any, turns: Sequence[Turn], flat: list[Segment]) -> str:
+    """Render ``turns`` with their segments replaced, in order, by ``flat``."""
     pieces = iter(flat)
-    chat = []
-    for role_name, message in zip(("system", "user")[-len(messages) :], messages):
-        chat.append({"role": role_name, "content": "".join(next(pieces).text for _ in message)})
+    chat = [{"role": t.role, "content": "".join(next(pieces).text for _ in t.segments)} for t in turns]
     return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
 
 
-def render_plain(messages: list[list[Segment]]) -> list[Segment]:
-    """Render messages without a chat template: system text, then user text, then ``Answer:``."""
+def render_plain(turns: Sequence[Turn]) -> list[Segment]:
+    """Render turns without a chat template: contents separated by blank lines, then ``Answer:``."""
     segments: list[Segment] = []
-    for message in messages:
-        segments += message + [Segment("\n\n", Role.TEMPLATE)]
+    for turn in turns:
+        if turn.role == "assistant":
+            segments.append(Segment("Answer: ", Role.TEMPLATE))
+        segments += [*turn.segments, Segment("\n\n", Role.TEMPLATE)]
     return segments[:-1] + [Segment("\nAnswer:", Role.TEMPLATE)]
 
 
@@ -183,6 +202,15 @@ def layout_from_segments(tokenizer: Any, segments: Sequence[Segment], add_specia
     return PromptLayout(input_ids, roles, document_index, text)
 
 
+def build_turns_layout(tokenizer: Any, turns: Sequence[Turn], use_chat_template: bool = True) -> PromptLayout:
+    """Layout of chat turns, rendered with the tokenizer's chat template when it has one."""
+    if not turns:
+        raise InvalidRequestError("no messages given; pass at least one user message")
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        return layout_from_segments(tokenizer, render_chat(tokenizer, turns), add_special_tokens=False)
+    return layout_from_segments(tokenizer, render_plain(turns), add_special_tokens=True)
+
+
 def build_rag_layout(
     tokenizer: Any,
     question: str,
@@ -191,10 +219,17 @@ def build_rag_layout(
     use_chat_template: bool = True,
 ) -> PromptLayout:
     """Layout of a RAG prompt: instructions (system), documents and question (user), generation prompt."""
-    messages = rag_segments(question, documents, instructions)
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        return layout_from_segments(tokenizer, render_chat(tokenizer, messages), add_special_tokens=False)
-    return layout_from_segments(tokenizer, render_plain(messages), add_special_tokens=True)
+    return build_turns_layout(tokenizer, rag_turns(question, documents, instructions), use_chat_template)
+
+
+def protect_tail(layout: PromptLayout, n_tokens: int) -> PromptLayout:
+    """Mark the last ``n_tokens`` document tokens as question (kept): for prompts whose question is
+    not separated from the retrieved text, such as a raw prompt or an unmarked chat message."""
+    candidates = torch.nonzero(layout.document_index >= 0).flatten()[-n_tokens:]
+    roles, document_index = layout.roles.clone(), layout.document_index.clone()
+    roles[candidates] = Role.QUESTION
+    document_index[candidates] = -1
+    return PromptLayout(layout.input_ids, roles, document_index, layout.text)
 
 
 def build_text_layout(tokenizer: Any, prompt: str, protect_tail_tokens: int) -> PromptLayout:

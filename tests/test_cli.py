@@ -2,7 +2,7 @@ import json
 
 from specprefill_rag.cli import main
 
-from .conftest import random_documents
+from specprefill_rag.testing import random_documents
 
 
 def write_documents(folder, count=3):

@@ -8,7 +8,7 @@ import torch
 from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.prompt import Role
 
-from .conftest import random_documents
+from specprefill_rag.testing import random_documents
 
 QUESTION = "When did the bridge open?"
 

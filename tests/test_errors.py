@@ -13,7 +13,7 @@ from specprefill_rag import (
 )
 from specprefill_rag.models import load_model
 
-from .conftest import build_model, build_tokenizer, random_documents
+from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
 
 @pytest.fixture(scope="module")

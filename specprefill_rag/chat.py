@@ -1,0 +1,189 @@
+"""Chat messages -> prompt layout, finding the retrieved documents the way frameworks deliver them.
+
+Framework adapters (LangChain, LlamaIndex) convert their messages to :class:`ChatMessage` and call
+:func:`chat_layout`. Documents are found, in this order of preference:
+
+1. ``documents=`` given with the call: located verbatim in the messages (a prompt template already
+   stuffed them in), else inserted into the last user message before its text;
+2. document blocks inside messages (:class:`~specprefill_rag.prompt.Document` parts);
+3. text wrapped by :func:`mark_document` (what ``format_docs`` helpers emit); the markers are removed;
+4. none of these: every message but the system text is a candidate, except the last
+   ``protect_tail_tokens`` tokens (the question).
+
+Text outside documents is kept whole: the system message as instructions, the last user message as
+the question, earlier turns as context that is never dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from .errors import InvalidRequestError
+from .prompt import (
+    Document,
+    DocumentLike,
+    PromptLayout,
+    Role,
+    Segment,
+    Turn,
+    as_document,
+    build_turns_layout,
+    document_segments,
+    protect_tail,
+)
+
+DOCUMENT_START = "\x02"
+DOCUMENT_END = "\x03"
+_MARKED = re.compile(f"{DOCUMENT_START}(.*?){DOCUMENT_END}", re.S)
+
+ChatRole = Literal["system", "user", "assistant"]
+DocumentSource = Literal["argument-located", "argument-inserted", "blocks", "markers", "none"]
+
+
+def mark_document(text: str) -> str:
+    """Wrap a document's text so :func:`chat_layout` finds its span (markers are removed before use)."""
+    return f"{DOCUMENT_START}{text}{DOCUMENT_END}"
+
+
+@dataclass
+class ChatMessage:
+    """A framework-neutral chat message: text parts (str) and document parts (Document)."""
+
+    role: ChatRole
+    parts: list[Union[str, Document]] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(p if isinstance(p, str) else p.text for p in self.parts)
+
+
+@dataclass(frozen=True)
+class ChatLayout:
+    """A prompt layout and where its documents came from."""
+
+    layout: PromptLayout
+    document_source: DocumentSource
+    n_documents: int
+
+
+def _split_markers(text: str, outside: Role, next_index: int) -> list[Segment]:
+    segments, cursor = [], 0
+    for match in _MARKED.finditer(text):
+        segments.append(Segment(text[cursor : match.start()], outside))
+        segments.append(Segment(match.group(1), Role.DOCUMENT, next_index + len(segments) // 2))
+        cursor = match.end()
+    rest = text[cursor:]
+    if DOCUMENT_START in rest or DOCUMENT_END in rest:
+        raise InvalidRequestError("unbalanced document markers in a message; build the text with mark_document()")
+    return [s for s in [*segments, Segment(rest, outside)] if s.text]
+
+
+def _locate(text: str, documents: list[Document], outside: Role, found: dict[int, int]) -> list[Segment]:
+    """Segments of ``text`` with every not-yet-found document that occurs in it verbatim marked."""
+    spans = []
+    for index, document in enumerate(documents):
+        start = text.find(document.text) if index not in found else -1
+        if start >= 0:
+            spans.append((start, start + len(document.text), index))
+    spans.sort()
+    segments, cursor = [], 0
+    for start, end, index in spans:
+        if start < cursor:
+            continue  # overlaps an earlier document: leave it to be found elsewhere or inserted
+        found[index] = 1
+        segments += [Segment(text[cursor:start], outside), Segment(text[start:end], Role.DOCUMENT, index)]
+        cursor = end
+    return [s for s in [*segments, Segment(text[cursor:], outside)] if s.text]
+
+
+def _outside_role(message: ChatMessage, is_last: bool) -> Role:
+    if message.role == "system":
+        return Role.INSTRUCTION
+    return Role.QUESTION if is_last else Role.INSTRUCTION
+
+
+def _message_segments(message: ChatMessage, outside: Role, next_index: int) -> list[Segment]:
+    segments: list[Segment] = []
+    for part in message.parts:
+        index = next_index + sum(s.role == Role.DOCUMENT for s in segments)
+        if isinstance(part, Document):
+            label = [Segment(f"{part.title}\n", Role.TEMPLATE)] if part.title else []
+            segments += [*label, Segment(part.text, Role.DOCUMENT, index), Segment("\n\n", Role.TEMPLATE)]
+        else:
+            segments += _split_markers(part, outside, index)
+    return segments
+
+
+def _validate(messages: Sequence[ChatMessage]) -> None:
+    if not messages:
+        raise InvalidRequestError("no messages given; pass at least one user message")
+    if messages[-1].role != "user":
+        raise InvalidRequestError(
+            f"the last message is from '{messages[-1].role}'; SpecPrefill answers a user message, so end with one"
+        )
+    if not messages[-1].text.strip():
+        raise InvalidRequestError("the last user message is empty; it should hold the question")
+
+
+def _has_explicit_documents(messages: Sequence[ChatMessage]) -> DocumentSource:
+    if any(isinstance(p, Document) for m in messages for p in m.parts):
+        return "blocks"
+    if any(DOCUMENT_START in m.text for m in messages):
+        return "markers"
+    return "none"
+
+
+def _with_documents(messages: Sequence[ChatMessage], documents: list[Document]) -> tuple[list[Turn], DocumentSource]:
+    found: dict[int, int] = {}
+    located = [_locate(m.text, documents, _outside_role(m, i == len(messages) - 1), found) for i, m in enumerate(messages)]
+    if len(found) == len(documents):
+        return [Turn(m.role, tuple(s)) for m, s in zip(messages, located)], "argument-located"
+    turns = [Turn(m.role, (Segment(m.text, _outside_role(m, False)),)) for m in messages[:-1]]
+    last = messages[-1]
+    question = Segment(last.text, Role.QUESTION)
+    turns.append(Turn(last.role, (*document_segments(documents), Segment("Question: ", Role.TEMPLATE), question)))
+    return turns, "argument-inserted"
+
+
+def _fallback(messages: Sequence[ChatMessage]) -> list[Turn]:
+    """Every non-system message is a candidate pseudo-document; the caller protects the tail."""
+    return [
+        Turn(m.role, (Segment(m.text, Role.INSTRUCTION if m.role == "system" else Role.DOCUMENT, i),))
+        for i, m in enumerate(messages)
+    ]
+
+
+def chat_layout(
+    tokenizer: Any,
+    messages: Sequence[ChatMessage],
+    documents: Sequence[DocumentLike] | None = None,
+    protect_tail_tokens: int = 64,
+    use_chat_template: bool = True,
+) -> ChatLayout:
+    """Lay out a chat for SpecPrefill; see the module docstring for how documents are found."""
+    _validate(messages)
+    source = _has_explicit_documents(messages)
+    if documents is not None:
+        if source != "none":
+            raise InvalidRequestError(
+                f"documents were given twice: as an argument and as {source} in the messages; pass them one way"
+            )
+        normalised = [as_document(d, i) for i, d in enumerate(documents)] if documents else []
+        if not normalised:
+            raise InvalidRequestError("documents=[] is empty; pass the retrieved documents or leave it out")
+        turns, source = _with_documents(messages, normalised)
+    elif source != "none":
+        turns, count = [], 0
+        for i, message in enumerate(messages):
+            segments = _message_segments(message, _outside_role(message, i == len(messages) - 1), count)
+            count += sum(s.role == Role.DOCUMENT for s in segments)
+            turns.append(Turn(message.role, tuple(segments)))
+    else:
+        layout = protect_tail(build_turns_layout(tokenizer, _fallback(messages), use_chat_template), protect_tail_tokens)
+        return ChatLayout(layout, "none", 0)
+    layout = build_turns_layout(tokenizer, turns, use_chat_template)
+    n_documents = len({int(i) for i in layout.document_index.unique() if int(i) >= 0})
+    return ChatLayout(layout, source, n_documents)

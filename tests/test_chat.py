@@ -1,0 +1,81 @@
+"""Finding documents in chat messages, as framework adapters deliver them."""
+
+import pytest
+
+from specprefill_rag.chat import ChatMessage, chat_layout, mark_document
+from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.prompt import Document, Role
+
+DOCS = ["Paris is the capital of France.", "The bridge opened in 1883 after thirteen years of work."]
+
+
+def texts_of(tokenizer, layout, role):
+    return tokenizer.decode(layout.input_ids[layout.roles == role])
+
+
+def document_texts(tokenizer, layout):
+    indices = sorted({int(i) for i in layout.document_index.unique() if i >= 0})
+    return [tokenizer.decode(layout.input_ids[layout.document_index == i]) for i in indices]
+
+
+def test_documents_argument_located_in_stuffed_prompt(tokenizer):
+    system = "Answer using the context:\n\n" + "\n\n".join(DOCS)
+    messages = [ChatMessage("system", [system]), ChatMessage("user", ["When did the bridge open?"])]
+    result = chat_layout(tokenizer, messages, documents=DOCS)
+    assert result.document_source == "argument-located" and result.n_documents == 2
+    assert document_texts(tokenizer, result.layout) == DOCS
+    assert texts_of(tokenizer, result.layout, Role.QUESTION) == "When did the bridge open?"
+    assert "Answer using the context:" in texts_of(tokenizer, result.layout, Role.INSTRUCTION)
+
+
+def test_documents_argument_inserted_when_absent(tokenizer):
+    messages = [ChatMessage("user", ["When did the bridge open?"])]
+    result = chat_layout(tokenizer, messages, documents=[{"text": DOCS[1], "title": "Bridge"}])
+    assert result.document_source == "argument-inserted"
+    assert document_texts(tokenizer, result.layout) == [DOCS[1]]
+    assert texts_of(tokenizer, result.layout, Role.QUESTION) == "When did the bridge open?"
+
+
+def test_document_blocks(tokenizer):
+    messages = [ChatMessage("user", [Document(DOCS[0], title="France"), Document(DOCS[1]), "When?"])]
+    result = chat_layout(tokenizer, messages)
+    assert result.document_source == "blocks" and document_texts(tokenizer, result.layout) == DOCS
+    assert texts_of(tokenizer, result.layout, Role.QUESTION) == "When?"
+
+
+def test_marked_documents_lose_their_markers(tokenizer):
+    context = "\n\n".join(mark_document(d) for d in DOCS)
+    messages = [ChatMessage("user", [f"Context:\n{context}\n\nQuestion: When?"])]
+    result = chat_layout(tokenizer, messages)
+    assert result.document_source == "markers" and document_texts(tokenizer, result.layout) == DOCS
+    assert "\x02" not in result.layout.text and "\x03" not in result.layout.text
+    assert texts_of(tokenizer, result.layout, Role.QUESTION) == "Context:\n" + "\n\n" + "\n\nQuestion: When?"
+
+
+def test_fallback_protects_system_and_tail(tokenizer):
+    long_text = " ".join(DOCS * 6) + " When did the bridge open?"
+    messages = [ChatMessage("system", ["Be brief."]), ChatMessage("user", [long_text])]
+    result = chat_layout(tokenizer, messages, protect_tail_tokens=8)
+    layout = result.layout
+    assert result.document_source == "none"
+    assert texts_of(tokenizer, layout, Role.INSTRUCTION) == "Be brief."
+    assert int((layout.roles == Role.QUESTION).sum()) == 8
+    assert layout.n_document_tokens > 50
+
+
+@pytest.mark.parametrize(
+    "messages, documents, match",
+    [
+        ([], None, "no messages"),
+        ([ChatMessage("user", ["hi"]), ChatMessage("assistant", ["hello"])], None, "last message is from 'assistant'"),
+        ([ChatMessage("user", ["  "])], None, "last user message is empty"),
+        ([ChatMessage("user", [Document("x"), "q"])], ["y"], "documents were given twice"),
+        ([ChatMessage("user", [mark_document("x") + "q"])], ["y"], "documents were given twice"),
+        ([ChatMessage("user", ["q"])], [], "documents=\\[\\] is empty"),
+        ([ChatMessage("user", ["\x02 unbalanced q"])], None, "unbalanced document markers"),
+        ([ChatMessage("user", ["q"])], [3], "document 0 has type int"),
+    ],
+)
+def test_bad_chat_input(tokenizer, messages, documents, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        chat_layout(tokenizer, messages, documents=documents)
