@@ -148,12 +148,25 @@ def _with_documents(messages: Sequence[ChatMessage], documents: list[Document]) 
     return turns, "argument-inserted"
 
 
-def _fallback(messages: Sequence[ChatMessage]) -> list[Turn]:
-    """Every non-system message is a candidate pseudo-document; the caller protects the tail."""
-    return [
+def _fallback(messages: Sequence[ChatMessage], question: str | None) -> list[Turn]:
+    """Every non-system message is a candidate pseudo-document. With a ``question`` found in the last
+    message, it and what follows are kept; otherwise the caller protects the tail."""
+    turns = [
         Turn(m.role, (Segment(m.text, Role.INSTRUCTION if m.role == "system" else Role.DOCUMENT, i),))
         for i, m in enumerate(messages)
     ]
+    text = messages[-1].text
+    start = text.rfind(question) if question else -1
+    if start >= 0:
+        last = (Segment(text[:start], Role.DOCUMENT, len(messages) - 1), Segment(text[start:], Role.QUESTION))
+        turns[-1] = Turn(messages[-1].role, tuple(s for s in last if s.text))
+    return turns
+
+
+def _append_question(turns: list[Turn], question: str) -> list[Turn]:
+    last = turns[-1]
+    extra = (Segment("\n\nQuestion: ", Role.TEMPLATE), Segment(question, Role.QUESTION))
+    return [*turns[:-1], Turn(last.role, (*last.segments, *extra))]
 
 
 def chat_layout(
@@ -162,9 +175,16 @@ def chat_layout(
     documents: Sequence[DocumentLike] | None = None,
     protect_tail_tokens: int = 64,
     use_chat_template: bool = True,
+    question: str | None = None,
 ) -> ChatLayout:
-    """Lay out a chat for SpecPrefill; see the module docstring for how documents are found."""
+    """Lay out a chat for SpecPrefill; see the module docstring for how documents are found.
+
+    ``question``: the user's question when it is not simply the last user message; kept whole, and
+    appended to the last message if it does not occur there.
+    """
     _validate(messages)
+    if question is not None and not question.strip():
+        raise InvalidRequestError("question is empty; pass the user's question or leave it out")
     source = _has_explicit_documents(messages)
     if documents is not None:
         if source != "none":
@@ -182,8 +202,13 @@ def chat_layout(
             count += sum(s.role == Role.DOCUMENT for s in segments)
             turns.append(Turn(message.role, tuple(segments)))
     else:
-        layout = protect_tail(build_turns_layout(tokenizer, _fallback(messages), use_chat_template), protect_tail_tokens)
-        return ChatLayout(layout, "none", 0)
+        turns = _fallback(messages, question)
+        if question is not None and question not in messages[-1].text:
+            turns = _append_question(turns, question)
+        layout = build_turns_layout(tokenizer, turns, use_chat_template)
+        return ChatLayout(layout if question else protect_tail(layout, protect_tail_tokens), "none", 0)
+    if question is not None and question not in messages[-1].text:
+        turns = _append_question(turns, question)
     layout = build_turns_layout(tokenizer, turns, use_chat_template)
     n_documents = len({int(i) for i in layout.document_index.unique() if int(i) >= 0})
     return ChatLayout(layout, source, n_documents)

@@ -22,10 +22,14 @@ from .config import GenerationParams, SpecPrefillConfig
 from .detokenize import IncrementalText
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
 from .errors import ContextLengthError, InvalidRequestError
-from .models import LoadedModel, check_same_vocabulary, shared_model
+from .models import LoadedModel, check_same_vocabulary, model_lock, shared_model
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
 from .results import GenerationResult, SpecPrefillStats, StreamChunk
 from .selection import select_kept
+
+
+_engines: dict[SpecPrefillConfig, SpecPrefillEngine] = {}
+_engines_lock = threading.Lock()
 
 
 def _milliseconds(since: float) -> float:
@@ -51,6 +55,14 @@ class SpecPrefillEngine:
         self._setup(config, main, draft)
 
     @classmethod
+    def shared(cls, config: SpecPrefillConfig) -> SpecPrefillEngine:
+        """One engine per distinct config in this process (models are shared across configs too)."""
+        with _engines_lock:
+            if config not in _engines:
+                _engines[config] = cls(config)
+            return _engines[config]
+
+    @classmethod
     def from_models(
         cls,
         main_model: Any,
@@ -71,9 +83,8 @@ class SpecPrefillEngine:
         self.config = config
         self.main = main
         self.tokenizer = main.tokenizer
-        self._lock = threading.RLock()
         eos = eos_token_ids(main.model, main.tokenizer)
-        self.backend: MainBackend = HFBackend(main.model, eos, self._lock)
+        self.backend: MainBackend = HFBackend(main.model, eos, model_lock(main.model))
         n_layers = config.self_draft_layers
         if n_layers is not None:
             available = len(decoder_layers(main.model))
@@ -110,7 +121,7 @@ class SpecPrefillEngine:
             return torch.arange(len(layout)), 0.0
         started = time.perf_counter()
         device = next(self.main.model.parameters()).device
-        with self._lock:
+        with model_lock(self.draft.model):
             importance = self.draft.score(layout.input_ids.to(device)).cpu()
         draft_ms = _milliseconds(started)
         kept = select_kept(

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,23 @@ def check_same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> None:
         f"draft and main tokenizers differ ({len(main_vocab)} vs {len(draft_vocab)} tokens; e.g. {differing}); "
         "SpecPrefill passes token ids between them, so pick a draft of the same model family or use draft='self:<n>'"
     )
+
+
+_model_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_model_locks_guard = threading.Lock()
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The one lock that serialises forward passes on ``model``, whichever engine runs them.
+
+    Draft scoring switches the model's attention dispatch for its duration, so nothing else may
+    run the same weights meanwhile.
+    """
+    with _model_locks_guard:
+        lock = _model_locks.get(model)
+        if lock is None:
+            lock = _model_locks[model] = threading.RLock()
+        return lock
 
 
 _shared: dict[tuple[str, str, str], LoadedModel] = {}

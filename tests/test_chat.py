@@ -63,6 +63,14 @@ def test_fallback_protects_system_and_tail(tokenizer):
     assert layout.n_document_tokens > 50
 
 
+def test_given_question_is_kept_in_fallback(tokenizer):
+    text = " ".join(DOCS * 4) + " When did the bridge open? Answer in one word."
+    result = chat_layout(tokenizer, [ChatMessage("user", [text])], question="When did the bridge open?")
+    assert texts_of(tokenizer, result.layout, Role.QUESTION).strip() == "When did the bridge open? Answer in one word."
+    appended = chat_layout(tokenizer, [ChatMessage("user", [" ".join(DOCS)])], question="Which city?")
+    assert texts_of(tokenizer, appended.layout, Role.QUESTION) == "Which city?"
+
+
 @pytest.mark.parametrize(
     "messages, documents, match",
     [
