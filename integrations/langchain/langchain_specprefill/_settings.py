@@ -1,0 +1,92 @@
+"""Fields and engine access shared by ChatSpecPrefill and SpecPrefillLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
+from specprefill_rag.config import DEFAULT_MODEL
+from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.results import GenerationResult
+
+CALL_OPTIONS = ("documents", "question", "keep_rate", "max_tokens", "temperature", "top_p", "seed")
+
+
+class SpecPrefillSettings(BaseModel):
+    """SpecPrefill and decoding settings; nothing heavy is loaded until the first call."""
+
+    model: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
+    draft_model: str = Field(DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
+    backend: str = Field("transformers", description="Where the main model runs: 'transformers' (in-process).")
+    keep_rate: float = Field(0.3, description="Fraction of document tokens the main model prefills, in (0, 1].")
+    max_document_tokens: int | None = Field(None, description="Hard cap on kept document tokens.")
+    look_ahead: int = Field(8, description="Draft queries: last prompt token + look_ahead-1 draft tokens.")
+    min_prompt_tokens: int = Field(1024, description="Shorter prompts are prefilled whole.")
+    protect_tail_tokens: int = Field(64, description="Without marked documents, the last tokens always kept.")
+    device: str = Field("cpu", description="torch device, e.g. 'cpu' or 'cuda'.")
+    dtype: str = Field("auto", description="'auto', 'float32', 'bfloat16' or 'float16'.")
+    temperature: float = Field(0.0, description="0 = greedy.")
+    max_tokens: int = Field(256, description="Maximum tokens to generate.")
+    top_p: float = Field(1.0, description="Nucleus sampling mass.")
+    seed: int | None = Field(None, description="Sampling seed.")
+    stop: list[str] | None = Field(None, description="Stop strings (merged with per-call stop).")
+
+    _config: SpecPrefillConfig = PrivateAttr()
+    _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _validate_specprefill(self) -> SpecPrefillSettings:
+        if self.backend != "transformers":
+            raise InvalidRequestError(
+                f"backend {self.backend!r} is not available: this release runs the main model in-process "
+                "(backend='transformers'); the vLLM server backend is planned"
+            )
+        fields = {"main": self.model, "draft": self.draft_model, "keep_rate": self.keep_rate,
+                  "max_document_tokens": self.max_document_tokens, "min_prompt_tokens": self.min_prompt_tokens,
+                  "protect_tail_tokens": self.protect_tail_tokens, "device": self.device, "dtype": self.dtype}
+        if not self.draft_model.startswith("self:"):
+            fields["look_ahead"] = self.look_ahead
+        self._config = SpecPrefillConfig(**fields)
+        GenerationParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p)
+        return self
+
+    @classmethod
+    def from_engine(cls, engine: SpecPrefillEngine, **fields: Any) -> Any:
+        """Wrap an existing engine (models already in memory); ``fields`` set decoding options."""
+        instance = cls(**fields)
+        instance._engine = engine
+        return instance
+
+    @property
+    def engine(self) -> SpecPrefillEngine:
+        """The engine, loaded on first use and shared by every instance with the same settings."""
+        if self._engine is None:
+            self._engine = SpecPrefillEngine.shared(self._config)
+        return self._engine
+
+    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[GenerationParams, dict[str, Any]]:
+        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+        if unknown:
+            raise InvalidRequestError(f"unknown call options {unknown}; supported: {list(CALL_OPTIONS)}")
+        stops = [*(self.stop or []), *(stop or [])]
+        params = GenerationParams(
+            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            seed=kwargs.get("seed", self.seed),
+            stop=tuple(dict.fromkeys(stops)),
+        )
+        return params, kwargs
+
+    def _response_metadata(self, result: GenerationResult, document_source: str) -> dict[str, Any]:
+        stats = {**result.stats.as_dict(), "document_source": document_source, "draft_model": self.draft_model}
+        return {"model_name": self.model, "model_provider": "specprefill", "finish_reason": result.finish_reason,
+                "spec_prefill": stats}
+
+    def _specprefill_params(self) -> dict[str, Any]:
+        return {"model": self.model, "draft_model": self.draft_model, "backend": self.backend,
+                "keep_rate": self.keep_rate, "max_document_tokens": self.max_document_tokens,
+                "look_ahead": self.look_ahead, "min_prompt_tokens": self.min_prompt_tokens,
+                "temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
+                "stop": self.stop}

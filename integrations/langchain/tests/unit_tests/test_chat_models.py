@@ -1,0 +1,151 @@
+"""ChatSpecPrefill behaviour on a tiny random model (fast, offline)."""
+
+import asyncio
+import time
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.testing import random_documents
+
+from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM, format_docs
+
+QUESTION = "When did the bridge open?"
+
+
+@pytest.fixture
+def chat(tiny_engine):
+    return ChatSpecPrefill.from_engine(tiny_engine, keep_rate=0.2, max_tokens=8)
+
+
+def test_construction_loads_nothing():
+    model = ChatSpecPrefill(model="./does/not/exist")
+    assert model._engine is None  # the bad path only fails on first use
+
+
+def test_documents_argument_is_compressed_and_reported(chat):
+    documents = [Document(page_content=t, metadata={"title": f"doc {i}"}) for i, t in enumerate(random_documents(3, 80))]
+    message = chat.invoke([HumanMessage(QUESTION)], documents=documents)
+    stats = message.response_metadata["spec_prefill"]
+    assert stats["document_source"] == "argument-inserted"
+    assert stats["compressed"] and 0.2 <= stats["keep_rate"] < 0.6
+    assert message.usage_metadata["input_tokens"] == stats["prompt_tokens"]
+    assert message.usage_metadata["output_tokens"] == stats["completion_tokens"]
+    assert message.response_metadata["model_provider"] == "specprefill"
+
+
+def test_format_docs_markers_are_found(chat):
+    context = format_docs([Document(page_content=t) for t in random_documents(2, 80)])
+    message = chat.invoke([SystemMessage(f"Use the context:\n{context}"), HumanMessage(QUESTION)])
+    assert message.response_metadata["spec_prefill"]["document_source"] == "markers"
+
+
+def test_text_plain_blocks_are_documents(chat):
+    blocks = [{"type": "text-plain", "text": t, "title": "t", "mime_type": "text/plain"} for t in random_documents(2, 60)]
+    message = chat.invoke([HumanMessage([*blocks, {"type": "text", "text": QUESTION}])])
+    assert message.response_metadata["spec_prefill"]["document_source"] == "blocks"
+
+
+def test_fallback_without_documents(chat):
+    message = chat.invoke(" ".join(random_documents(3, 60)) + " " + QUESTION)
+    assert message.response_metadata["spec_prefill"]["document_source"] == "none"
+    assert message.response_metadata["spec_prefill"]["compressed"]
+
+
+def test_stream_fires_callbacks_per_token_and_adds_up(chat):
+    class Collect(BaseCallbackHandler):
+        tokens: list = []
+
+        def on_llm_new_token(self, token, **kwargs):
+            self.tokens.append(token)
+
+    handler = Collect()
+    handler.tokens = []
+    chunks = list(chat.stream([HumanMessage(QUESTION)], documents=random_documents(2, 60), config={"callbacks": [handler]}))
+    text = "".join(c.content for c in chunks)
+    assert text == "".join(handler.tokens)
+    assert sum(c.usage_metadata is not None and c.usage_metadata["input_tokens"] > 0 for c in chunks) == 1
+    assert chunks[-1].chunk_position == "last"
+    full = chat.invoke([HumanMessage(QUESTION)], documents=random_documents(2, 60))
+    assert full.content == text
+
+
+def test_stop_sequences_from_call_and_constructor(tiny_engine):
+    documents = random_documents(2, 60)
+    free = ChatSpecPrefill.from_engine(tiny_engine, max_tokens=20).invoke(QUESTION, documents=documents).content
+    assert len(free) > 6
+    stop = free[2:5]
+    expected = free[: free.index(stop)]
+    assert ChatSpecPrefill.from_engine(tiny_engine, max_tokens=20).invoke(QUESTION, stop=[stop], documents=documents).content == expected
+    assert ChatSpecPrefill.from_engine(tiny_engine, max_tokens=20, stop=[stop]).invoke(QUESTION, documents=documents).content == expected
+
+
+def test_token_counts_use_the_main_tokenizer(chat, tiny_engine):
+    text = "the bridge opened in 1883"
+    assert chat.get_num_tokens(text) == len(tiny_engine.tokenizer.encode(text, add_special_tokens=False))
+
+
+async def test_async_does_not_block_the_event_loop(chat):
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    started = time.perf_counter()
+    chunks = [c async for c in chat.astream([HumanMessage(QUESTION)], documents=random_documents(3, 120), max_tokens=16)]
+    elapsed = time.perf_counter() - started
+    result = await chat.ainvoke([HumanMessage(QUESTION)], documents=random_documents(3, 120), max_tokens=16)
+    task.cancel()
+    assert chunks and result.content == "".join(c.content for c in chunks)
+    assert ticks > 0.2 * elapsed / 0.001 * 0.1  # the loop kept running while the model worked
+
+
+async def test_abatch_32_concurrent_requests_match_sequential(chat):
+    requests = [([HumanMessage(f"{QUESTION} ({i})")], random_documents(2, 40 + i, seed=i)) for i in range(32)]
+    sequential = [chat.invoke(m, documents=d).content for m, d in requests]
+    concurrent = await asyncio.gather(*(chat.ainvoke(m, documents=d) for m, d in requests))
+    assert [c.content for c in concurrent] == sequential
+
+
+def test_text_llm(tiny_engine):
+    llm = SpecPrefillLLM.from_engine(tiny_engine, max_tokens=6)
+    documents = random_documents(2, 60)
+    text = llm.invoke(QUESTION, documents=documents)
+    assert isinstance(text, str)
+    assert "".join(llm.stream(QUESTION, documents=documents)) == text
+    result = llm.generate([QUESTION], documents=documents)
+    assert result.generations[0][0].generation_info["spec_prefill"]["document_source"] == "argument-inserted"
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.invoke(QUESTION, documents="just a string"), "documents= must be a list"),
+        (lambda m: m.invoke(QUESTION, documents=[3]), "document 0 has type int"),
+        (lambda m: m.invoke([]), "no messages"),
+        (lambda m: m.invoke([HumanMessage("hi"), AIMessage("hello")]), "last message is from 'assistant'"),
+        (lambda m: m.invoke([ToolMessage("x", tool_call_id="1"), HumanMessage("q")]), "ToolMessage is not supported"),
+        (lambda m: m.invoke([HumanMessage(format_docs(["a b c"]) + "q")], documents=["x"]), "documents were given twice"),
+        (lambda m: m.invoke(QUESTION, bogus=1), "unknown call options"),
+        (lambda m: m.invoke(QUESTION, documents=["x"], keep_rate=2.0), "keep_rate must be in"),
+    ],
+)
+def test_bad_input_raises_clear_errors(chat, call, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        call(chat)
+
+
+def test_unknown_backend_is_rejected_at_construction():
+    with pytest.raises(ValueError, match="backend 'http://127.0.0.1:9/v1' is not available"):
+        ChatSpecPrefill(backend="http://127.0.0.1:9/v1")
+
+
+def test_invalid_settings_are_rejected_at_construction():
+    with pytest.raises(ValueError, match="keep_rate"):
+        ChatSpecPrefill(keep_rate=0)

@@ -1,0 +1,7 @@
+from langchain_specprefill import __all__
+
+EXPECTED_ALL = ["ChatSpecPrefill", "SpecPrefillLLM", "__version__", "document_prompt", "format_docs"]
+
+
+def test_all_imports() -> None:
+    assert sorted(EXPECTED_ALL) == sorted(__all__)
