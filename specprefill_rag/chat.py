@@ -136,11 +136,15 @@ def _has_explicit_documents(messages: Sequence[ChatMessage]) -> DocumentSource:
     return "none"
 
 
-def _with_documents(messages: Sequence[ChatMessage], documents: list[Document]) -> tuple[list[Turn], DocumentSource]:
+def _with_documents(
+    messages: Sequence[ChatMessage], documents: list[Document], insert_missing: bool
+) -> tuple[list[Turn], DocumentSource] | None:
     found: dict[int, int] = {}
     located = [_locate(m.text, documents, _outside_role(m, i == len(messages) - 1), found) for i, m in enumerate(messages)]
     if len(found) == len(documents):
         return [Turn(m.role, tuple(s)) for m, s in zip(messages, located)], "argument-located"
+    if not insert_missing:
+        return None
     turns = [Turn(m.role, (Segment(m.text, _outside_role(m, False)),)) for m in messages[:-1]]
     last = messages[-1]
     question = Segment(last.text, Role.QUESTION)
@@ -176,11 +180,14 @@ def chat_layout(
     protect_tail_tokens: int = 64,
     use_chat_template: bool = True,
     question: str | None = None,
+    insert_missing: bool = True,
 ) -> ChatLayout:
     """Lay out a chat for SpecPrefill; see the module docstring for how documents are found.
 
     ``question``: the user's question when it is not simply the last user message; kept whole, and
-    appended to the last message if it does not occur there.
+    appended to the last message if it does not occur there. ``insert_missing=False``: documents
+    that are not all found verbatim in the messages are not inserted (they came from the messages,
+    e.g. a template variable); the fallback applies instead.
     """
     _validate(messages)
     if question is not None and not question.strip():
@@ -194,7 +201,10 @@ def chat_layout(
         normalised = [as_document(d, i) for i, d in enumerate(documents)] if documents else []
         if not normalised:
             raise InvalidRequestError("documents=[] is empty; pass the retrieved documents or leave it out")
-        turns, source = _with_documents(messages, normalised)
+        placed = _with_documents(messages, normalised, insert_missing)
+        if placed is None:
+            return chat_layout(tokenizer, messages, None, protect_tail_tokens, use_chat_template, question)
+        turns, source = placed
     elif source != "none":
         turns, count = [], 0
         for i, message in enumerate(messages):

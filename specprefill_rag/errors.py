@@ -1,13 +1,15 @@
 """Typed errors. Every one names the problem and the fix.
 
-All derive from :class:`SpecPrefillError`, itself a :class:`ValueError`, so callers can catch
-either the precise kind or the whole family.
+All derive from :class:`SpecPrefillError`, so callers can catch either the precise kind or the
+whole family. It is deliberately not a ``ValueError``: frameworks such as LlamaIndex's refine
+synthesizer catch ``ValueError`` to retry structured output and would swallow a bad-request error.
+Settings are validated by pydantic at construction and raise its ``ValidationError``.
 """
 
 from __future__ import annotations
 
 
-class SpecPrefillError(ValueError):
+class SpecPrefillError(Exception):
     """Base class of every error this library raises on bad input or configuration."""
 
 

@@ -38,7 +38,7 @@ class SpecPrefillSettings(BaseModel):
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillSettings:
         if self.backend != "transformers":
-            raise InvalidRequestError(
+            raise ValueError(
                 f"backend {self.backend!r} is not available: this release runs the main model in-process "
                 "(backend='transformers'); the vLLM server backend is planned"
             )

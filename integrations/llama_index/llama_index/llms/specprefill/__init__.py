@@ -1,0 +1,5 @@
+"""LlamaIndex LLM integration of SpecPrefill-RAG."""
+
+from llama_index.llms.specprefill.base import SpecPrefillLLM, install_node_recorder, remove_node_recorder
+
+__all__ = ["SpecPrefillLLM", "install_node_recorder", "remove_node_recorder"]

@@ -1,0 +1,324 @@
+"""SpecPrefillLLM for LlamaIndex query and chat engines.
+
+Query engines and ``ContextChatEngine`` call ``llm.predict(template, context_str=..., query_str=...)``
+(or ``context_msg`` when refining). This class reads those variables where the template is turned
+into messages or a prompt, and attaches them to what it returns (the last message's
+``additional_kwargs``, or the prompt string), so every call carries its own context: no global state,
+safe under concurrency. The retrieved context is then located in the rendered prompt, one document
+span per retrieved node: a small instrumentation handler (attached when the first SpecPrefillLLM is
+built, removable with :func:`remove_node_recorder`) remembers each retrieval's nodes in a context
+variable. Without it, the context is split at blank lines, which is how LlamaIndex joins nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from typing import Any
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+    TextBlock,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.prompts import BasePromptTemplate
+from llama_index.core.schema import MetadataMode
+from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
+from specprefill_rag.aio import iterate_in_thread
+from specprefill_rag.chat import ChatLayout, chat_layout
+from specprefill_rag.chat import ChatMessage as CoreMessage
+from specprefill_rag.config import DEFAULT_MODEL
+from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.results import StreamChunk
+
+_CAPTURE_KEY = "specprefill_template_args"
+_ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
+CALL_OPTIONS = ("documents", "query", "keep_rate", "formatted")
+
+
+class _TemplatedPrompt(str):
+    """A rendered prompt that remembers the template variables it was rendered from."""
+
+    template_args: dict[str, Any]
+
+
+def _template_args(prompt: BasePromptTemplate, prompt_args: dict[str, Any]) -> dict[str, Any]:
+    """``context_str``/``context_msg`` and ``query_str``, from the call and the template's partials."""
+    merged = {**getattr(prompt, "kwargs", {}), **prompt_args}
+    context = merged.get("context_str") or merged.get("context_msg")
+    return {"context": context, "query": merged.get("query_str")}
+
+
+_retrieved_nodes: ContextVar[tuple[str, ...]] = ContextVar("specprefill_retrieved_nodes", default=())
+
+
+class RetrievedNodeRecorder(BaseEventHandler):
+    """Remembers, per execution context, the LLM-visible text of the nodes the last retrieval returned,
+    so the synthesizer's ``context_str`` can be split into one document span per node."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpecPrefillRetrievedNodeRecorder"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if isinstance(event, RetrievalEndEvent):
+            texts = (n.node.get_content(metadata_mode=MetadataMode.LLM).strip() for n in event.nodes)
+            _retrieved_nodes.set(tuple(t for t in texts if t))
+
+
+def install_node_recorder() -> RetrievedNodeRecorder:
+    """Attach the recorder to LlamaIndex's root instrumentation dispatcher (once; idempotent)."""
+    root = get_dispatcher()
+    for handler in root.event_handlers:
+        if isinstance(handler, RetrievedNodeRecorder):
+            return handler
+    recorder = RetrievedNodeRecorder()
+    root.add_event_handler(recorder)
+    return recorder
+
+
+def remove_node_recorder() -> None:
+    """Detach the recorder; query engines then fall back to splitting context at blank lines."""
+    root = get_dispatcher()
+    root.event_handlers = [h for h in root.event_handlers if not isinstance(h, RetrievedNodeRecorder)]
+
+
+def context_documents(context: str | None) -> list[str] | None:
+    """The retrieved nodes inside ``context``, one document each; without recorded nodes, the blocks
+    LlamaIndex joined with blank lines."""
+    if not context:
+        return None
+    nodes = [text for text in dict.fromkeys(_retrieved_nodes.get()) if text in context]
+    if nodes:
+        return nodes
+    blocks = [block.strip() for block in context.split("\n\n")]
+    return [block for block in blocks if block] or None
+
+
+def _core_message(message: ChatMessage) -> CoreMessage:
+    role = _ROLES.get(message.role)
+    if role is None:
+        raise InvalidRequestError(f"chat role {message.role.value!r} is not supported; use system, user or assistant")
+    parts = []
+    for block in message.blocks:
+        if not isinstance(block, TextBlock):
+            raise InvalidRequestError(f"{type(block).__name__} is not supported; SpecPrefillLLM takes text only")
+        parts.append(block.text)
+    return CoreMessage(role, parts)  # type: ignore[arg-type]
+
+
+class SpecPrefillLLM(CustomLLM):
+    """SpecPrefill in front of a main model: a draft scores the retrieved context, the main model
+    prefills the best ``keep_rate`` of it at original positions; instructions and the query stay whole.
+
+    Example:
+        .. code-block:: python
+
+            llm = SpecPrefillLLM(model="smollm2-135m", keep_rate=0.3)
+            response = index.as_query_engine(llm=llm).query("When did the bridge open?")
+            response.source_nodes, ...
+    """
+
+    model: str = Field(default=DEFAULT_MODEL, description="Main model: HF id, folder, .gguf or 'smollm2-135m'.")
+    draft_model: str = Field(default=DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
+    backend: str = Field(default="transformers", description="'transformers' (in-process main model).")
+    keep_rate: float = Field(default=0.3, description="Fraction of context tokens prefilled, in (0, 1].")
+    max_document_tokens: int | None = Field(default=None, description="Hard cap on kept context tokens.")
+    look_ahead: int = Field(default=8, description="Draft queries: last prompt token + look_ahead-1 tokens.")
+    min_prompt_tokens: int = Field(default=1024, description="Shorter prompts are prefilled whole.")
+    protect_tail_tokens: int = Field(default=64, description="Without known context, the last tokens kept.")
+    device: str = Field(default="cpu", description="torch device.")
+    dtype: str = Field(default="auto", description="'auto', 'float32', 'bfloat16' or 'float16'.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    max_new_tokens: int = Field(default=256, ge=1, description="Tokens to generate at most.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+    stop: list[str] | None = Field(default=None, description="Stop strings.")
+
+    _config: SpecPrefillConfig = PrivateAttr()
+    _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _validate_specprefill(self) -> SpecPrefillLLM:
+        if self.backend != "transformers":
+            raise ValueError(
+                f"backend {self.backend!r} is not available: this release runs the main model in-process "
+                "(backend='transformers'); the vLLM server backend is planned"
+            )
+        fields: dict[str, Any] = {
+            "main": self.model, "draft": self.draft_model, "keep_rate": self.keep_rate,
+            "max_document_tokens": self.max_document_tokens, "min_prompt_tokens": self.min_prompt_tokens,
+            "protect_tail_tokens": self.protect_tail_tokens, "device": self.device, "dtype": self.dtype,
+        }
+        if not self.draft_model.startswith("self:"):
+            fields["look_ahead"] = self.look_ahead
+        self._config = SpecPrefillConfig(**fields)
+        install_node_recorder()
+        return self
+
+    @classmethod
+    def from_engine(cls, engine: SpecPrefillEngine, **fields: Any) -> SpecPrefillLLM:
+        """Wrap an existing engine (models already in memory)."""
+        llm = cls(**fields)
+        llm._engine = engine
+        return llm
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "SpecPrefillLLM"
+
+    @property
+    def engine(self) -> SpecPrefillEngine:
+        """Loaded on first use, shared by every instance with the same settings."""
+        if self._engine is None:
+            self._engine = SpecPrefillEngine.shared(self._config)
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        engine = self.engine
+        return LLMMetadata(
+            context_window=engine.backend.context_length,
+            num_output=self.max_new_tokens,
+            is_chat_model=bool(getattr(engine.tokenizer, "chat_template", None)),
+            model_name=self.model,
+        )
+
+    # -- where templates become messages or prompts: remember the template variables ------------
+
+    def _get_messages(self, prompt: BasePromptTemplate, **prompt_args: Any) -> list[ChatMessage]:
+        messages = super()._get_messages(prompt, **prompt_args)
+        last = messages[-1]
+        messages[-1] = last.model_copy(
+            update={"additional_kwargs": {**last.additional_kwargs, _CAPTURE_KEY: _template_args(prompt, prompt_args)}}
+        )
+        return messages
+
+    def _get_prompt(self, prompt: BasePromptTemplate, **prompt_args: Any) -> str:
+        rendered = _TemplatedPrompt(super()._get_prompt(prompt, **prompt_args))
+        rendered.template_args = _template_args(prompt, prompt_args)
+        return rendered
+
+    # -- one engine call -------------------------------------------------------------------------
+
+    def _layout(self, messages: list[CoreMessage], captured: dict[str, Any], kwargs: dict[str, Any]) -> ChatLayout:
+        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+        if unknown:
+            raise InvalidRequestError(f"unknown call options {unknown}; supported: {list(CALL_OPTIONS)}")
+        explicit = kwargs.get("documents")
+        documents = explicit if explicit is not None else context_documents(captured.get("context"))
+        return chat_layout(
+            self.engine.tokenizer,
+            messages,
+            documents,
+            self.protect_tail_tokens,
+            question=kwargs["query"] if "query" in kwargs else captured.get("query"),
+            insert_missing=explicit is not None,
+        )
+
+    def _params(self) -> GenerationParams:
+        return GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                top_p=self.top_p, seed=self.seed, stop=tuple(self.stop or ()))
+
+    def _run(self, layout: ChatLayout, kwargs: dict[str, Any]) -> Iterator[StreamChunk]:
+        return self.engine.stream_layout(layout.layout, self._params(), kwargs.get("keep_rate"))
+
+    @staticmethod
+    def _raw(chunk: StreamChunk, layout: ChatLayout) -> dict[str, Any]:
+        if chunk.stats is None:
+            return {}
+        stats = {**chunk.stats.as_dict(), "document_source": layout.document_source, "n_documents": layout.n_documents}
+        usage = {"prompt_tokens": chunk.stats.prompt_tokens, "completion_tokens": chunk.stats.completion_tokens,
+                 "total_tokens": chunk.stats.prompt_tokens + chunk.stats.completion_tokens}
+        return {"usage": usage, "spec_prefill": stats, "finish_reason": chunk.finish_reason}
+
+    def _completions(self, layout: ChatLayout, kwargs: dict[str, Any]) -> CompletionResponseGen:
+        text = ""
+        for chunk in self._run(layout, kwargs):
+            text += chunk.text
+            raw = self._raw(chunk, layout)
+            yield CompletionResponse(text=text, delta=chunk.text, raw=raw,
+                                     additional_kwargs={"spec_prefill": raw["spec_prefill"]} if raw else {})
+
+    def _prompt_layout(self, prompt: str, kwargs: dict[str, Any]) -> ChatLayout:
+        captured = getattr(prompt, "template_args", {})
+        return self._layout([CoreMessage("user", [str(prompt)])], captured, kwargs)
+
+    def _chat_layout(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatLayout:
+        captured = messages[-1].additional_kwargs.get(_CAPTURE_KEY, {}) if messages else {}
+        return self._layout([_core_message(m) for m in messages], captured, kwargs)
+
+    # -- LlamaIndex interface --------------------------------------------------------------------
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return _last(self._completions(self._prompt_layout(prompt, kwargs), kwargs))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._completions(self._prompt_layout(prompt, kwargs), kwargs)
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return _as_chat(_last(self._completions(self._chat_layout(messages, kwargs), kwargs)))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        completions = self._completions(self._chat_layout(messages, kwargs), kwargs)
+        return (_as_chat(c) for c in completions)
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        layout = self._prompt_layout(prompt, kwargs)
+        return await asyncio.to_thread(lambda: _last(self._completions(layout, kwargs)))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        layout = self._prompt_layout(prompt, kwargs)
+        return iterate_in_thread(lambda: self._completions(layout, kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        layout = self._chat_layout(messages, kwargs)
+        return await asyncio.to_thread(lambda: _as_chat(_last(self._completions(layout, kwargs))))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        layout = self._chat_layout(messages, kwargs)
+
+        async def responses() -> ChatResponseAsyncGen:
+            async for completion in iterate_in_thread(lambda: self._completions(layout, kwargs)):
+                yield _as_chat(completion)
+
+        return responses()
+
+
+def _last(responses: CompletionResponseGen) -> CompletionResponse:
+    response = None
+    for response in responses:
+        pass
+    assert response is not None  # the engine always yields a final chunk
+    return response
+
+
+def _as_chat(completion: CompletionResponse) -> ChatResponse:
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=completion.text),
+        delta=completion.delta,
+        raw=completion.raw,
+        additional_kwargs=completion.additional_kwargs,
+    )

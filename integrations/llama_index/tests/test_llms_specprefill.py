@@ -1,0 +1,184 @@
+"""SpecPrefillLLM on a tiny random model: interface, context capture, concurrency, bad input."""
+
+import asyncio
+
+import pytest
+from llama_index.core.base.llms.base import BaseLLM
+from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugHandler
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+from llama_index.core.llms import ChatMessage
+from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import NodeWithScore, TextNode
+from specprefill_rag.errors import ContextLengthError, InvalidRequestError
+from specprefill_rag.testing import build_model, build_tokenizer, random_documents
+
+from llama_index.llms.specprefill import SpecPrefillLLM, install_node_recorder, remove_node_recorder
+from llama_index.llms.specprefill.base import RetrievedNodeRecorder
+
+
+class FixedRetriever(BaseRetriever):
+    """Returns the nodes registered for each query (``i % 3 + 1`` distinct nodes for query i)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def _retrieve(self, query_bundle):
+        return [NodeWithScore(node=TextNode(text=t), score=1.0) for t in self.table[query_bundle.query_str]]
+
+
+class StatsLog(BaseEventHandler):
+    calls: list = []
+
+    def handle(self, event, **kwargs):
+        if isinstance(event, LLMChatEndEvent) and event.response is not None:
+            self.calls.append((event.messages[-1].content, event.response.raw.get("spec_prefill")))
+
+
+@pytest.fixture
+def llm(tiny_engine):
+    return SpecPrefillLLM.from_engine(tiny_engine, keep_rate=0.2, max_new_tokens=8)
+
+
+@pytest.fixture
+def stats_log():
+    log = StatsLog()
+    log.calls = []
+    dispatcher = get_dispatcher()
+    dispatcher.add_event_handler(log)
+    yield log
+    dispatcher.event_handlers.remove(log)
+
+
+def queries(count):
+    """Distinct questions, each with its own 1-3 retrieved nodes (no blank lines inside a node)."""
+    table = {}
+    for i in range(count):
+        table[f"Question number {i}?"] = random_documents(i % 3 + 1, 50 + i, seed=100 + i)
+    return table
+
+
+def test_is_a_llama_index_llm():
+    assert BaseLLM.__name__ in [b.__name__ for b in SpecPrefillLLM.__mro__]
+
+
+def test_metadata_comes_from_the_main_model(llm, tiny_engine):
+    metadata = llm.metadata
+    assert metadata.context_window == tiny_engine.backend.context_length
+    assert metadata.num_output == 8 and metadata.is_chat_model and metadata.model_name == llm.model
+
+
+def test_explicit_documents_and_query(llm):
+    response = llm.complete("Answer briefly.", documents=random_documents(3, 60), query="When did it open?")
+    stats = response.raw["spec_prefill"]
+    assert stats["document_source"] == "argument-inserted" and stats["n_documents"] == 3 and stats["compressed"]
+    assert response.raw["usage"]["prompt_tokens"] == stats["prompt_tokens"]
+    assert response.additional_kwargs["spec_prefill"] == stats
+
+
+def test_query_engine_makes_each_node_a_span(llm, stats_log):
+    table = queries(3)
+    engine = RetrieverQueryEngine.from_args(FixedRetriever(table), llm=llm)
+    for question, nodes in table.items():
+        engine.query(question)
+        prompt, stats = stats_log.calls[-1]
+        assert stats["n_documents"] == len(nodes) and stats["document_source"] == "argument-located"
+        assert stats["kept_tokens"] - stats["kept_document_tokens"] == stats["prompt_tokens"] - stats["document_tokens"]
+        assert question in prompt
+
+
+def test_without_node_recorder_context_is_split_at_blank_lines(llm, stats_log):
+    remove_node_recorder()
+    try:
+        assert not any(isinstance(h, RetrievedNodeRecorder) for h in get_dispatcher().event_handlers)
+        table = {"Q?": random_documents(2, 60)}
+        RetrieverQueryEngine.from_args(FixedRetriever(table), llm=llm).query("Q?")
+        assert stats_log.calls[-1][1]["n_documents"] == 2
+    finally:
+        install_node_recorder()
+    assert sum(isinstance(h, RetrievedNodeRecorder) for h in get_dispatcher().event_handlers) == 1
+    install_node_recorder()  # idempotent
+    assert sum(isinstance(h, RetrievedNodeRecorder) for h in get_dispatcher().event_handlers) == 1
+
+
+async def test_32_concurrent_aquery_keep_their_own_context(llm, stats_log):
+    table = queries(32)
+    engine = RetrieverQueryEngine.from_args(FixedRetriever(table), llm=llm)
+    sequential = {q: str(engine.query(q)) for q in table}
+    stats_log.calls = []
+    answers = await asyncio.gather(*(engine.aquery(q) for q in table))
+    assert {q: str(a) for q, a in zip(table, answers)} == sequential
+    assert len(stats_log.calls) == 32
+    for prompt, stats in stats_log.calls:
+        question = next(q for q in table if q in prompt)
+        assert stats["n_documents"] == len(table[question])  # its own nodes, none of another call's
+        assert all(node in prompt for node in table[question])
+
+
+def test_streaming_deltas_add_up_and_callbacks_fire(llm):
+    debug = LlamaDebugHandler()
+    llm.callback_manager = CallbackManager([debug])
+    documents = random_documents(2, 60)
+    responses = list(llm.stream_complete("When?", documents=documents))
+    assert "".join(r.delta for r in responses) == responses[-1].text == llm.complete("When?", documents=documents).text
+    chats = list(llm.stream_chat([ChatMessage(role="user", content="When?")], documents=documents))
+    assert "".join(c.delta for c in chats) == chats[-1].message.content
+    assert len(debug.get_event_pairs(CBEventType.LLM)) >= 3
+
+
+async def test_async_forms(llm):
+    documents = random_documents(2, 60)
+    expected = llm.complete("When?", documents=documents).text
+    assert (await llm.acomplete("When?", documents=documents)).text == expected
+    stream = await llm.astream_complete("When?", documents=documents)
+    assert [r async for r in stream][-1].text == expected
+    chat = await llm.achat([ChatMessage(role="user", content="When?")], documents=documents)
+    assert chat.message.content == expected
+    chat_stream = await llm.astream_chat([ChatMessage(role="user", content="When?")], documents=documents)
+    assert [c async for c in chat_stream][-1].message.content == expected
+
+
+def test_context_longer_than_the_model_fails_clearly_through_the_query_engine():
+    """LlamaIndex packs context with its own token counter (tiktoken by default); when that undercounts
+    for the main model's tokenizer, the prompt can exceed the context: a clear error, nothing truncated."""
+    tokenizer = build_tokenizer()
+    from specprefill_rag import SpecPrefillEngine
+
+    small = SpecPrefillEngine.from_models(build_model(tokenizer, max_positions=1024), tokenizer, min_prompt_tokens=0)
+    llm = SpecPrefillLLM.from_engine(small, max_new_tokens=8)
+    rare_words = " ".join(["Xylophonequartzjumbo"] * 150)  # few tiktoken tokens, many of this tokenizer's
+    engine = RetrieverQueryEngine.from_args(FixedRetriever({"Q?": [rare_words]}), llm=llm)
+    with pytest.raises(ContextLengthError, match="context is 1024 tokens"):
+        engine.query("Q?")
+
+
+def test_empty_query_through_the_query_engine(llm):
+    engine = RetrieverQueryEngine.from_args(FixedRetriever({"": random_documents(1, 30)}), llm=llm)
+    with pytest.raises(InvalidRequestError, match="question is empty"):
+        engine.query("")
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.complete("q", documents=[]), "documents=\\[\\] is empty"),
+        (lambda m: m.complete("q", documents=[b"\xff"]), "not valid UTF-8"),
+        (lambda m: m.complete("q", bogus=1), "unknown call options"),
+        (lambda m: m.chat([ChatMessage(role="assistant", content="hi")]), "last message is from 'assistant'"),
+        (lambda m: m.chat([]), "no messages"),
+        (lambda m: m.complete("q", documents=["x"], keep_rate=0), "keep_rate must be in"),
+    ],
+)
+def test_bad_input(llm, call, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        call(llm)
+
+
+def test_bad_settings_fail_at_construction():
+    with pytest.raises(ValueError, match="keep_rate"):
+        SpecPrefillLLM(keep_rate=1.5)
+    with pytest.raises(ValueError, match="backend 'http://x' is not available"):
+        SpecPrefillLLM(backend="http://x")
