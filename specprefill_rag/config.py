@@ -104,3 +104,23 @@ class GenerationParams(BaseModel):
         if any(not isinstance(s, str) or s == "" for s in value):  # type: ignore[union-attr]
             raise ValueError("stop must be non-empty strings")
         return tuple(value)  # type: ignore[arg-type]
+
+
+SUPPORTED_BACKENDS = ("transformers",)
+
+
+def adapter_config(backend: str, draft: str, look_ahead: int, **fields: object) -> SpecPrefillConfig:
+    """The config behind a framework adapter's fields (LangChain, LlamaIndex).
+
+    Adapters expose ``look_ahead`` with its default even for ``self:<n>`` drafts, where it does not
+    apply, so it is passed on only for separate drafts. Raises ``ValueError`` on an unsupported
+    backend, so pydantic reports it as a field error of the adapter.
+    """
+    if backend not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"backend {backend!r} is not available: this release runs the main model in-process "
+            "(backend='transformers'); the vLLM server backend is planned"
+        )
+    if not draft.startswith(SELF_DRAFT_PREFIX):
+        fields["look_ahead"] = look_ahead
+    return SpecPrefillConfig(draft=draft, **fields)  # type: ignore[arg-type]

@@ -140,3 +140,12 @@ def test_failed_request_does_not_break_the_engine(engine):
     with pytest.raises(InvalidRequestError):
         engine.generate("", ["x"])
     assert engine.generate("Q?", ["a document"], max_new_tokens=2).stats.prompt_tokens > 0
+
+
+def test_adapter_config_backend_and_look_ahead():
+    from specprefill_rag.config import adapter_config
+
+    with pytest.raises(ValueError, match="backend 'http://host:8000' is not available"):
+        adapter_config("http://host:8000", "smollm2-135m", 8)
+    assert adapter_config("transformers", "self:4", 8).effective_look_ahead == 1
+    assert adapter_config("transformers", "smollm2-135m", 3).look_ahead == 3

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
-from specprefill_rag.config import DEFAULT_MODEL
+from specprefill_rag.config import DEFAULT_MODEL, adapter_config
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.results import GenerationResult
 
@@ -37,17 +37,11 @@ class SpecPrefillSettings(BaseModel):
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillSettings:
-        if self.backend != "transformers":
-            raise ValueError(
-                f"backend {self.backend!r} is not available: this release runs the main model in-process "
-                "(backend='transformers'); the vLLM server backend is planned"
-            )
-        fields = {"main": self.model, "draft": self.draft_model, "keep_rate": self.keep_rate,
-                  "max_document_tokens": self.max_document_tokens, "min_prompt_tokens": self.min_prompt_tokens,
-                  "protect_tail_tokens": self.protect_tail_tokens, "device": self.device, "dtype": self.dtype}
-        if not self.draft_model.startswith("self:"):
-            fields["look_ahead"] = self.look_ahead
-        self._config = SpecPrefillConfig(**fields)
+        self._config = adapter_config(
+            self.backend, self.draft_model, self.look_ahead, main=self.model, keep_rate=self.keep_rate,
+            max_document_tokens=self.max_document_tokens, min_prompt_tokens=self.min_prompt_tokens,
+            protect_tail_tokens=self.protect_tail_tokens, device=self.device, dtype=self.dtype,
+        )
         GenerationParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p)
         return self
 

@@ -41,7 +41,7 @@ from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngi
 from specprefill_rag.aio import iterate_in_thread
 from specprefill_rag.chat import ChatLayout, chat_layout
 from specprefill_rag.chat import ChatMessage as CoreMessage
-from specprefill_rag.config import DEFAULT_MODEL
+from specprefill_rag.config import DEFAULT_MODEL, adapter_config
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.results import StreamChunk
 
@@ -154,19 +154,11 @@ class SpecPrefillLLM(CustomLLM):
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillLLM:
-        if self.backend != "transformers":
-            raise ValueError(
-                f"backend {self.backend!r} is not available: this release runs the main model in-process "
-                "(backend='transformers'); the vLLM server backend is planned"
-            )
-        fields: dict[str, Any] = {
-            "main": self.model, "draft": self.draft_model, "keep_rate": self.keep_rate,
-            "max_document_tokens": self.max_document_tokens, "min_prompt_tokens": self.min_prompt_tokens,
-            "protect_tail_tokens": self.protect_tail_tokens, "device": self.device, "dtype": self.dtype,
-        }
-        if not self.draft_model.startswith("self:"):
-            fields["look_ahead"] = self.look_ahead
-        self._config = SpecPrefillConfig(**fields)
+        self._config = adapter_config(
+            self.backend, self.draft_model, self.look_ahead, main=self.model, keep_rate=self.keep_rate,
+            max_document_tokens=self.max_document_tokens, min_prompt_tokens=self.min_prompt_tokens,
+            protect_tail_tokens=self.protect_tail_tokens, device=self.device, dtype=self.dtype,
+        )
         install_node_recorder()
         return self
 
