@@ -106,21 +106,20 @@ class GenerationParams(BaseModel):
         return tuple(value)  # type: ignore[arg-type]
 
 
-SUPPORTED_BACKENDS = ("transformers",)
-
-
 def adapter_config(backend: str, draft: str, look_ahead: int, **fields: object) -> SpecPrefillConfig:
     """The config behind a framework adapter's fields (LangChain, LlamaIndex).
 
-    Adapters expose ``look_ahead`` with its default even for ``self:<n>`` drafts, where it does not
-    apply, so it is passed on only for separate drafts. Raises ``ValueError`` on an unsupported
-    backend, so pydantic reports it as a field error of the adapter.
+    ``backend`` is ``"transformers"`` (main model in-process) or the URL of a vLLM server with this
+    package's plugin. Adapters expose ``look_ahead`` with its default even for ``self:<n>`` drafts,
+    where it does not apply, so it is passed on only for separate drafts. Raises ``ValueError`` on a
+    bad backend, so pydantic reports it as a field error of the adapter.
     """
-    if backend not in SUPPORTED_BACKENDS:
+    if backend != "transformers" and not backend.startswith(("http://", "https://")):
         raise ValueError(
-            f"backend {backend!r} is not available: this release runs the main model in-process "
-            "(backend='transformers'); the vLLM server backend is planned"
+            f"backend {backend!r} is neither 'transformers' (in-process) nor the http(s) URL of a vLLM server"
         )
+    if backend != "transformers" and draft.startswith(SELF_DRAFT_PREFIX):
+        raise ValueError(f"draft {draft!r} needs the main model in-process; with a vLLM server use a separate draft")
     if not draft.startswith(SELF_DRAFT_PREFIX):
         fields["look_ahead"] = look_ahead
     return SpecPrefillConfig(draft=draft, **fields)  # type: ignore[arg-type]

@@ -28,7 +28,7 @@ from .results import GenerationResult, SpecPrefillStats, StreamChunk
 from .selection import select_kept
 
 
-_engines: dict[SpecPrefillConfig, SpecPrefillEngine] = {}
+_engines: dict[tuple[SpecPrefillConfig, str | None], SpecPrefillEngine] = {}
 _engines_lock = threading.Lock()
 
 
@@ -55,12 +55,14 @@ class SpecPrefillEngine:
         self._setup(config, main, draft)
 
     @classmethod
-    def shared(cls, config: SpecPrefillConfig) -> SpecPrefillEngine:
-        """One engine per distinct config in this process (models are shared across configs too)."""
+    def shared(cls, config: SpecPrefillConfig, server: str | None = None, timeout: float = 60.0) -> SpecPrefillEngine:
+        """One engine per distinct (config, vLLM server URL or None) in this process; models are shared
+        across configs too."""
+        key = (config, server)
         with _engines_lock:
-            if config not in _engines:
-                _engines[config] = cls(config)
-            return _engines[config]
+            if key not in _engines:
+                _engines[key] = cls(config) if server is None else cls.for_vllm(server, config, timeout=timeout)
+            return _engines[key]
 
     @classmethod
     def from_models(
@@ -80,22 +82,57 @@ class SpecPrefillEngine:
         return engine
 
     def _setup(self, config: SpecPrefillConfig, main: LoadedModel, draft: LoadedModel | None) -> None:
-        self.config = config
-        self.main = main
-        self.tokenizer = main.tokenizer
         eos = eos_token_ids(main.model, main.tokenizer)
-        self.backend: MainBackend = HFBackend(main.model, eos, model_lock(main.model))
         n_layers = config.self_draft_layers
         if n_layers is not None:
             available = len(decoder_layers(main.model))
             if n_layers > available:
                 raise InvalidRequestError(f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})")
-            self.draft = LayerPrefixDraft(main.model, n_layers, config.pool_kernel)
-            return
-        if draft is not None:
-            check_same_vocabulary(main.tokenizer, draft.tokenizer)
-        draft_model = draft.model if draft is not None else main.model
-        self.draft = ModelDraft(draft_model, config.look_ahead, config.pool_kernel, eos)
+            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel)
+        else:
+            if draft is not None:
+                check_same_vocabulary(main.tokenizer, draft.tokenizer)
+            draft_model = draft.model if draft is not None else main.model
+            scorer = ModelDraft(draft_model, config.look_ahead, config.pool_kernel, eos)
+        self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scorer)
+        self.main: LoadedModel | None = main
+
+    def _assemble(self, config: SpecPrefillConfig, tokenizer: Any, backend: MainBackend, scorer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.draft = scorer
+        self.main = None
+
+    @classmethod
+    def for_vllm(
+        cls,
+        server: str | Any,
+        config: SpecPrefillConfig | None = None,
+        on_missing_plugin: str = "error",
+        timeout: float = 60.0,
+        **settings: Any,
+    ) -> SpecPrefillEngine:
+        """An engine whose main model runs on vLLM: ``server`` is the URL of an OpenAI-compatible vLLM
+        server, or an in-process ``vllm.LLM``; both need this package installed next to vLLM (plugin).
+        The draft (``config.draft``) runs here and provides the tokenizer."""
+        from .backends.vllm import VLLMOfflineBackend, VLLMServerBackend, check_server_tokenizer
+
+        config = _make_config(config, settings)
+        if config.self_draft_layers is not None:
+            raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
+        if isinstance(server, str):  # connect first: an unreachable URL fails before any model loads
+            backend: Any = VLLMServerBackend(server, frozenset(), timeout=timeout, on_missing_plugin=on_missing_plugin)  # type: ignore[arg-type]
+        else:
+            backend = VLLMOfflineBackend(server, frozenset())
+        draft = shared_model(config.draft, config.device, config.dtype)
+        eos = eos_token_ids(draft.model, draft.tokenizer)
+        backend.eos_ids = eos
+        if isinstance(server, str):
+            check_server_tokenizer(backend, draft.tokenizer)
+        engine = cls.__new__(cls)
+        engine._assemble(config, draft.tokenizer, backend, ModelDraft(draft.model, config.look_ahead, config.pool_kernel, eos))
+        return engine
 
     # -- prompts ---------------------------------------------------------------------------------
 
@@ -117,10 +154,11 @@ class SpecPrefillEngine:
         if not 0.0 < rate <= 1.0:
             raise InvalidRequestError(f"keep_rate must be in (0, 1], got {rate}")
         whole = rate >= 1.0 and self.config.max_document_tokens is None
-        if whole or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0:
+        unsupported = not getattr(self.backend, "supports_sparse_prefill", True)
+        if whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0:
             return torch.arange(len(layout)), 0.0
         started = time.perf_counter()
-        device = next(self.main.model.parameters()).device
+        device = next(self.draft.model.parameters()).device
         with model_lock(self.draft.model):
             importance = self.draft.score(layout.input_ids.to(device)).cpu()
         draft_ms = _milliseconds(started)

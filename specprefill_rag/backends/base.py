@@ -43,6 +43,9 @@ class SparsePrompt:
 class MainBackend(Protocol):
     """Runs the main model: sparse prefill, then decoding from position ``prompt_length``."""
 
+    supports_sparse_prefill: bool
+    """False for a server that can only prefill whole prompts (the engine then sends them whole)."""
+
     @property
     def context_length(self) -> int:
         """Largest position + 1 the main model supports."""

@@ -35,6 +35,8 @@ class HFBackend:
         lock: serialises forward passes when several requests share the model.
     """
 
+    supports_sparse_prefill = True
+
     def __init__(self, model: Any, eos_ids: frozenset[int], lock: threading.RLock | None = None) -> None:
         self.model = model
         self.eos_ids = eos_ids

@@ -18,7 +18,10 @@ class SpecPrefillSettings(BaseModel):
 
     model: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
     draft_model: str = Field(DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
-    backend: str = Field("transformers", description="Where the main model runs: 'transformers' (in-process).")
+    backend: str = Field(
+        "transformers", description="'transformers' (main model in-process) or the URL of a vLLM server with the plugin."
+    )
+    timeout: float = Field(60.0, description="Seconds to wait for a vLLM server (connect and each read).")
     keep_rate: float = Field(0.3, description="Fraction of document tokens the main model prefills, in (0, 1].")
     max_document_tokens: int | None = Field(None, description="Hard cap on kept document tokens.")
     look_ahead: int = Field(8, description="Draft queries: last prompt token + look_ahead-1 draft tokens.")
@@ -56,7 +59,8 @@ class SpecPrefillSettings(BaseModel):
     def engine(self) -> SpecPrefillEngine:
         """The engine, loaded on first use and shared by every instance with the same settings."""
         if self._engine is None:
-            self._engine = SpecPrefillEngine.shared(self._config)
+            server = None if self.backend == "transformers" else self.backend
+            self._engine = SpecPrefillEngine.shared(self._config, server, self.timeout)
         return self._engine
 
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[GenerationParams, dict[str, Any]]:
@@ -80,7 +84,7 @@ class SpecPrefillSettings(BaseModel):
 
     def _specprefill_params(self) -> dict[str, Any]:
         return {"model": self.model, "draft_model": self.draft_model, "backend": self.backend,
-                "keep_rate": self.keep_rate, "max_document_tokens": self.max_document_tokens,
+                "keep_rate": self.keep_rate, "timeout": self.timeout, "max_document_tokens": self.max_document_tokens,
                 "look_ahead": self.look_ahead, "min_prompt_tokens": self.min_prompt_tokens,
                 "temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
                 "stop": self.stop}

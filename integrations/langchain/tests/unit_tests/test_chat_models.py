@@ -141,9 +141,25 @@ def test_bad_input_raises_clear_errors(chat, call, match):
         call(chat)
 
 
-def test_unknown_backend_is_rejected_at_construction():
-    with pytest.raises(ValueError, match="backend 'http://127.0.0.1:9/v1' is not available"):
-        ChatSpecPrefill(backend="http://127.0.0.1:9/v1")
+def test_bad_backend_is_rejected_at_construction():
+    with pytest.raises(ValueError, match="neither 'transformers'"):
+        ChatSpecPrefill(backend="grpc://127.0.0.1:9")
+
+
+def test_unreachable_backend_url_fails_within_the_timeout():
+    import socket
+    import time
+
+    from specprefill_rag.backends.vllm import VLLMServerError
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    model = ChatSpecPrefill(backend=f"http://127.0.0.1:{port}", timeout=3)
+    started = time.monotonic()
+    with pytest.raises(VLLMServerError, match=f"cannot reach a vLLM server at http://127.0.0.1:{port} within 3 s"):
+        model.invoke("When?")
+    assert time.monotonic() - started < 10
 
 
 def test_invalid_settings_are_rejected_at_construction():

@@ -135,7 +135,10 @@ class SpecPrefillLLM(CustomLLM):
 
     model: str = Field(default=DEFAULT_MODEL, description="Main model: HF id, folder, .gguf or 'smollm2-135m'.")
     draft_model: str = Field(default=DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
-    backend: str = Field(default="transformers", description="'transformers' (in-process main model).")
+    backend: str = Field(
+        default="transformers", description="'transformers' (in-process main model) or a vLLM server URL."
+    )
+    timeout: float = Field(default=60.0, description="Seconds to wait for a vLLM server.")
     keep_rate: float = Field(default=0.3, description="Fraction of context tokens prefilled, in (0, 1].")
     max_document_tokens: int | None = Field(default=None, description="Hard cap on kept context tokens.")
     look_ahead: int = Field(default=8, description="Draft queries: last prompt token + look_ahead-1 tokens.")
@@ -177,7 +180,8 @@ class SpecPrefillLLM(CustomLLM):
     def engine(self) -> SpecPrefillEngine:
         """Loaded on first use, shared by every instance with the same settings."""
         if self._engine is None:
-            self._engine = SpecPrefillEngine.shared(self._config)
+            server = None if self.backend == "transformers" else self.backend
+            self._engine = SpecPrefillEngine.shared(self._config, server, self.timeout)
         return self._engine
 
     @property

@@ -1,0 +1,189 @@
+"""Main model on vLLM: in-process (``vllm.LLM``) or behind an OpenAI-compatible server.
+
+Either way the server side needs this package installed (its ``vllm.general_plugins`` entry point
+remaps positions). A compressed request sends the kept token ids as a token-id prompt, the original
+length and run-length-encoded kept positions in ``extra_args`` (``vllm_xargs`` over HTTP), and a
+``cache_salt`` derived from the positions so prefix caching never reuses KV computed at other
+positions. The draft runs on the client side.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from ..config import GenerationParams
+from ..errors import InvalidRequestError, SpecPrefillError
+from ..positions import PROBE_KEY, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
+from .base import SparsePrompt
+
+PROBE_MARKER = "specprefill-plugin-present"  # kept equal to vllm_plugin.validation.PROBE_MARKER
+
+
+class VLLMServerError(SpecPrefillError):
+    """The vLLM server is unreachable, lacks the plugin, or refused a request."""
+
+
+def _is_sparse(prompt: SparsePrompt) -> bool:
+    return prompt.token_ids.numel() != prompt.prompt_length
+
+
+def request_fields(prompt: SparsePrompt) -> dict[str, Any]:
+    """Token ids plus, for a compressed prompt, the SpecPrefill arguments and the cache salt."""
+    fields: dict[str, Any] = {"prompt_token_ids": prompt.token_ids.tolist()}
+    if _is_sparse(prompt):
+        runs = encode_runs(prompt.position_ids)
+        fields["extra_args"] = {PROMPT_LENGTH_KEY: prompt.prompt_length, RUNS_KEY: runs}
+        fields["cache_salt"] = cache_salt(prompt.prompt_length, runs)
+    return fields
+
+
+def _without_eos(tokens: list[int], eos_ids: frozenset[int]) -> Iterator[int]:
+    for token in tokens:
+        if token in eos_ids:
+            return
+        yield token
+
+
+class VLLMOfflineBackend:
+    """An in-process ``vllm.LLM`` (started with this package installed, so the plugin is loaded).
+
+    Generates the whole answer in one call; tokens are yielded once it is done.
+    """
+
+    supports_sparse_prefill = True
+
+    def __init__(self, llm: Any, eos_ids: frozenset[int]) -> None:
+        self.llm = llm
+        self.eos_ids = eos_ids
+
+    @property
+    def context_length(self) -> int:
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
+    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+        from vllm import SamplingParams
+
+        fields = request_fields(prompt)
+        sampling = SamplingParams(
+            max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+            extra_args=fields.pop("extra_args", None), detokenize=False,
+        )
+        output = self.llm.generate([fields], sampling, use_tqdm=False)[0]
+        yield from _without_eos(list(output.outputs[0].token_ids), self.eos_ids)
+
+
+class VLLMServerBackend:
+    """A ``vllm serve`` / ``python -m vllm.entrypoints.openai.api_server`` endpoint.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000``.
+        eos_ids: end-of-sequence ids of the model (the server includes them in ``token_ids``).
+        model: served model name; default the first one the server lists.
+        timeout: seconds for connecting and for each read.
+        on_missing_plugin: ``"error"`` (raise at construction) or ``"full_prompt"`` (send whole prompts;
+            the engine then reports ``compressed=False``).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        eos_ids: frozenset[int],
+        model: str | None = None,
+        timeout: float = 60.0,
+        on_missing_plugin: Literal["error", "full_prompt"] = "error",
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.eos_ids = eos_ids
+        self.timeout = timeout
+        card = self._request("GET", "/v1/models")["data"][0]
+        self.model = model or card["id"]
+        self._context_length = int(card.get("max_model_len") or 0)
+        self.supports_sparse_prefill = self._probe()
+        if not self.supports_sparse_prefill and on_missing_plugin == "error":
+            raise VLLMServerError(
+                f"the vLLM server at {self.base_url} does not have the specprefill-rag plugin; install "
+                "specprefill-rag in the server's environment and restart it, or pass on_missing_plugin='full_prompt'"
+            )
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")
+            if 400 <= error.code < 500:
+                raise InvalidRequestError(f"the vLLM server refused the request ({error.code}): {detail}") from None
+            raise VLLMServerError(f"the vLLM server failed ({error.code}): {detail}") from None
+        except (urllib.error.URLError, OSError) as error:
+            raise VLLMServerError(
+                f"cannot reach a vLLM server at {self.base_url} within {self.timeout:g} s ({error}); "
+                "check the URL and that the server is running"
+            ) from None
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        with self._open(method, path, body) as response:
+            return json.loads(response.read())
+
+    def _probe(self) -> bool:
+        """True when the server refuses a probe request with the plugin's marker."""
+        body = {"model": self.model, "prompt": [0], "max_tokens": 1, "vllm_xargs": {PROBE_KEY: 1}}
+        try:
+            self._request("POST", "/v1/completions", body)
+        except InvalidRequestError as error:
+            return PROBE_MARKER in str(error)
+        return False
+
+    def _body(self, prompt: SparsePrompt, params: GenerationParams) -> dict[str, Any]:
+        fields = request_fields(prompt)
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": fields["prompt_token_ids"], "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature, "top_p": params.top_p, "stream": True, "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        if "extra_args" in fields:
+            body["vllm_xargs"] = fields["extra_args"]
+            body["cache_salt"] = fields["cache_salt"]
+        return body
+
+    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+        if _is_sparse(prompt) and not self.supports_sparse_prefill:
+            raise InvalidRequestError("this server has no specprefill plugin; send the full prompt")
+        with self._open("POST", "/v1/completions", self._body(prompt, params)) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[len("data:") :])["choices"]:
+                    for token in choice.get("token_ids") or []:
+                        if token in self.eos_ids:
+                            return
+                        yield int(token)
+
+
+def check_server_tokenizer(backend: VLLMServerBackend, tokenizer: Any, sample: str = "SpecPrefill checks 1, 2, 3.") -> None:
+    """Raise when the server's tokenizer splits ``sample`` differently from the local one (skipped
+    when the server runs without a tokenizer)."""
+    try:
+        served = backend._request("POST", "/tokenize", {"model": backend.model, "prompt": sample, "add_special_tokens": False})
+    except SpecPrefillError:
+        return
+    local = tokenizer(sample, add_special_tokens=False)["input_ids"]
+    if list(served.get("tokens", [])) != list(local):
+        from ..errors import TokenizerMismatchError
+
+        raise TokenizerMismatchError(
+            f"the server's model tokenizes differently from the local draft's tokenizer ({served.get('tokens')} vs "
+            f"{local}); use a draft of the served model's family"
+        )

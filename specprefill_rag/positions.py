@@ -1,0 +1,82 @@
+"""Kept positions on the wire: run-length codec, validation, prefix-cache salt and the position map.
+
+A compressed request sends the ``K`` kept token ids as an ordinary prompt plus, in
+``SamplingParams.extra_args``, the original prompt length ``L`` and the kept positions as runs
+``[start0, length0, start1, length1, ...]``. The server maps the compact index ``p`` of a token to
+``kept[p]`` for ``p < K`` (prompt) and ``p + (L - K)`` after (generated tokens). Pure Python/torch: no
+vLLM import here, so clients and tests use it without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from .errors import InvalidRequestError
+
+PROMPT_LENGTH_KEY = "specprefill_prompt_length"
+RUNS_KEY = "specprefill_runs"
+PROBE_KEY = "specprefill_probe"
+
+
+def encode_runs(kept: torch.Tensor | Sequence[int]) -> list[int]:
+    """Strictly increasing positions -> flat ``[start, length, ...]`` runs of consecutive positions."""
+    values = torch.as_tensor(kept, dtype=torch.long).flatten()
+    if values.numel() == 0:
+        return []
+    breaks = torch.nonzero(values[1:] != values[:-1] + 1).flatten() + 1
+    starts = torch.cat([torch.tensor([0]), breaks])
+    ends = torch.cat([breaks, torch.tensor([values.numel()])])
+    return torch.stack([values[starts], ends - starts], dim=1).flatten().tolist()
+
+
+def decode_runs(runs: Sequence[int]) -> torch.Tensor:
+    """Flat runs -> ``[K]`` long positions. Raises :class:`InvalidRequestError` on malformed runs."""
+    if len(runs) % 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in runs):
+        raise InvalidRequestError(f"{RUNS_KEY} must be a flat list of integer (start, length) pairs")
+    pairs = torch.tensor(list(runs), dtype=torch.long).view(-1, 2)
+    if bool((pairs[:, 1] <= 0).any()) or bool((pairs[:, 0] < 0).any()):
+        raise InvalidRequestError(f"{RUNS_KEY}: starts must be >= 0 and lengths > 0")
+    positions = torch.cat([torch.arange(s, s + n) for s, n in pairs.tolist()]) if len(pairs) else pairs.new_zeros(0)
+    if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        raise InvalidRequestError(f"{RUNS_KEY}: kept positions must be strictly increasing")
+    return positions
+
+
+def validate(prompt_length: int, kept: torch.Tensor, n_prompt_tokens: int, max_new_tokens: int, max_positions: int) -> None:
+    """Check a compressed request against its prompt and the model; raises :class:`InvalidRequestError`."""
+    if kept.numel() != n_prompt_tokens:
+        raise InvalidRequestError(f"{kept.numel()} kept positions for {n_prompt_tokens} prompt tokens; they must match")
+    if n_prompt_tokens == 0 or int(kept[-1]) != prompt_length - 1:
+        raise InvalidRequestError(f"the last prompt token (position {prompt_length - 1}) must be kept")
+    if prompt_length + max_new_tokens > max_positions:
+        raise InvalidRequestError(
+            f"original prompt length {prompt_length} + max_tokens {max_new_tokens} exceeds the model's "
+            f"{max_positions} positions"
+        )
+
+
+def cache_salt(prompt_length: int, runs: Sequence[int]) -> str:
+    """Prefix-cache salt derived from the positions: the same compact tokens at other positions
+    must never share KV blocks (vLLM hashes tokens, not positions)."""
+    digest = hashlib.sha256(f"specprefill:{prompt_length}:{','.join(map(str, runs))}".encode()).hexdigest()
+    return digest[:64]
+
+
+def original_positions(compact: torch.Tensor, kept: torch.Tensor, prompt_length: int) -> torch.Tensor:
+    """Map compact indices to original RoPE positions.
+
+    Args:
+        compact: ``[n]`` long compact indices (vLLM's positions: number of computed tokens + offset).
+        kept: ``[K]`` long original positions of the prompt tokens.
+        prompt_length: ``L``.
+
+    Returns:
+        ``[n]`` long: ``kept[p]`` where ``p < K``, else ``p + (L - K)``.
+    """
+    n_kept = kept.numel()
+    inside = compact < n_kept
+    mapped = kept[compact.clamp(max=max(n_kept - 1, 0))] if n_kept else compact
+    return torch.where(inside, mapped, compact + (prompt_length - n_kept))

@@ -1,0 +1,53 @@
+"""vLLM server plugin: original RoPE positions for SpecPrefill requests.
+
+vLLM calls :func:`register` (entry point ``vllm.general_plugins``) in every process. It registers
+thin subclasses of the supported architectures under their own names, so a request without
+SpecPrefill arguments runs exactly as before, and installs the Model Runner V1 position remap. A
+request carrying ``extra_args`` ``specprefill_prompt_length`` and ``specprefill_runs`` (the kept
+positions, run-length encoded; see :mod:`specprefill_rag.positions`) gets RoPE position ``kept[p]``
+for its compact prompt index ``p`` and ``p + (L - K)`` for generated tokens. KV cache, slot mapping
+and attention stay in compact coordinates, so chunked prefill and prefix caching (with the client's
+``cache_salt``) keep working.
+
+Supported: vLLM 0.32-0.33 with Model Runner V1 (the CPU build, and GPU with
+``VLLM_USE_V2_MODEL_RUNNER=0``). Model Runner V2 is refused at engine start with that hint.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # [min, max)
+ARCHITECTURES = {
+    "LlamaForCausalLM": "specprefill_rag.vllm_plugin.models:SpecPrefillLlamaForCausalLM",
+    "Qwen2ForCausalLM": "specprefill_rag.vllm_plugin.models:SpecPrefillQwen2ForCausalLM",
+    "Qwen3ForCausalLM": "specprefill_rag.vllm_plugin.models:SpecPrefillQwen3ForCausalLM",
+    "MistralForCausalLM": "specprefill_rag.vllm_plugin.models:SpecPrefillMistralForCausalLM",
+}
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise unless ``version`` is in the range this plugin was tested with."""
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    low, high = SUPPORTED_VLLM
+    if not low <= parts < high:
+        raise RuntimeError(
+            f"specprefill-rag's vLLM plugin supports vLLM {low[0]}.{low[1]} to <{high[0]}.{high[1]}, found {version}; "
+            "install a supported vLLM or uninstall specprefill-rag from the server environment"
+        )
+
+
+def register() -> None:
+    """Entry point: register the architectures and the V1 position remap (idempotent)."""
+    import vllm
+    from vllm import ModelRegistry
+
+    from .runner_v1 import install_position_remap
+
+    check_vllm_version(vllm.__version__)
+    for architecture, target in ARCHITECTURES.items():
+        ModelRegistry.register_model(architecture, target)
+    install_position_remap()
+    logger.debug("specprefill-rag vLLM plugin registered %s", sorted(ARCHITECTURES))

@@ -1,0 +1,60 @@
+"""Admission-time checks of SpecPrefill arguments (entry point ``vllm.logits_processors``).
+
+vLLM runs ``validate_params`` of installed logits-processor plugins when a request arrives; a
+``ValueError`` there becomes an HTTP 400 for that request only, so a malformed request never reaches
+the model runner and the engine keeps serving the others. The processor itself changes no logits.
+A request carrying ``specprefill_probe`` is always refused with a marker message: that is how a
+client detects that a server has the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.sample.logits_processor import LogitsProcessor
+
+from ..errors import InvalidRequestError
+from ..positions import PROBE_KEY, PROMPT_LENGTH_KEY, RUNS_KEY, decode_runs
+
+PROBE_MARKER = "specprefill-plugin-present"
+
+
+def check_arguments(extra_args: dict[str, Any] | None) -> None:
+    """Raise ``ValueError`` naming the problem for malformed SpecPrefill arguments."""
+    args = extra_args or {}
+    if PROBE_KEY in args:
+        raise ValueError(f"{PROBE_MARKER}: probe request refused on purpose")
+    if RUNS_KEY not in args and PROMPT_LENGTH_KEY not in args:
+        return
+    if RUNS_KEY not in args or PROMPT_LENGTH_KEY not in args:
+        raise ValueError(f"SpecPrefill requests need both {PROMPT_LENGTH_KEY} and {RUNS_KEY}")
+    length = args[PROMPT_LENGTH_KEY]
+    if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+        raise ValueError(f"{PROMPT_LENGTH_KEY} must be a positive integer, got {length!r}")
+    try:
+        kept = decode_runs(list(args[RUNS_KEY]))
+    except (InvalidRequestError, TypeError) as error:
+        raise ValueError(str(error)) from None
+    if kept.numel() == 0 or int(kept[-1]) != length - 1:
+        raise ValueError(f"kept positions must end at the last prompt position {length - 1} (and not exceed it)")
+
+
+class SpecPrefillArgumentsValidator(LogitsProcessor):
+    """Validates SpecPrefill ``extra_args`` at admission; leaves logits unchanged."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        check_arguments(getattr(sampling_params, "extra_args", None))
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: Any) -> None:
+        pass

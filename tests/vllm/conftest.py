@@ -1,0 +1,40 @@
+"""vLLM tests run in the separate .venv-vllm (vllm-cpu 0.32 needs its own torch/transformers pins);
+`make test` runs them there. In an environment without vLLM they are skipped with that reason."""
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore_glob = ["test_*.py"]
+
+
+def pytest_report_header(config):
+    if importlib.util.find_spec("vllm") is None:
+        return "tests/vllm: vLLM not installed here; `make test` runs them in .venv-vllm"
+    return None
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama vLLM's CPU kernels accept (head_dim 64) and its tokenizer, saved as a folder."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specprefill_rag.testing import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+    )
+    folder = tmp_path_factory.mktemp("tiny-vllm")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,153 @@
+"""End to end on vLLM's CPU build: the plugin's positions give the transformers backend's tokens.
+
+One in-process engine (chunked prefill forced with 16-token steps, prefix caching on) and one
+OpenAI-compatible server on 127.0.0.1, both on a tiny random Llama.
+"""
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from specprefill_rag import ContextLengthError, InvalidRequestError, SpecPrefillEngine
+from specprefill_rag.backends.base import SparsePrompt
+from specprefill_rag.backends.hf import HFBackend
+from specprefill_rag.backends.vllm import VLLMOfflineBackend, request_fields
+from specprefill_rag.config import GenerationParams
+from specprefill_rag.testing import random_documents
+
+GREEDY = GenerationParams(max_new_tokens=8)
+PROMPT_LENGTH = 96
+KEPT_A = torch.tensor(list(range(0, 8)) + list(range(32, 48)) + list(range(80, 96)))
+KEPT_B = torch.tensor(list(range(0, 8)) + list(range(40, 56)) + list(range(80, 96)))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_folder):
+    from vllm import LLM
+
+    engine = LLM(model=str(tiny_folder), max_model_len=1024, dtype="float32", max_num_batched_tokens=16,
+                 enable_prefix_caching=True, enforce_eager=True, gpu_memory_utilization=0.2)
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    return torch.randint(3, 400, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(1))
+
+
+def reference(model, prompt: SparsePrompt) -> list[int]:
+    return list(HFBackend(model, frozenset()).generate(prompt, GREEDY))
+
+
+def test_mixed_batch_matches_transformers(llm, hf_model, prompt_ids):
+    from vllm import SamplingParams
+
+    prompts = [SparsePrompt.kept(prompt_ids, KEPT_A), SparsePrompt.full(prompt_ids), SparsePrompt.kept(prompt_ids, KEPT_B)]
+    requests, params = [], []
+    for prompt in prompts:
+        fields = request_fields(prompt)
+        params.append(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False,
+                                     extra_args=fields.pop("extra_args", None)))
+        requests.append(fields)
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outputs]
+    assert got == [reference(hf_model, p) for p in prompts]
+    contiguous = SparsePrompt(prompt_ids[KEPT_A], torch.arange(KEPT_A.numel()), KEPT_A.numel())
+    assert reference(hf_model, contiguous) != got[0], "original positions must matter for this check to mean anything"
+
+
+def test_same_compact_tokens_at_other_positions_do_not_share_cache(llm, hf_model, prompt_ids):
+    """The prefix-cache hazard: identical compact token ids, different original positions."""
+    backend = VLLMOfflineBackend(llm, frozenset())
+    tokens = prompt_ids[KEPT_A]
+    first = SparsePrompt(tokens, KEPT_A, PROMPT_LENGTH)
+    shifted = SparsePrompt(tokens, KEPT_B, PROMPT_LENGTH)  # other gaps: RoPE sees other relative distances
+    assert list(backend.generate(first, GREEDY)) == reference(hf_model, first)
+    assert list(backend.generate(shifted, GREEDY)) == reference(hf_model, shifted)
+    assert reference(hf_model, first) != reference(hf_model, shifted)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folder, llm):
+    port = _free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_folder),
+               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024", "--dtype", "float32",
+               "--max-num-batched-tokens", "16", "--enforce-eager", "--gpu-memory-utilization", "0.2"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {process.returncode}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+            break
+        except OSError:
+            time.sleep(2)
+    else:
+        process.terminate()
+        raise RuntimeError("vLLM server did not start within 600 s")
+    yield url
+    process.terminate()
+    process.wait(timeout=60)
+
+
+def test_server_engine_matches_transformers_engine(server, tiny_folder):
+    settings = {"draft": str(tiny_folder), "keep_rate": 0.3, "min_prompt_tokens": 0, "look_ahead": 2}
+    remote = SpecPrefillEngine.for_vllm(server, **settings)
+    local = SpecPrefillEngine(main=str(tiny_folder), **settings)
+    assert remote.backend.supports_sparse_prefill and remote.backend.context_length == 1024
+    layout = remote.layout("When did the bridge open?", random_documents(3, 80))
+    params = GenerationParams(max_new_tokens=12)
+    got, expected = remote.generate_layout(layout, params), local.generate_layout(layout, params)
+    assert got.stats.compressed and torch.equal(got.kept_positions, expected.kept_positions)
+    assert got.token_ids == expected.token_ids
+    streamed = list(remote.stream_layout(layout, params))
+    assert "".join(c.text for c in streamed) == expected.text
+
+
+def test_server_refuses_bad_positions_and_keeps_serving(server, tiny_folder):
+    from specprefill_rag.backends.vllm import VLLMServerBackend
+
+    backend = VLLMServerBackend(server, frozenset())
+    bad = {"model": backend.model, "prompt": [5, 6, 7], "max_tokens": 2,
+           "vllm_xargs": {"specprefill_prompt_length": 10, "specprefill_runs": [4, 2, 1, 1]}}
+    with pytest.raises(InvalidRequestError, match="400.*increasing"):
+        backend._request("POST", "/v1/completions", bad)
+    good = SparsePrompt(torch.tensor([5, 6, 7]), torch.tensor([0, 4, 9]), 10)
+    assert len(list(backend.generate(good, GenerationParams(max_new_tokens=3)))) <= 3
+
+
+def test_client_checks_context_before_sending(server, tiny_folder):
+    remote = SpecPrefillEngine.for_vllm(server, draft=str(tiny_folder), min_prompt_tokens=0, look_ahead=2)
+    layout = remote.layout("When?", random_documents(2, 40))
+    with pytest.raises(ContextLengthError, match="exceeds the main model's context of 1024"):
+        remote.generate_layout(layout, GenerationParams(max_new_tokens=1024))
+
+
+def test_unreachable_server_fails_fast():
+    from specprefill_rag.backends.vllm import VLLMServerBackend, VLLMServerError
+
+    started = time.monotonic()
+    with pytest.raises(VLLMServerError, match="cannot reach a vLLM server"):
+        VLLMServerBackend(f"http://127.0.0.1:{_free_port()}", frozenset(), timeout=5)
+    assert time.monotonic() - started < 10
