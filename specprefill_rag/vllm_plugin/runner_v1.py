@@ -54,6 +54,8 @@ def remap_positions(runner: Any) -> None:
         low, high = int(starts[index]), int(starts[index + 1])
         compact = runner.positions[low:high]
         mapped = original_positions(compact, spec.kept.to(compact.device), spec.prompt_length)
+        if int(mapped.max()) > limit:  # only reachable by clients that skip the length check
+            logger.warning("request %s: positions beyond max_model_len %d clamped", request_id, limit + 1)
         runner.positions[low:high] = mapped.clamp(max=limit)
 
 

