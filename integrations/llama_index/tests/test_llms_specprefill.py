@@ -79,15 +79,18 @@ def test_explicit_documents_and_query(llm):
     assert response.additional_kwargs["spec_prefill"] == stats
 
 
-def test_query_engine_makes_each_node_a_span(llm, stats_log):
+@pytest.mark.parametrize("mode", ["compact", "refine", "tree_summarize"])
+def test_query_engine_makes_each_node_a_span(llm, stats_log, mode):
     table = queries(3)
-    engine = RetrieverQueryEngine.from_args(FixedRetriever(table), llm=llm)
+    engine = RetrieverQueryEngine.from_args(FixedRetriever(table), llm=llm, response_mode=mode)
     for question, nodes in table.items():
+        stats_log.calls = []
         engine.query(question)
-        prompt, stats = stats_log.calls[-1]
-        assert stats["n_documents"] == len(nodes) and stats["document_source"] == "argument-located"
-        assert stats["kept_tokens"] - stats["kept_document_tokens"] == stats["prompt_tokens"] - stats["document_tokens"]
-        assert question in prompt
+        # compact and tree_summarize see all nodes in one call; refine sees one node per call
+        assert sum(stats["n_documents"] for _, stats in stats_log.calls) == len(nodes)
+        for prompt, stats in stats_log.calls:
+            assert stats["document_source"] == "argument-located" and question in prompt
+            assert stats["kept_tokens"] - stats["kept_document_tokens"] == stats["prompt_tokens"] - stats["document_tokens"]
 
 
 def test_without_node_recorder_context_is_split_at_blank_lines(llm, stats_log):

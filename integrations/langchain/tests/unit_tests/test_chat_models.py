@@ -107,10 +107,21 @@ async def test_async_does_not_block_the_event_loop(chat):
 
 
 async def test_abatch_32_concurrent_requests_match_sequential(chat):
-    requests = [([HumanMessage(f"{QUESTION} ({i})")], random_documents(2, 40 + i, seed=i)) for i in range(32)]
-    sequential = [chat.invoke(m, documents=d).content for m, d in requests]
-    concurrent = await asyncio.gather(*(chat.ainvoke(m, documents=d) for m, d in requests))
-    assert [c.content for c in concurrent] == sequential
+    """Each request brings its own documents (as text-plain blocks); abatch must not mix them up."""
+
+    def request(i):
+        blocks = [{"type": "text-plain", "text": t} for t in random_documents(2, 40 + i, seed=i)]
+        return [HumanMessage([*blocks, {"type": "text", "text": f"{QUESTION} ({i})"}])]
+
+    requests = [request(i) for i in range(32)]
+    sequential = [chat.invoke(r) for r in requests]
+    concurrent = await chat.abatch(requests, config={"max_concurrency": 32})
+    assert [c.content for c in concurrent] == [s.content for s in sequential]
+    assert [c.response_metadata["spec_prefill"] for c in concurrent] != []
+    for got, expected in zip(concurrent, sequential):
+        got_stats, expected_stats = got.response_metadata["spec_prefill"], expected.response_metadata["spec_prefill"]
+        assert got_stats["prompt_tokens"] == expected_stats["prompt_tokens"]
+        assert got_stats["kept_tokens"] == expected_stats["kept_tokens"]
 
 
 def test_text_llm(tiny_engine):
