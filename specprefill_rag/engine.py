@@ -28,7 +28,7 @@ from .results import GenerationResult, SpecPrefillStats, StreamChunk
 from .selection import select_kept
 
 
-_engines: dict[tuple[SpecPrefillConfig, str | None], SpecPrefillEngine] = {}
+_engines: dict[tuple[SpecPrefillConfig, str], SpecPrefillEngine] = {}
 _engines_lock = threading.Lock()
 
 
@@ -55,13 +55,14 @@ class SpecPrefillEngine:
         self._setup(config, main, draft)
 
     @classmethod
-    def shared(cls, config: SpecPrefillConfig, server: str | None = None, timeout: float = 60.0) -> SpecPrefillEngine:
-        """One engine per distinct (config, vLLM server URL or None) in this process; models are shared
-        across configs too."""
-        key = (config, server)
+    def shared(cls, config: SpecPrefillConfig, backend: str = "transformers", timeout: float = 60.0) -> SpecPrefillEngine:
+        """One engine per distinct (config, backend) in this process; models are shared across configs
+        too. ``backend``: ``"transformers"`` (main model in-process) or a vLLM server URL."""
+        key = (config, backend)
         with _engines_lock:
             if key not in _engines:
-                _engines[key] = cls(config) if server is None else cls.for_vllm(server, config, timeout=timeout)
+                in_process = backend == "transformers"
+                _engines[key] = cls(config) if in_process else cls.for_vllm(backend, config, timeout=timeout)
             return _engines[key]
 
     @classmethod

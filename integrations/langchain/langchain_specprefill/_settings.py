@@ -59,8 +59,7 @@ class SpecPrefillSettings(BaseModel):
     def engine(self) -> SpecPrefillEngine:
         """The engine, loaded on first use and shared by every instance with the same settings."""
         if self._engine is None:
-            server = None if self.backend == "transformers" else self.backend
-            self._engine = SpecPrefillEngine.shared(self._config, server, self.timeout)
+            self._engine = SpecPrefillEngine.shared(self._config, self.backend, self.timeout)
         return self._engine
 
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[GenerationParams, dict[str, Any]]:

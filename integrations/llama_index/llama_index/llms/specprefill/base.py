@@ -180,8 +180,7 @@ class SpecPrefillLLM(CustomLLM):
     def engine(self) -> SpecPrefillEngine:
         """Loaded on first use, shared by every instance with the same settings."""
         if self._engine is None:
-            server = None if self.backend == "transformers" else self.backend
-            self._engine = SpecPrefillEngine.shared(self._config, server, self.timeout)
+            self._engine = SpecPrefillEngine.shared(self._config, self.backend, self.timeout)
         return self._engine
 
     @property
