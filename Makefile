@@ -51,11 +51,14 @@ test-fast: install
 test-real: install
 	$(BIN)/python -m pytest -q -m real_model tests
 
-bench-quick: install
+bench-quick: install  # a few minutes: 2k-token speed study, 3-sample quality smoke run
 	$(BIN)/python benchmarks/ttft.py --quick
+	$(BIN)/python benchmarks/quality.py --task squad --samples 3 --keep-rates 0.1 0.5 --out benchmarks/results/quick-quality-squad
 
-bench: install
+bench: install  # the full tables (about an hour on 2 cores)
 	$(BIN)/python benchmarks/ttft.py
+	$(BIN)/python benchmarks/quality.py --task squad --samples 40
+	$(BIN)/python benchmarks/quality.py --task niah --samples 30
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache
