@@ -55,3 +55,27 @@ def test_requests_without_arguments_pass():
     check_arguments(None)
     check_arguments({"other_plugin": 1})
     check_arguments({"specprefill_prompt_length": 10, "specprefill_runs": [0, 4, 9, 1]})
+
+
+def _config(v2: bool, **text_config):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(use_v2_model_runner=v2, model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**text_config)))
+
+
+def test_unsupported_runner_and_models_fail_loudly_at_engine_start():
+    from specprefill_rag.vllm_plugin.models import check_supported
+
+    install_position_remap()
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        check_supported(_config(True))
+    with pytest.raises(RuntimeError, match="full-attention models only"):
+        check_supported(_config(False, sliding_window=4096))
+    check_supported(_config(False, sliding_window=4096, use_sliding_window=False))  # Qwen2 style: window off
+    check_supported(_config(False))
+    remove_position_remap()
+    try:
+        with pytest.raises(RuntimeError, match="position remap is not installed"):
+            check_supported(_config(False))
+    finally:
+        install_position_remap()
