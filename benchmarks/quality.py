@@ -110,7 +110,7 @@ def niah_samples(count: int, tokenizer, length: int, seed: int) -> list[dict]:
         start = rng.randrange(len(ids) - length)
         per_document = length // n_documents
         documents = [tokenizer.decode(ids[start + i * per_document : start + (i + 1) * per_document]) for i in range(n_documents)]
-        depth = (index // len(NEEDLES)) % 11 / 10  # 0%, 10%, ... 100% of the haystack
+        depth = (index * 7) % 11 / 10  # 0%, 10%, ... 100% of the haystack, spread over the samples
         target = min(int(depth * n_documents), n_documents - 1)
         sentences = documents[target].split(". ")
         cut = int(len(sentences) * (depth * n_documents - target))
