@@ -219,19 +219,22 @@ def summarise(report: dict, metric: str) -> list[dict]:
              "retention": 1.0}]
     for method in dict.fromkeys(r["method"] for r in records if r["method"] != "full"):
         for keep_rate in sorted({r["keep_rate"] for r in records if r["method"] == method}):
-            values = [r[metric] for r in records if r["method"] == method and r["keep_rate"] == keep_rate]
+            chosen = [r for r in records if r["method"] == method and r["keep_rate"] == keep_rate]
+            values = [r[metric] for r in chosen]
             mean = sum(values) / len(values)
+            gold_kept = sum(r["gold_document_kept"] for r in chosen) / len(chosen)
             rows.append({"method": method, "keep_rate": keep_rate, "score": mean, "ci": bootstrap_interval(values),
-                         "retention": mean / full_mean if full_mean else float("nan")})
+                         "retention": mean / full_mean if full_mean else float("nan"), "gold_kept": gold_kept})
     return rows
 
 
 def markdown(report: dict, metric: str) -> str:
-    lines = [f"| method | keep | {metric} | 95% CI | retention |", "|---|---|---|---|---|"]
+    lines = [f"| method | keep | {metric} | 95% CI | retention | gold document kept |", "|---|---|---|---|---|---|"]
     for row in summarise(report, metric):
         low, high = row["ci"]
+        gold = f"{row['gold_kept']:.0%}" if "gold_kept" in row else "100%"
         lines.append(f"| {row['method']} | {row['keep_rate']:g} | {row['score']:.3f} | {low:.2f}-{high:.2f} | "
-                     f"{row['retention']:.0%} |")
+                     f"{row['retention']:.0%} | {gold} |")
     return "\n".join(lines)
 
 
