@@ -95,15 +95,16 @@ class SpecPrefillEngine:
                 check_same_vocabulary(main.tokenizer, draft.tokenizer)
             draft_model = draft.model if draft is not None else main.model
             scorer = ModelDraft(draft_model, config.look_ahead, config.pool_kernel, eos)
-        self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scorer)
-        self.main: LoadedModel | None = main
+        self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scorer, main)
 
-    def _assemble(self, config: SpecPrefillConfig, tokenizer: Any, backend: MainBackend, scorer: Any) -> None:
+    def _assemble(
+        self, config: SpecPrefillConfig, tokenizer: Any, backend: MainBackend, scorer: Any, main: LoadedModel | None
+    ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.backend = backend
         self.draft = scorer
-        self.main = None
+        self.main = main  # None when the main model runs elsewhere (vLLM)
 
     @classmethod
     def for_vllm(
@@ -132,7 +133,8 @@ class SpecPrefillEngine:
         if isinstance(server, str):
             check_server_tokenizer(backend, draft.tokenizer)
         engine = cls.__new__(cls)
-        engine._assemble(config, draft.tokenizer, backend, ModelDraft(draft.model, config.look_ahead, config.pool_kernel, eos))
+        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, eos)
+        engine._assemble(config, draft.tokenizer, backend, scorer, None)
         return engine
 
     # -- prompts ---------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ class SpecPrefillEngine:
         if not 0.0 < rate <= 1.0:
             raise InvalidRequestError(f"keep_rate must be in (0, 1], got {rate}")
         whole = rate >= 1.0 and self.config.max_document_tokens is None
-        unsupported = not getattr(self.backend, "supports_sparse_prefill", True)
+        unsupported = not self.backend.supports_sparse_prefill
         if whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0:
             return torch.arange(len(layout)), 0.0
         started = time.perf_counter()

@@ -19,6 +19,7 @@ from .errors import InvalidRequestError
 PROMPT_LENGTH_KEY = "specprefill_prompt_length"
 RUNS_KEY = "specprefill_runs"
 PROBE_KEY = "specprefill_probe"
+PROBE_MARKER = "specprefill-plugin-present"  # the plugin's refusal of a probe request says this
 
 
 def encode_runs(kept: torch.Tensor | Sequence[int]) -> list[int]:

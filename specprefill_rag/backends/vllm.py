@@ -17,10 +17,8 @@ from typing import Any, Literal
 
 from ..config import GenerationParams
 from ..errors import InvalidRequestError, SpecPrefillError
-from ..positions import PROBE_KEY, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
+from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
 from .base import SparsePrompt
-
-PROBE_MARKER = "specprefill-plugin-present"  # kept equal to vllm_plugin.validation.PROBE_MARKER
 
 
 class VLLMServerError(SpecPrefillError):

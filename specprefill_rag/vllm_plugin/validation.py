@@ -15,9 +15,7 @@ import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ..errors import InvalidRequestError
-from ..positions import PROBE_KEY, PROMPT_LENGTH_KEY, RUNS_KEY, decode_runs
-
-PROBE_MARKER = "specprefill-plugin-present"
+from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, decode_runs
 
 
 def check_arguments(extra_args: dict[str, Any] | None) -> None:
