@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -16,7 +16,7 @@ class _Failure:
         self.error = error
 
 
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncGenerator[T, None]:
     """Run a blocking iterator in a worker thread and yield its items on the event loop.
 
     Exceptions from the iterator are re-raised here; if the consumer stops early, the worker
@@ -26,20 +26,26 @@ async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIt
     queue: asyncio.Queue[object] = asyncio.Queue()
     cancelled = threading.Event()
 
+    def post(item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: the consumer stopped early and is gone
+            cancelled.set()
+
     def pump() -> None:
         iterator = make_iterator()
         try:
             for item in iterator:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                post(item)
                 if cancelled.is_set():
                     break
         except BaseException as error:  # handed to the consumer, which re-raises it
-            loop.call_soon_threadsafe(queue.put_nowait, _Failure(error))
+            post(_Failure(error))
         finally:
             close = getattr(iterator, "close", None)
             if close is not None:
                 close()
-            loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+            post(_DONE)
 
     worker = threading.Thread(target=pump, name="specprefill-stream", daemon=True)
     worker.start()
