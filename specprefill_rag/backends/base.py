@@ -1,12 +1,13 @@
 """The one small interface every main-model backend implements.
 
 A backend receives the kept prompt tokens with their original positions and yields generated
-token ids. It never knows how the tokens were chosen.
+token ids, blocking (:meth:`MainBackend.generate`) or on an event loop (:meth:`MainBackend.agenerate`).
+It never knows how the tokens were chosen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,4 +55,10 @@ class MainBackend(Protocol):
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
         """Yield generated token ids, the first right after prefill; stop at end-of-sequence
         (not yielded) or after ``params.max_new_tokens``."""
+        ...
+
+    def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
+        """:meth:`generate` for an event loop: the same tokens, without blocking the loop. Closing the
+        generator early (``aclose``) releases the request. In-process backends run :meth:`generate`
+        in a worker thread (:func:`specprefill_rag.aio.iterate_in_thread`)."""
         ...

@@ -8,12 +8,13 @@ positions nor mistakes non-contiguous positions for packed sequences. The KV cac
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from ..aio import iterate_in_thread
 from ..config import GenerationParams
 from ..sampling import next_token
 from .base import SparsePrompt
@@ -82,3 +83,7 @@ class HFBackend:
             if step + 1 < params.max_new_tokens:
                 position = torch.tensor([prompt.prompt_length + step])
                 logits = self._forward(torch.tensor([token]), position, kept + step, cache)
+
+    def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
+        """:meth:`generate` in a worker thread, its tokens yielded on the event loop."""
+        return iterate_in_thread(lambda: self.generate(prompt, params))

@@ -5,16 +5,24 @@ remaps positions). A compressed request sends the kept token ids as a token-id p
 length and run-length-encoded kept positions in ``extra_args`` (``vllm_xargs`` over HTTP), and a
 ``cache_salt`` derived from the positions so prefix caching never reuses KV computed at other
 positions. The draft runs on the client side.
+
+The server client streams over HTTP with the standard library (:meth:`VLLMServerBackend.generate`)
+or natively on an event loop with ``httpx`` (:meth:`VLLMServerBackend.agenerate`); both share the
+request body, the SSE parsing and the error mapping.
 """
 
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any, Literal
 
+import httpx
+
+from ..aio import iterate_in_thread
 from ..config import GenerationParams
 from ..errors import InvalidRequestError, SpecPrefillError
 from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
@@ -46,6 +54,36 @@ def _without_eos(tokens: list[int], eos_ids: frozenset[int]) -> Iterator[int]:
         yield token
 
 
+def sse_tokens(line: str | bytes, eos_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """Token ids carried by one server-sent-events line of a streamed completion, up to the first
+    end-of-sequence id, and whether one was found (the stream is then over)."""
+    text = line.decode() if isinstance(line, bytes) else line
+    text = text.strip()
+    if not text.startswith("data:") or text == "data: [DONE]":
+        return [], False
+    tokens: list[int] = []
+    for choice in json.loads(text[len("data:") :])["choices"]:
+        for token in choice.get("token_ids") or []:
+            if token in eos_ids:
+                return tokens, True
+            tokens.append(int(token))
+    return tokens, False
+
+
+def _refused(code: int, detail: str) -> SpecPrefillError:
+    """The error for an HTTP error status: the request's fault (4xx) or the server's."""
+    if 400 <= code < 500:
+        return InvalidRequestError(f"the vLLM server refused the request ({code}): {detail}")
+    return VLLMServerError(f"the vLLM server failed ({code}): {detail}")
+
+
+def _unreachable(base_url: str, timeout: float, error: BaseException) -> VLLMServerError:
+    return VLLMServerError(
+        f"cannot reach a vLLM server at {base_url} within {timeout:g} s ({error or type(error).__name__}); "
+        "check the URL and that the server is running"
+    )
+
+
 class VLLMOfflineBackend:
     """An in-process ``vllm.LLM`` (started with this package installed, so the plugin is loaded).
 
@@ -73,6 +111,10 @@ class VLLMOfflineBackend:
         output = self.llm.generate([fields], sampling, use_tqdm=False)[0]
         yield from _without_eos(list(output.outputs[0].token_ids), self.eos_ids)
 
+    def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
+        """:meth:`generate` in a worker thread (``vllm.LLM`` has no async interface)."""
+        return iterate_in_thread(lambda: self.generate(prompt, params))
+
 
 class VLLMServerBackend:
     """A ``vllm serve`` / ``python -m vllm.entrypoints.openai.api_server`` endpoint.
@@ -97,6 +139,7 @@ class VLLMServerBackend:
         self.base_url = base_url.rstrip("/")
         self.eos_ids = eos_ids
         self.timeout = timeout
+        self._ssl: ssl.SSLContext | None = None
         card = self._request("GET", "/v1/models")["data"][0]
         self.model = model or card["id"]
         self._context_length = int(card.get("max_model_len") or 0)
@@ -118,15 +161,9 @@ class VLLMServerBackend:
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:
-            detail = error.read().decode(errors="replace")
-            if 400 <= error.code < 500:
-                raise InvalidRequestError(f"the vLLM server refused the request ({error.code}): {detail}") from None
-            raise VLLMServerError(f"the vLLM server failed ({error.code}): {detail}") from None
+            raise _refused(error.code, error.read().decode(errors="replace")) from None
         except (urllib.error.URLError, OSError) as error:
-            raise VLLMServerError(
-                f"cannot reach a vLLM server at {self.base_url} within {self.timeout:g} s ({error}); "
-                "check the URL and that the server is running"
-            ) from None
+            raise _unreachable(self.base_url, self.timeout, error) from None
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         with self._open(method, path, body) as response:
@@ -155,19 +192,47 @@ class VLLMServerBackend:
             body["cache_salt"] = fields["cache_salt"]
         return body
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+    def _check_prompt(self, prompt: SparsePrompt) -> None:
         if _is_sparse(prompt) and not self.supports_sparse_prefill:
             raise InvalidRequestError("this server has no specprefill plugin; send the full prompt")
+
+    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+        self._check_prompt(prompt)
         with self._open("POST", "/v1/completions", self._body(prompt, params)) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                for choice in json.loads(line[len("data:") :])["choices"]:
-                    for token in choice.get("token_ids") or []:
-                        if token in self.eos_ids:
+            try:
+                for line in response:
+                    tokens, ended = sse_tokens(line, self.eos_ids)
+                    yield from tokens
+                    if ended:
+                        return
+            except OSError as error:  # a read timed out or the connection dropped mid-stream
+                raise _unreachable(self.base_url, self.timeout, error) from None
+
+    async def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
+        """:meth:`generate` on the event loop (``httpx``): same request, tokens, errors and early close;
+        closing this generator closes the HTTP response."""
+        self._check_prompt(prompt)
+        url = self.base_url + "/v1/completions"
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout, verify=self._ssl_context()) as client:
+                async with client.stream("POST", url, json=self._body(prompt, params)) as response:
+                    if response.status_code >= 400:
+                        detail = (await response.aread()).decode(errors="replace")
+                        raise _refused(response.status_code, detail)
+                    async for line in response.aiter_lines():
+                        tokens, ended = sse_tokens(line, self.eos_ids)
+                        for token in tokens:
+                            yield token
+                        if ended:
                             return
-                        yield int(token)
+        except httpx.TransportError as error:
+            raise _unreachable(self.base_url, self.timeout, error) from None
+
+    def _ssl_context(self) -> ssl.SSLContext:
+        """One TLS context per backend: building httpx's default one costs tens of ms per client."""
+        if self._ssl is None:
+            self._ssl = httpx.create_ssl_context()
+        return self._ssl
 
 
 def check_server_tokenizer(backend: VLLMServerBackend, tokenizer: Any, sample: str = "SpecPrefill checks 1, 2, 3.") -> None:
