@@ -9,9 +9,11 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import torch
@@ -19,12 +21,12 @@ import torch
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
 from .config import GenerationParams, SpecPrefillConfig
-from .detokenize import IncrementalText
+from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
 from .errors import ContextLengthError, InvalidRequestError
 from .models import LoadedModel, check_same_vocabulary, model_lock, shared_model
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
-from .results import GenerationResult, SpecPrefillStats, StreamChunk
+from .results import GenerationResult, StreamChunk
 from .selection import select_kept
 
 
@@ -185,7 +187,7 @@ class SpecPrefillEngine:
     def generate_layout(
         self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
     ) -> GenerationResult:
-        return _last_result(self.stream_layout(layout, params, keep_rate))
+        return last_result(self.stream_layout(layout, params, keep_rate))
 
     def stream(
         self,
@@ -210,13 +212,13 @@ class SpecPrefillEngine:
         **params: Any,
     ) -> GenerationResult:
         """Answer ``question`` over ``documents``; only document tokens are compressed."""
-        return _last_result(self.stream(question, documents, instructions, keep_rate, **params))
+        return last_result(self.stream(question, documents, instructions, keep_rate, **params))
 
     def generate_text(self, prompt: str, keep_rate: float | None = None, **params: Any) -> GenerationResult:
         """Complete an already-rendered prompt; all but template tokens and the tail are candidates."""
         started = time.perf_counter()
         generation = GenerationParams(**params)
-        return _last_result(self._stream(self.text_layout(prompt), generation, keep_rate, started))
+        return last_result(self._stream(self.text_layout(prompt), generation, keep_rate, started))
 
     def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         context = self.backend.context_length
@@ -233,58 +235,75 @@ class SpecPrefillEngine:
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> Iterator[StreamChunk]:
         kept, draft_ms = self.select(layout, keep_rate)
-        text = IncrementalText(self.tokenizer, params.stop)
-        tokens: list[int] = []
-        pending: list[int] = []
-        prefill_started = time.perf_counter()
-        first_token_at: float | None = None
+        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started)
         generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, kept), params)
         try:
             for token in generated:
-                first_token_at = first_token_at or time.perf_counter()
-                tokens.append(token)
-                pending.append(token)
-                delta = text.push(token)
-                if delta or text.stopped:
-                    yield StreamChunk(delta, pending)
-                    pending = []
-                if text.stopped:
+                if chunk := decoding.push(token):
+                    yield chunk
+                if decoding.stopped:
                     break
         finally:
             generated.close()
-        finished_at = time.perf_counter()
-        first_token_at = first_token_at or finished_at
-        stopped = text.stopped or len(tokens) < params.max_new_tokens
-        decode_s = finished_at - first_token_at
-        stats = SpecPrefillStats(
-            prompt_tokens=len(layout),
-            document_tokens=layout.n_document_tokens,
-            kept_tokens=int(kept.numel()),
-            kept_document_tokens=int((layout.document_index[kept] >= 0).sum()),
-            keep_rate=_keep_rate(layout, kept),
-            compressed=int(kept.numel()) < len(layout),
-            draft_ms=draft_ms,
-            main_prefill_ms=(first_token_at - prefill_started) * 1000.0,
-            ttft_ms=(first_token_at - started) * 1000.0,
-            completion_tokens=len(tokens),
-            decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
-        )
-        tail = text.finish()
-        result = GenerationResult(text.emitted, tokens, "stop" if stopped else "length", stats, kept)
-        yield StreamChunk(tail, pending, result.finish_reason, stats, result)
+        yield decoding.finish()
 
+    # -- async generation (native on the event loop; see :mod:`specprefill_rag.aio`) ----------
 
-def _keep_rate(layout: PromptLayout, kept: torch.Tensor) -> float:
-    documents = layout.n_document_tokens
-    return float((layout.document_index[kept] >= 0).sum()) / documents if documents else 1.0
+    def astream_layout(
+        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from
+        the backend's async interface (over HTTP for a vLLM server: no thread per request). Close the
+        generator (``aclose``) to stop early; that ends the main model's request."""
+        return self._astream(layout, params or GenerationParams(), keep_rate, time.perf_counter())
 
+    async def agenerate_layout(
+        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
+    ) -> GenerationResult:
+        return await alast_result(self.astream_layout(layout, params, keep_rate))
 
-def _last_result(chunks: Iterator[StreamChunk]) -> GenerationResult:
-    result = None
-    for chunk in chunks:
-        result = chunk.result
-    assert result is not None  # the last chunk always carries the result
-    return result
+    def astream(
+        self,
+        question: str,
+        documents: Sequence[DocumentLike],
+        instructions: str | None = None,
+        keep_rate: float | None = None,
+        **params: Any,
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """:meth:`stream` for an event loop (the prompt is tokenized on the loop)."""
+        started = time.perf_counter()
+        generation = GenerationParams(**params)
+        return self._astream(self.layout(question, documents, instructions), generation, keep_rate, started)
+
+    async def agenerate(
+        self,
+        question: str,
+        documents: Sequence[DocumentLike],
+        instructions: str | None = None,
+        keep_rate: float | None = None,
+        **params: Any,
+    ) -> GenerationResult:
+        """:meth:`generate` for an event loop."""
+        return await alast_result(self.astream(question, documents, instructions, keep_rate, **params))
+
+    def _astream(
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
+    ) -> AsyncGenerator[StreamChunk, None]:
+        self._check_length(len(layout), params.max_new_tokens)
+        return self._adecode(layout, params, keep_rate, started)
+
+    async def _adecode(
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
+    ) -> AsyncGenerator[StreamChunk, None]:
+        kept, draft_ms = await asyncio.to_thread(self.select, layout, keep_rate)
+        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started)
+        async with aclosing(self.backend.agenerate(SparsePrompt.kept(layout.input_ids, kept), params)) as generated:
+            async for token in generated:
+                if chunk := decoding.push(token):
+                    yield chunk
+                if decoding.stopped:
+                    break
+        yield decoding.finish()
 
 
 def _make_config(config: SpecPrefillConfig | None, settings: dict[str, Any]) -> SpecPrefillConfig:

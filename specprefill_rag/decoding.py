@@ -1,0 +1,119 @@
+"""Bookkeeping of one streamed request: generated token ids in, :class:`StreamChunk` out.
+
+The engine's blocking and async decode loops differ only in how they get tokens from the backend;
+both feed them to a :class:`Decoding`, which owns the text deltas, stop strings, timings, stats and
+the final :class:`GenerationResult`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing
+from typing import Any
+
+import torch
+
+from .config import GenerationParams
+from .detokenize import IncrementalText
+from .prompt import PromptLayout
+from .results import GenerationResult, SpecPrefillStats, StreamChunk
+
+
+class Decoding:
+    """Turns the tokens of one request into stream chunks.
+
+    Args:
+        tokenizer: the main model's tokenizer (detokenizes the answer).
+        layout: the full prompt.
+        params: generation parameters (stop strings, ``max_new_tokens``).
+        kept: ``[K]`` sorted kept prompt indices.
+        draft_ms: draft scoring time.
+        started: ``time.perf_counter()`` when the request arrived (for ``ttft_ms``).
+
+    Create it right before asking the backend for tokens: that instant is the start of the main prefill.
+    """
+
+    def __init__(
+        self, tokenizer: Any, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float,
+        started: float,
+    ) -> None:
+        self.layout = layout
+        self.params = params
+        self.kept = kept
+        self.draft_ms = draft_ms
+        self.started = started
+        self.text = IncrementalText(tokenizer, params.stop)
+        self.tokens: list[int] = []
+        self._pending: list[int] = []
+        self._prefill_started = time.perf_counter()
+        self._first_token_at: float | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string appeared: the caller stops asking for tokens."""
+        return self.text.stopped
+
+    def push(self, token: int) -> StreamChunk | None:
+        """Add one generated token; the chunk to emit now, if any (text became certain, or a stop)."""
+        self._first_token_at = self._first_token_at or time.perf_counter()
+        self.tokens.append(token)
+        self._pending.append(token)
+        delta = self.text.push(token)
+        if not (delta or self.text.stopped):
+            return None
+        chunk = StreamChunk(delta, self._pending)
+        self._pending = []
+        return chunk
+
+    def finish(self) -> StreamChunk:
+        """The last chunk: remaining text, finish reason, stats and the full result."""
+        finished_at = time.perf_counter()
+        first_token_at = self._first_token_at or finished_at
+        stopped = self.text.stopped or len(self.tokens) < self.params.max_new_tokens
+        stats = self._stats(first_token_at, finished_at)
+        tail = self.text.finish()
+        result = GenerationResult(self.text.emitted, self.tokens, "stop" if stopped else "length", stats, self.kept)
+        return StreamChunk(tail, self._pending, result.finish_reason, stats, result)
+
+    def _stats(self, first_token_at: float, finished_at: float) -> SpecPrefillStats:
+        layout, kept, tokens = self.layout, self.kept, self.tokens
+        decode_s = finished_at - first_token_at
+        return SpecPrefillStats(
+            prompt_tokens=len(layout),
+            document_tokens=layout.n_document_tokens,
+            kept_tokens=int(kept.numel()),
+            kept_document_tokens=int((layout.document_index[kept] >= 0).sum()),
+            keep_rate=keep_rate(layout, kept),
+            compressed=int(kept.numel()) < len(layout),
+            draft_ms=self.draft_ms,
+            main_prefill_ms=(first_token_at - self._prefill_started) * 1000.0,
+            ttft_ms=(first_token_at - self.started) * 1000.0,
+            completion_tokens=len(tokens),
+            decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
+        )
+
+
+def keep_rate(layout: PromptLayout, kept: torch.Tensor) -> float:
+    """Kept document tokens over document tokens (1.0 without documents)."""
+    documents = layout.n_document_tokens
+    return float((layout.document_index[kept] >= 0).sum()) / documents if documents else 1.0
+
+
+def last_result(chunks: Iterator[StreamChunk]) -> GenerationResult:
+    """Run a stream to its end; the result its last chunk carries."""
+    result = None
+    for chunk in chunks:
+        result = chunk.result
+    assert result is not None  # the last chunk always carries the result
+    return result
+
+
+async def alast_result(chunks: AsyncGenerator[StreamChunk, None]) -> GenerationResult:
+    """:func:`last_result` for an async stream (closed even when cancelled)."""
+    result = None
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            result = chunk.result
+    assert result is not None  # the last chunk always carries the result
+    return result
