@@ -1,11 +1,13 @@
 """SpecPrefillEngine end to end on a tiny random Llama."""
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
+from specprefill_rag.errors import ContextLengthError
 from specprefill_rag.prompt import Role
 
 from specprefill_rag.testing import random_documents
@@ -93,3 +95,42 @@ def test_raw_text_prompt_is_compressed_except_tail(engine):
     tail = torch.arange(len(layout) - engine.config.protect_tail_tokens, len(layout))
     assert result.stats.compressed
     assert torch.isin(tail, result.kept_positions).all()
+
+
+async def _chunks(stream):
+    return [chunk async for chunk in stream]
+
+
+@pytest.mark.parametrize("stop", [(), ("e",)], ids=["free", "stop-string"])
+def test_async_stream_equals_stream(engine, stop):
+    documents = random_documents(3, 60)
+    settings = {"max_new_tokens": 24, "temperature": 0.8, "seed": 3, "stop": stop}
+    expected = list(engine.stream(QUESTION, documents, **settings))
+    chunks = asyncio.run(_chunks(engine.astream(QUESTION, documents, **settings)))
+    assert [(c.text, c.token_ids, c.finish_reason) for c in chunks] == [
+        (c.text, c.token_ids, c.finish_reason) for c in expected
+    ]
+    result, reference = chunks[-1].result, expected[-1].result
+    assert result.text == reference.text and torch.equal(result.kept_positions, reference.kept_positions)
+    assert result.stats.compressed and result.stats.draft_ms > 0
+
+
+def test_async_generate_layout_and_early_close(engine):
+    layout = engine.layout(QUESTION, random_documents(3, 60))
+    params = GenerationParams(max_new_tokens=12)
+    assert asyncio.run(engine.agenerate_layout(layout, params)).token_ids == engine.generate_layout(layout, params).token_ids
+
+    async def first_then_close():
+        stream = engine.astream_layout(layout, GenerationParams(max_new_tokens=200))
+        first = await anext(stream)
+        await stream.aclose()
+        return first
+
+    assert asyncio.run(first_then_close()).result is None
+    assert engine.generate_layout(layout, params).token_ids  # the model is free again
+
+
+def test_async_stream_checks_length_when_called(engine):
+    layout = engine.layout(QUESTION, random_documents(3, 60))
+    with pytest.raises(ContextLengthError):
+        engine.astream_layout(layout, GenerationParams(max_new_tokens=10_000))

@@ -1,24 +1,40 @@
 """The vLLM server client against a stand-in HTTP server on 127.0.0.1 (no vLLM needed):
-plugin detection, the full-prompt fallback, and what a compressed request carries."""
+plugin detection, the full-prompt fallback, what a compressed request carries, and the async
+client (same tokens and errors as the blocking one, early close, concurrency on one event loop)."""
 
+import asyncio
 import json
+import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
-from specprefill_rag import SpecPrefillEngine
-from specprefill_rag.backends.vllm import PROBE_MARKER, VLLMServerError
+from specprefill_rag import GenerationParams, SpecPrefillEngine
+from specprefill_rag.backends.base import SparsePrompt
+from specprefill_rag.backends.vllm import PROBE_MARKER, VLLMServerBackend, VLLMServerError
+from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.positions import cache_salt, decode_runs
 from specprefill_rag.testing import random_documents
 
+MAX_TOKENS_ALLOWED = 500  # the stand-in refuses longer requests with a 400, as vLLM refuses bad ones
+
 
 class StandIn(BaseHTTPRequestHandler):
-    """Answers like vLLM's OpenAI server: models, completions (SSE with token_ids), no /tokenize."""
+    """Answers like vLLM's OpenAI server: models, completions (SSE with token_ids), no /tokenize.
+
+    Class attributes (a fixture makes a subclass per test): ``tokens`` streamed per request, ``delay``
+    seconds before each, ``barrier`` every streaming request waits at (proves concurrency), and what
+    the server saw: ``bodies``, ``disconnected`` (the client closed a stream early)."""
 
     plugin = False
     bodies: list = []
+    tokens: tuple = (5, 6, 7)
+    delay = 0.0
+    barrier: threading.Barrier | None = None
+    disconnected: threading.Event
 
     def log_message(self, *args):
         pass
@@ -40,23 +56,60 @@ class StandIn(BaseHTTPRequestHandler):
             return self._json(404, {"error": "not found"})
         if "specprefill_probe" in body.get("vllm_xargs", {}):
             return self._json(400, {"error": {"message": f"{PROBE_MARKER}: probe"}}) if self.plugin else self._json(200, {})
+        if body["max_tokens"] > MAX_TOKENS_ALLOWED:
+            return self._json(400, {"error": {"message": f"max_tokens {body['max_tokens']} is too many"}})
         type(self).bodies.append(body)
+        if self.barrier is not None:
+            self.barrier.wait()
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        for token in (5, 6, 7):
+        try:
+            self._stream_tokens()
+        except (BrokenPipeError, ConnectionResetError):
+            self.disconnected.set()
+
+    def _stream_tokens(self):
+        for token in self.tokens:
+            time.sleep(self.delay)
             chunk = {"choices": [{"index": 0, "text": "", "token_ids": [token]}]}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
         self.wfile.write(b"data: [DONE]\n\n")
+
+
+def serve(handler):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def handler_class(**attributes):
+    return type("Handler", (StandIn,), {"bodies": [], "disconnected": threading.Event(), **attributes})
 
 
 @pytest.fixture(params=[False, True], ids=["no-plugin", "plugin"])
 def stand_in(request):
-    handler = type("Handler", (StandIn,), {"plugin": request.param, "bodies": []})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    handler = handler_class(plugin=request.param)
+    server, url = serve(handler)
+    yield url, handler
     server.shutdown()
+
+
+@pytest.fixture
+def serve_stand_in():
+    """Start stand-ins with the given class attributes; ``(url, handler)`` each."""
+    servers = []
+
+    def start(**attributes):
+        handler = handler_class(plugin=True, **attributes)
+        server, url = serve(handler)
+        servers.append(server)
+        return url, handler
+
+    yield start
+    for server in servers:
+        server.shutdown()
 
 
 def test_plugin_detection_and_fallback(stand_in, tiny_model_dir):
@@ -80,3 +133,97 @@ def test_plugin_detection_and_fallback(stand_in, tiny_model_dir):
     assert body["vllm_xargs"]["specprefill_prompt_length"] == len(layout)
     assert body["cache_salt"] == cache_salt(len(layout), body["vllm_xargs"]["specprefill_runs"])
     assert body["stream"] is True and body["return_token_ids"] is True
+
+
+# -- async client ------------------------------------------------------------------------------------
+
+PROMPT = SparsePrompt.full(torch.arange(3, 40))
+
+
+async def collect(tokens):
+    return [token async for token in tokens]
+
+
+@pytest.mark.parametrize("eos", [frozenset(), frozenset({6})], ids=["no-eos", "eos"])
+def test_async_client_streams_the_sync_tokens(stand_in, eos):
+    url, handler = stand_in
+    backend = VLLMServerBackend(url, eos, on_missing_plugin="full_prompt")
+    params = GenerationParams(max_new_tokens=8, seed=1)
+    expected = [5] if eos else [5, 6, 7]
+    assert list(backend.generate(PROMPT, params)) == expected
+    assert asyncio.run(collect(backend.agenerate(PROMPT, params))) == expected
+    assert handler.bodies[0] == handler.bodies[1]
+
+
+def test_engine_async_stream_over_http_matches_sync(stand_in, tiny_model_dir):
+    url, handler = stand_in
+    settings = {"draft": str(tiny_model_dir), "keep_rate": 0.2, "min_prompt_tokens": 0, "look_ahead": 2}
+    engine = SpecPrefillEngine.for_vllm(url, on_missing_plugin="full_prompt", **settings)
+    layout = engine.layout("When?", random_documents(3, 60))
+    expected = engine.generate_layout(layout)
+    result = asyncio.run(engine.agenerate_layout(layout))
+    assert (result.text, result.token_ids, result.finish_reason) == (expected.text, expected.token_ids, "stop")
+    assert torch.equal(result.kept_positions, expected.kept_positions)
+    assert result.stats.compressed is handler.plugin
+    assert handler.bodies[-1] == handler.bodies[-2]
+
+
+def test_async_client_maps_4xx_to_invalid_request_with_detail(serve_stand_in):
+    url, _ = serve_stand_in()
+    backend = VLLMServerBackend(url, frozenset())
+    params = GenerationParams(max_new_tokens=MAX_TOKENS_ALLOWED + 1)
+    match = r"refused the request \(400\).*max_tokens 501 is too many"
+    with pytest.raises(InvalidRequestError, match=match):
+        list(backend.generate(PROMPT, params))
+    with pytest.raises(InvalidRequestError, match=match):
+        asyncio.run(collect(backend.agenerate(PROMPT, params)))
+
+
+@pytest.mark.parametrize("server", ["refusing", "silent"])
+def test_async_client_unreachable_server_fails_within_timeout(serve_stand_in, server):
+    """Nothing listening (connection refused), or a socket that accepts but never answers (read timeout)."""
+    url, _ = serve_stand_in()
+    backend = VLLMServerBackend(url, frozenset(), timeout=0.5)
+    with socket.socket() as dead:
+        dead.bind(("127.0.0.1", 0))
+        if server == "silent":
+            dead.listen(8)
+        backend.base_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
+        started = time.perf_counter()
+        with pytest.raises(VLLMServerError, match=f"cannot reach a vLLM server at {backend.base_url} within 0.5 s"):
+            asyncio.run(collect(backend.agenerate(PROMPT, GenerationParams())))
+        assert time.perf_counter() - started < 5.0
+
+
+def test_closing_the_async_stream_early_closes_the_response(serve_stand_in, tiny_model_dir):
+    url, handler = serve_stand_in(tokens=tuple(5 + i % 50 for i in range(400)), delay=0.01)
+    settings = {"draft": str(tiny_model_dir), "keep_rate": 0.2, "min_prompt_tokens": 0, "look_ahead": 2}
+    engine = SpecPrefillEngine.for_vllm(url, **settings)
+    layout = engine.layout("When?", random_documents(3, 60))
+
+    async def first_chunks():
+        chunks = engine.astream_layout(layout, GenerationParams(max_new_tokens=400))
+        received = [await anext(chunks), await anext(chunks)]
+        await chunks.aclose()
+        closed = await asyncio.to_thread(handler.disconnected.wait, 5.0)  # while the loop still runs
+        return received, closed
+
+    received, closed = asyncio.run(first_chunks())
+    assert all(chunk.result is None for chunk in received)
+    assert closed, "the server kept streaming to a closed stream"
+    assert len(handler.bodies) == 1
+
+
+def test_concurrent_async_requests_share_one_event_loop(serve_stand_in):
+    """Every request waits on the server until all N are there: they can only finish if the client
+    had all N in flight at once."""
+    n = 8
+    url, handler = serve_stand_in(delay=0.05, barrier=threading.Barrier(n, timeout=10.0))
+    backend = VLLMServerBackend(url, frozenset())
+
+    async def all_requests():
+        return await asyncio.gather(*(collect(backend.agenerate(PROMPT, GenerationParams())) for _ in range(n)))
+
+    started = time.perf_counter()
+    assert asyncio.run(all_requests()) == [[5, 6, 7]] * n
+    assert len(handler.bodies) == n and time.perf_counter() - started < 10.0
