@@ -6,9 +6,12 @@ from typing import Any
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
+from specprefill_rag.chat import ChatLayout, ChatMessage, chat_layout
 from specprefill_rag.config import DEFAULT_MODEL, adapter_config
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.results import GenerationResult
+
+from langchain_specprefill.documents import documents_argument
 
 CALL_OPTIONS = ("documents", "question", "keep_rate", "max_tokens", "temperature", "top_p", "seed")
 
@@ -75,6 +78,20 @@ class SpecPrefillSettings(BaseModel):
             stop=tuple(dict.fromkeys(stops)),
         )
         return params, kwargs
+
+    def _request(
+        self, messages: list[ChatMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[ChatLayout, GenerationParams, float | None]:
+        """The layout, generation parameters and keep rate of one call."""
+        params, options = self._call_options(stop, kwargs)
+        layout = chat_layout(
+            self.engine.tokenizer,
+            messages,
+            documents_argument(options.get("documents")),
+            self.protect_tail_tokens,
+            question=options.get("question"),
+        )
+        return layout, params, options.get("keep_rate")
 
     def _response_metadata(self, result: GenerationResult, document_source: str) -> dict[str, Any]:
         stats = {**result.stats.as_dict(), "document_source": document_source, "draft_model": self.draft_model}

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from specprefill_rag.aio import iterate_in_thread
-from specprefill_rag.chat import chat_layout
+from specprefill_rag.results import StreamChunk
 
 from langchain_specprefill._settings import SpecPrefillSettings
-from langchain_specprefill.documents import documents_argument, to_chat_message
+from langchain_specprefill.documents import to_chat_message
 
 
 def _usage(stats: Any) -> dict[str, int]:
@@ -67,23 +67,26 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def _chunks(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[ChatGenerationChunk]:
-        params, options = self._call_options(stop, kwargs)
-        engine = self.engine
-        layout = chat_layout(
-            engine.tokenizer,
-            [to_chat_message(m) for m in messages],
-            documents_argument(options.get("documents")),
-            self.protect_tail_tokens,
-            question=options.get("question"),
-        )
-        for chunk in engine.stream_layout(layout.layout, params, options.get("keep_rate")):
-            if chunk.result is None:
-                yield ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
-                continue
-            metadata = self._response_metadata(chunk.result, layout.document_source)
-            last = AIMessageChunk(content=chunk.text, usage_metadata=_usage(chunk.result.stats),  # type: ignore[arg-type]
-                                  response_metadata=metadata, chunk_position="last")
-            yield ChatGenerationChunk(message=last, generation_info={"finish_reason": chunk.result.finish_reason})
+        layout, params, keep_rate = self._request([to_chat_message(m) for m in messages], stop, kwargs)
+        for chunk in self.engine.stream_layout(layout.layout, params, keep_rate):
+            yield self._chunk(chunk, layout.document_source)
+
+    async def _achunks(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        """:meth:`_chunks` on the event loop (the engine's native async path)."""
+        layout, params, keep_rate = self._request([to_chat_message(m) for m in messages], stop, kwargs)
+        async with aclosing(self.engine.astream_layout(layout.layout, params, keep_rate)) as chunks:
+            async for chunk in chunks:
+                yield self._chunk(chunk, layout.document_source)
+
+    def _chunk(self, chunk: StreamChunk, document_source: str) -> ChatGenerationChunk:
+        if chunk.result is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
+        metadata = self._response_metadata(chunk.result, document_source)
+        last = AIMessageChunk(content=chunk.text, usage_metadata=_usage(chunk.result.stats),  # type: ignore[arg-type]
+                              response_metadata=metadata, chunk_position="last")
+        return ChatGenerationChunk(message=last, generation_info={"finish_reason": chunk.result.finish_reason})
 
     def _generate(
         self,
@@ -92,14 +95,16 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        chunks = list(self._chunks(messages, stop, kwargs))
-        final = chunks[-1].message
-        message = AIMessage(
-            content="".join(str(c.message.content) for c in chunks),
-            usage_metadata=final.usage_metadata,
-            response_metadata=final.response_metadata,
-        )
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info=chunks[-1].generation_info)])
+        return _chat_result(list(self._chunks(messages, stop, kwargs)))
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return _chat_result([chunk async for chunk in self._achunks(messages, stop, kwargs)])
 
     def _stream(
         self,
@@ -120,7 +125,19 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        async for chunk in iterate_in_thread(lambda: self._chunks(messages, stop, kwargs)):
-            if run_manager:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        async with aclosing(self._achunks(messages, stop, kwargs)) as chunks:
+            async for chunk in chunks:
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+
+def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
+    """One message from a whole stream; usage and metadata from its last chunk."""
+    final = chunks[-1].message
+    message = AIMessage(
+        content="".join(str(c.message.content) for c in chunks),
+        usage_metadata=final.usage_metadata,
+        response_metadata=final.response_metadata,
+    )
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info=chunks[-1].generation_info)])

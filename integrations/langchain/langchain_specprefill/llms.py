@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from specprefill_rag.aio import iterate_in_thread
-from specprefill_rag.chat import ChatMessage, chat_layout
+from specprefill_rag.chat import ChatMessage
+from specprefill_rag.results import StreamChunk
 
 from langchain_specprefill._settings import SpecPrefillSettings
-from langchain_specprefill.documents import documents_argument
 
 
 class SpecPrefillLLM(SpecPrefillSettings, LLM):
@@ -33,20 +34,20 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
-        params, options = self._call_options(stop, kwargs)
-        engine = self.engine
-        layout = chat_layout(
-            engine.tokenizer,
-            [ChatMessage("user", [prompt])],
-            documents_argument(options.get("documents")),
-            self.protect_tail_tokens,
-            question=options.get("question"),
-        )
-        for chunk in engine.stream_layout(layout.layout, params, options.get("keep_rate")):
-            info = None
-            if chunk.result is not None:
-                info = {**self._response_metadata(chunk.result, layout.document_source)}
-            yield GenerationChunk(text=chunk.text, generation_info=info)
+        layout, params, keep_rate = self._request([ChatMessage("user", [prompt])], stop, kwargs)
+        for chunk in self.engine.stream_layout(layout.layout, params, keep_rate):
+            yield self._chunk(chunk, layout.document_source)
+
+    async def _achunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> AsyncIterator[GenerationChunk]:
+        """:meth:`_chunks` on the event loop (the engine's native async path)."""
+        layout, params, keep_rate = self._request([ChatMessage("user", [prompt])], stop, kwargs)
+        async with aclosing(self.engine.astream_layout(layout.layout, params, keep_rate)) as chunks:
+            async for chunk in chunks:
+                yield self._chunk(chunk, layout.document_source)
+
+    def _chunk(self, chunk: StreamChunk, document_source: str) -> GenerationChunk:
+        info = self._response_metadata(chunk.result, document_source) if chunk.result is not None else None
+        return GenerationChunk(text=chunk.text, generation_info=info)
 
     def _call(
         self,
@@ -65,12 +66,21 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         **kwargs: Any,
     ) -> LLMResult:
         """One generation per prompt, with the SpecPrefill stats in ``generation_info``."""
-        generations = []
-        for prompt in prompts:
-            chunks = list(self._chunks(prompt, stop, kwargs))
-            text = "".join(chunk.text for chunk in chunks)
-            generations.append([Generation(text=text, generation_info=chunks[-1].generation_info)])
-        return LLMResult(generations=generations)
+        return LLMResult(generations=[_generation(list(self._chunks(prompt, stop, kwargs))) for prompt in prompts])
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        """:meth:`_generate` on the event loop; the prompts run concurrently."""
+
+        async def one(prompt: str) -> list[Generation]:
+            return _generation([chunk async for chunk in self._achunks(prompt, stop, kwargs)])
+
+        return LLMResult(generations=list(await asyncio.gather(*(one(prompt) for prompt in prompts))))
 
     def _stream(
         self,
@@ -91,7 +101,13 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        async for chunk in iterate_in_thread(lambda: self._chunks(prompt, stop, kwargs)):
-            if run_manager:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
+        async with aclosing(self._achunks(prompt, stop, kwargs)) as chunks:
+            async for chunk in chunks:
+                if run_manager:
+                    await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+
+
+def _generation(chunks: list[GenerationChunk]) -> list[Generation]:
+    """One generation from a whole stream, with the SpecPrefill stats of its last chunk."""
+    return [Generation(text="".join(chunk.text for chunk in chunks), generation_info=chunks[-1].generation_info)]

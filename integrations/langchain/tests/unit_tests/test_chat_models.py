@@ -106,6 +106,27 @@ async def test_async_does_not_block_the_event_loop(chat):
     assert ticks > 0.2 * elapsed / 0.001 * 0.1  # the loop kept running while the model worked
 
 
+async def test_async_calls_take_the_engine_native_async_path(chat, tiny_engine, monkeypatch):
+    documents = random_documents(3, 80)
+    expected = chat.invoke([HumanMessage(QUESTION)], documents=documents)
+    llm = SpecPrefillLLM.from_engine(tiny_engine, max_tokens=6)
+    expected_text = llm.invoke(QUESTION, documents=documents)
+
+    def blocking(*args, **kwargs):
+        raise AssertionError("an async call went through the blocking engine path")
+
+    monkeypatch.setattr(tiny_engine, "stream_layout", blocking)
+    streamed = [c async for c in chat.astream([HumanMessage(QUESTION)], documents=documents)]
+    invoked = await chat.ainvoke([HumanMessage(QUESTION)], documents=documents)
+    assert "".join(c.content for c in streamed) == invoked.content == expected.content
+    assert invoked.response_metadata["spec_prefill"]["kept_tokens"] == expected.response_metadata["spec_prefill"]["kept_tokens"]
+    assert await llm.ainvoke(QUESTION, documents=documents) == expected_text
+    assert "".join([c async for c in llm.astream(QUESTION, documents=documents)]) == expected_text
+    generations = (await llm.agenerate([QUESTION, QUESTION], documents=documents)).generations
+    assert [g[0].text for g in generations] == [expected_text] * 2
+    assert generations[0][0].generation_info["spec_prefill"]["compressed"]
+
+
 async def test_abatch_32_concurrent_requests_match_sequential(chat):
     """Each request brings its own documents (as text-plain blocks); abatch must not mix them up."""
 
