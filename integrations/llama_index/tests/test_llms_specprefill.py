@@ -132,9 +132,14 @@ def test_streaming_deltas_add_up_and_callbacks_fire(llm):
     assert len(debug.get_event_pairs(CBEventType.LLM)) >= 3
 
 
-async def test_async_forms(llm):
+async def test_async_forms(llm, tiny_engine, monkeypatch):
     documents = random_documents(2, 60)
     expected = llm.complete("When?", documents=documents).text
+
+    def blocking(*args, **kwargs):
+        raise AssertionError("an async call went through the blocking engine path")
+
+    monkeypatch.setattr(tiny_engine, "stream_layout", blocking)  # async forms use the engine's async path
     assert (await llm.acomplete("When?", documents=documents)).text == expected
     stream = await llm.astream_complete("When?", documents=documents)
     assert [r async for r in stream][-1].text == expected

@@ -12,8 +12,8 @@ variable. Without it, the context is split at blank lines, which is how LlamaInd
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from contextlib import aclosing
 from contextvars import ContextVar
 from typing import Any
 
@@ -38,7 +38,6 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode
 from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
-from specprefill_rag.aio import iterate_in_thread
 from specprefill_rag.chat import ChatLayout, chat_layout
 from specprefill_rag.chat import ChatMessage as CoreMessage
 from specprefill_rag.config import DEFAULT_MODEL, adapter_config
@@ -229,8 +228,6 @@ class SpecPrefillLLM(CustomLLM):
         return GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                                 top_p=self.top_p, seed=self.seed, stop=tuple(self.stop or ()))
 
-    def _run(self, layout: ChatLayout, kwargs: dict[str, Any]) -> Iterator[StreamChunk]:
-        return self.engine.stream_layout(layout.layout, self._params(), kwargs.get("keep_rate"))
 
     @staticmethod
     def _raw(chunk: StreamChunk, layout: ChatLayout) -> dict[str, Any]:
@@ -241,13 +238,25 @@ class SpecPrefillLLM(CustomLLM):
                  "total_tokens": chunk.stats.prompt_tokens + chunk.stats.completion_tokens}
         return {"usage": usage, "spec_prefill": stats, "finish_reason": chunk.finish_reason}
 
+    def _response(self, chunk: StreamChunk, text: str, layout: ChatLayout) -> CompletionResponse:
+        """The response for one engine chunk; ``text`` is everything generated so far."""
+        raw = self._raw(chunk, layout)
+        return CompletionResponse(text=text, delta=chunk.text, raw=raw,
+                                  additional_kwargs={"spec_prefill": raw["spec_prefill"]} if raw else {})
+
     def _completions(self, layout: ChatLayout, kwargs: dict[str, Any]) -> CompletionResponseGen:
         text = ""
-        for chunk in self._run(layout, kwargs):
+        for chunk in self.engine.stream_layout(layout.layout, self._params(), kwargs.get("keep_rate")):
             text += chunk.text
-            raw = self._raw(chunk, layout)
-            yield CompletionResponse(text=text, delta=chunk.text, raw=raw,
-                                     additional_kwargs={"spec_prefill": raw["spec_prefill"]} if raw else {})
+            yield self._response(chunk, text, layout)
+
+    async def _acompletions(self, layout: ChatLayout, kwargs: dict[str, Any]) -> CompletionResponseAsyncGen:
+        """:meth:`_completions` on the event loop (the engine's native async path)."""
+        text = ""
+        async with aclosing(self.engine.astream_layout(layout.layout, self._params(), kwargs.get("keep_rate"))) as chunks:
+            async for chunk in chunks:
+                text += chunk.text
+                yield self._response(chunk, text, layout)
 
     def _prompt_layout(self, prompt: str, kwargs: dict[str, Any]) -> ChatLayout:
         captured = getattr(prompt, "template_args", {})
@@ -278,26 +287,24 @@ class SpecPrefillLLM(CustomLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        layout = self._prompt_layout(prompt, kwargs)
-        return await asyncio.to_thread(lambda: _last(self._completions(layout, kwargs)))
+        return await _alast(self._acompletions(self._prompt_layout(prompt, kwargs), kwargs))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        layout = self._prompt_layout(prompt, kwargs)
-        return iterate_in_thread(lambda: self._completions(layout, kwargs))
+        return self._acompletions(self._prompt_layout(prompt, kwargs), kwargs)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        layout = self._chat_layout(messages, kwargs)
-        return await asyncio.to_thread(lambda: _as_chat(_last(self._completions(layout, kwargs))))
+        return _as_chat(await _alast(self._acompletions(self._chat_layout(messages, kwargs), kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        layout = self._chat_layout(messages, kwargs)
+        completions = self._acompletions(self._chat_layout(messages, kwargs), kwargs)
 
         async def responses() -> ChatResponseAsyncGen:
-            async for completion in iterate_in_thread(lambda: self._completions(layout, kwargs)):
-                yield _as_chat(completion)
+            async with aclosing(completions):
+                async for completion in completions:
+                    yield _as_chat(completion)
 
         return responses()
 
@@ -306,6 +313,15 @@ def _last(responses: CompletionResponseGen) -> CompletionResponse:
     response = None
     for response in responses:
         pass
+    assert response is not None  # the engine always yields a final chunk
+    return response
+
+
+async def _alast(responses: CompletionResponseAsyncGen) -> CompletionResponse:
+    response = None
+    async with aclosing(responses):
+        async for response in responses:
+            pass
     assert response is not None  # the engine always yields a final chunk
     return response
 
