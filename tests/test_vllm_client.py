@@ -34,6 +34,7 @@ class StandIn(BaseHTTPRequestHandler):
     tokens: tuple = (5, 6, 7)
     delay = 0.0
     barrier: threading.Barrier | None = None
+    refuse_in_stream = False
     disconnected: threading.Event
 
     def log_message(self, *args):
@@ -56,8 +57,9 @@ class StandIn(BaseHTTPRequestHandler):
             return self._json(404, {"error": "not found"})
         if "specprefill_probe" in body.get("vllm_xargs", {}):
             return self._json(400, {"error": {"message": f"{PROBE_MARKER}: probe"}}) if self.plugin else self._json(200, {})
-        if body["max_tokens"] > MAX_TOKENS_ALLOWED:
-            return self._json(400, {"error": {"message": f"max_tokens {body['max_tokens']} is too many"}})
+        refusal = {"error": {"message": f"max_tokens {body['max_tokens']} is too many", "code": 400}}
+        if body["max_tokens"] > MAX_TOKENS_ALLOWED and not self.refuse_in_stream:
+            return self._json(400, refusal)
         type(self).bodies.append(body)
         if self.barrier is not None:
             self.barrier.wait()
@@ -70,6 +72,9 @@ class StandIn(BaseHTTPRequestHandler):
             self.disconnected.set()
 
     def _stream_tokens(self):
+        if self.refuse_in_stream:  # what vLLM does when it refuses a streamed request: status 200, an error event
+            self.wfile.write(f"data: {json.dumps({'error': {'message': 'max_tokens is too many', 'code': 400}})}\n\n".encode())
+            return
         for token in self.tokens:
             time.sleep(self.delay)
             chunk = {"choices": [{"index": 0, "text": "", "token_ids": [token]}]}
@@ -168,11 +173,12 @@ def test_engine_async_stream_over_http_matches_sync(stand_in, tiny_model_dir):
     assert handler.bodies[-1] == handler.bodies[-2]
 
 
-def test_async_client_maps_4xx_to_invalid_request_with_detail(serve_stand_in):
-    url, _ = serve_stand_in()
+@pytest.mark.parametrize("refusal", ["status", "stream-event"])
+def test_async_client_maps_4xx_to_invalid_request_with_detail(serve_stand_in, refusal):
+    url, _ = serve_stand_in(refuse_in_stream=refusal == "stream-event")
     backend = VLLMServerBackend(url, frozenset())
     params = GenerationParams(max_new_tokens=MAX_TOKENS_ALLOWED + 1)
-    match = r"refused the request \(400\).*max_tokens 501 is too many"
+    match = r"refused the request \(400\).*max_tokens (501 )?is too many"
     with pytest.raises(InvalidRequestError, match=match):
         list(backend.generate(PROMPT, params))
     with pytest.raises(InvalidRequestError, match=match):

@@ -56,13 +56,21 @@ def _without_eos(tokens: list[int], eos_ids: frozenset[int]) -> Iterator[int]:
 
 def sse_tokens(line: str | bytes, eos_ids: frozenset[int]) -> tuple[list[int], bool]:
     """Token ids carried by one server-sent-events line of a streamed completion, up to the first
-    end-of-sequence id, and whether one was found (the stream is then over)."""
+    end-of-sequence id, and whether one was found (the stream is then over).
+
+    A streamed request that vLLM refuses still gets status 200; the refusal comes as an ``error``
+    event, raised here as for a non-streamed one (4xx: :class:`InvalidRequestError`)."""
     text = line.decode() if isinstance(line, bytes) else line
     text = text.strip()
     if not text.startswith("data:") or text == "data: [DONE]":
         return [], False
+    event = json.loads(text[len("data:") :])
+    if "error" in event:
+        error = event["error"]
+        code = error.get("code") if isinstance(error, dict) else None
+        raise _refused(code if isinstance(code, int) else 500, json.dumps(event))
     tokens: list[int] = []
-    for choice in json.loads(text[len("data:") :])["choices"]:
+    for choice in event["choices"]:
         for token in choice.get("token_ids") or []:
             if token in eos_ids:
                 return tokens, True
