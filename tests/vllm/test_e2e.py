@@ -4,6 +4,7 @@ One in-process engine (chunked prefill forced with 16-token steps, prefix cachin
 OpenAI-compatible server on 127.0.0.1, both on a tiny random Llama.
 """
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -123,6 +124,8 @@ def test_server_engine_matches_transformers_engine(server, tiny_folder):
     assert got.token_ids == expected.token_ids
     streamed = list(remote.stream_layout(layout, params))
     assert "".join(c.text for c in streamed) == expected.text
+    awaited = asyncio.run(remote.agenerate_layout(layout, params))  # the native async (httpx) client
+    assert awaited.token_ids == expected.token_ids and awaited.text == expected.text
 
 
 def test_server_refuses_bad_positions_and_keeps_serving(server, tiny_folder):
@@ -133,6 +136,13 @@ def test_server_refuses_bad_positions_and_keeps_serving(server, tiny_folder):
            "vllm_xargs": {"specprefill_prompt_length": 10, "specprefill_runs": [4, 2, 1, 1]}}
     with pytest.raises(InvalidRequestError, match="400.*increasing"):
         backend._request("POST", "/v1/completions", bad)
+    unordered = SparsePrompt(torch.tensor([5, 6, 7]), torch.tensor([4, 0, 9]), 10)
+
+    async def tokens():
+        return [token async for token in backend.agenerate(unordered, GenerationParams(max_new_tokens=2))]
+
+    with pytest.raises(InvalidRequestError, match="400.*increasing"):
+        asyncio.run(tokens())
     good = SparsePrompt(torch.tensor([5, 6, 7]), torch.tensor([0, 4, 9]), 10)
     assert len(list(backend.generate(good, GenerationParams(max_new_tokens=3)))) <= 3
 
