@@ -1,21 +1,28 @@
 """Answer-quality study: SpecPrefill and baselines at several keep rates, same main model.
 
-Tasks, built from ../shared/data (read in place, never copied):
-  squad   a SQuAD v1.1 question's paragraph among distractor paragraphs of other articles, gold at a
-          random depth; scored by normalised containment, EM and F1 against the gold answers
-  niah    a needle sentence (several kinds) at depths 0-100% of Paul Graham essays split into
-          documents; scored by containment of the needle's answer
+Tasks (benchmarks/tasks.py, data read in place from ../shared/data):
+  squad      a SQuAD v1.1 question's paragraph among distractor paragraphs of other articles
+  hotpotqa   HotpotQA distractor setting: 10 paragraphs, 2 gold
+  nq         NQ-open with its gold passage among passages of other questions
+  niah       a needle sentence (five kinds) at depths 0-100% of Paul Graham essays
+  longbench  LongBench v1 samples with the official prompts, contexts middle-truncated
 
 Methods (all share one prompt layout and one main model):
-  specprefill      draft = the main model's sibling (here: the same SmolLM2-135M), look-ahead 8
+  specprefill      draft = SmolLM2-135M (the paper's algorithm), look-ahead 8
   specprefill-la1  the same draft, look-ahead 1
   self-<n>         the main model's first n layers as draft
   contiguous       specprefill's kept tokens, renumbered 0..K-1 (what original positions are worth)
+  longllmlingua    LongLLMLingua (real ``llmlingua`` package, SmolLM2-135M as its compressor)
   random           random chunks at the same budget (seeded)
   first            the first tokens of every document at the same budget
-LongLLMLingua is not in this script yet (see BENCHMARKS.md).
 
-    python benchmarks/quality.py --task squad --samples 40 --keep-rates 0.1 0.3 1.0
+Metrics per answer: normalised containment of a gold answer, SQuAD EM and F1, the main model's
+mean log-probability per token of the first gold answer given the prefilled prompt (teacher forced:
+a continuous signal that still moves where a small model rarely answers right), whether any gold
+document token was prefilled, and whether a gold answer string survives in the prefilled document
+text. Retention = score / full-prefill score.
+
+    python benchmarks/quality.py --task squad --samples 40 --keep-rates 0.1 0.3 0.5
 """
 
 from __future__ import annotations
@@ -29,31 +36,24 @@ import string
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+import tasks
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
+from specprefill_rag.chat import ChatMessage, chat_layout
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.detokenize import IncrementalText
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
+from specprefill_rag.prompt import PromptLayout
 from specprefill_rag.selection import select_kept
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
+ROOT = tasks.ROOT
 INSTRUCTIONS = "Answer the question using the documents. Answer with a short phrase."
-NEEDLES = [
-    ("The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
-     "What is the best thing to do in San Francisco?", ["sandwich", "dolores park"]),
-    ("The secret ingredient of Grandma Rosa's soup is smoked paprika.",
-     "What is the secret ingredient of Grandma Rosa's soup?", ["paprika"]),
-    ("The access code for the Halvorsen vault is 4417.", "What is the access code for the Halvorsen vault?", ["4417"]),
-    ("The capital of the fictional island of Veltra is Marisport.", "What is the capital of the island of Veltra?",
-     ["marisport"]),
-    ("Doctor Amina Osei keeps her spare keys inside a blue teapot.", "Where does Doctor Amina Osei keep her spare keys?",
-     ["teapot"]),
-]
 
 
 # -- scoring (standard SQuAD normalisation) ---------------------------------------------------------
@@ -81,46 +81,48 @@ def scores(prediction: str, answers: list[str]) -> dict[str, float]:
     }
 
 
-# -- tasks ------------------------------------------------------------------------------------------
-
-def squad_samples(count: int, n_documents: int, seed: int) -> list[dict]:
-    articles = json.loads((DATA / "squad" / "dev-v1.1.reconstructed.json").read_text())["data"]
-    rng = random.Random(seed)
-    samples = []
-    for _ in range(count):
-        article = rng.randrange(len(articles))
-        paragraph = rng.choice(articles[article]["paragraphs"])
-        qa = rng.choice(paragraph["qas"])
-        others = [a for i, a in enumerate(articles) if i != article]
-        distractors = [rng.choice(rng.choice(others)["paragraphs"])["context"] for _ in range(n_documents - 1)]
-        depth = rng.randrange(n_documents)
-        documents = distractors[:depth] + [paragraph["context"]] + distractors[depth:]
-        samples.append({"question": qa["question"], "documents": documents, "answers": [a["text"] for a in qa["answers"]],
-                        "gold_document": depth})
-    return samples
+def load_samples(args: argparse.Namespace, tokenizer) -> list[dict]:
+    tasks.require_data()
+    if args.task == "squad":
+        return tasks.squad(args.samples, args.documents, args.seed)
+    if args.task == "hotpotqa":
+        return tasks.hotpotqa(args.samples, args.seed)
+    if args.task == "nq":
+        return tasks.nq(args.samples, args.documents, args.seed)
+    if args.task == "niah":
+        return tasks.niah(args.samples, tokenizer, args.length, args.seed)
+    return tasks.longbench(args.samples, tokenizer, args.length, args.seed)
 
 
-def niah_samples(count: int, tokenizer, length: int, seed: int) -> list[dict]:
-    essays = sorted(p for p in (DATA / "niah_paul_graham").glob("*.txt") if "LICENSE" not in p.name)
-    ids = tokenizer("\n\n".join(p.read_text() for p in essays), add_special_tokens=False)["input_ids"]
-    rng = random.Random(seed)
-    samples, n_documents = [], 5
-    for index in range(count):
-        needle, question, answers = NEEDLES[index % len(NEEDLES)]
-        start = rng.randrange(len(ids) - length)
-        per_document = length // n_documents
-        documents = [tokenizer.decode(ids[start + i * per_document : start + (i + 1) * per_document]) for i in range(n_documents)]
-        depth = (index * 7) % 11 / 10  # 0%, 10%, ... 100% of the haystack, spread over the samples
-        target = min(int(depth * n_documents), n_documents - 1)
-        sentences = documents[target].split(". ")
-        cut = int(len(sentences) * (depth * n_documents - target))
-        documents[target] = ". ".join(sentences[:cut] + [needle.rstrip(".")] + sentences[cut:])
-        samples.append({"question": question, "documents": documents, "answers": answers, "gold_document": target,
-                        "depth": depth})
-    return samples
+def sample_layout(engine: SpecPrefillEngine, sample: dict, documents: list[str] | None = None) -> PromptLayout:
+    """The sample's prompt: the official LongBench prompt with documents located in it, else our RAG layout."""
+    documents = sample["documents"] if documents is None else documents
+    if "prompt" not in sample:
+        return engine.layout(sample["question"], documents, INSTRUCTIONS)
+    message = ChatMessage("user", [sample["prompt"].replace("{context}", "".join(documents))])
+    return chat_layout(engine.tokenizer, [message], documents=documents, insert_missing=False).layout
 
 
-# -- methods: each maps (layout, keep_rate) -> (kept indices, position ids) -------------------------
+# -- methods: each maps (sample, layout, keep_rate) -> the tokens the main model prefills ------------
+
+@dataclass
+class Prefill:
+    """What the main model prefills: ``layout.input_ids[kept]`` at ``positions`` (both ``[K]``)."""
+
+    layout: PromptLayout
+    kept: torch.Tensor
+    positions: torch.Tensor
+
+    @property
+    def prompt_length(self) -> int:
+        """Where generated tokens continue: L with original positions, K when renumbered."""
+        return len(self.layout) if torch.equal(self.positions, self.kept) else int(self.kept.numel())
+
+    @classmethod
+    def whole(cls, layout: PromptLayout) -> Prefill:
+        everything = torch.arange(len(layout))
+        return cls(layout, everything, everything)
+
 
 def first_tokens(document_index: torch.Tensor, keep_rate: float) -> torch.Tensor:
     """Keep every non-document token and the first ceil(keep_rate * n_d) tokens of each document d."""
@@ -132,41 +134,62 @@ def first_tokens(document_index: torch.Tensor, keep_rate: float) -> torch.Tensor
     return torch.nonzero(keep).flatten()
 
 
-def make_methods(engine: SpecPrefillEngine, self_layers: list[int], seed: int) -> dict[str, Callable]:
+def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[str, Callable]:
+    """The methods named in ``args.methods``; each call takes (sample, layout, keep_rate)."""
     model = engine.main.model
     drafts = {
-        "specprefill": ModelDraft(engine.draft.model, look_ahead=8, pool_kernel=13, eos_token_ids=engine.backend.eos_ids),
-        "specprefill-la1": ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13),
-        **{f"self-{n}": LayerPrefixDraft(model, n, 13) for n in self_layers},
+        "specprefill": lambda: ModelDraft(engine.draft.model, look_ahead=8, pool_kernel=13, eos_token_ids=engine.backend.eos_ids),
+        "specprefill-la1": lambda: ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13),
+        **{f"self-{n}": (lambda n=n: LayerPrefixDraft(model, n, 13)) for n in args.self_layers},
     }
-    cache: dict[str, torch.Tensor] = {}  # one prompt's scores: build the methods anew for each prompt
+    drafts = {name: make() for name, make in drafts.items() if name in args.methods or
+              (name == "specprefill" and "contiguous" in args.methods)}
+    scored: dict[tuple[int, str], torch.Tensor] = {}  # (id of layout, draft) -> importance [L]
 
     def draft_method(name: str, renumber: bool = False) -> Callable:
-        def run(layout, keep_rate: float):
-            if name not in cache:
-                cache[name] = drafts[name].score(layout.input_ids)
-            kept = select_kept(cache[name], layout.document_index, keep_rate=keep_rate, chunk_size=32)
-            return kept, (torch.arange(kept.numel()) if renumber else kept)
+        def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
+            key = (id(layout), name)
+            if key not in scored:
+                scored.clear() if len(scored) > 16 else None
+                scored[key] = drafts[name].score(layout.input_ids)
+            kept = select_kept(scored[key], layout.document_index, keep_rate=keep_rate, chunk_size=32)
+            return Prefill(layout, kept, torch.arange(kept.numel()) if renumber else kept)
         return run
 
-    def random_chunks(layout, keep_rate: float):
-        generator = torch.Generator().manual_seed(seed + len(layout))
+    def random_chunks(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
+        generator = torch.Generator().manual_seed(args.seed + len(layout))
         kept = select_kept(torch.rand(len(layout), generator=generator), layout.document_index, keep_rate=keep_rate,
                            chunk_size=32)
-        return kept, kept
+        return Prefill(layout, kept, kept)
 
-    def first(layout, keep_rate: float):
+    def first(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
         kept = first_tokens(layout.document_index, keep_rate)
-        return kept, kept
+        return Prefill(layout, kept, kept)
 
     methods = {name: draft_method(name) for name in drafts}
     methods.update({"contiguous": draft_method("specprefill", renumber=True), "random": random_chunks, "first": first})
-    return methods
+    if "longllmlingua" in args.methods:
+        methods["longllmlingua"] = longllmlingua_method(engine)
+    return {name: methods[name] for name in args.methods}
 
 
-def answer(engine: SpecPrefillEngine, layout, kept: torch.Tensor, positions: torch.Tensor, max_new_tokens: int) -> str:
-    prompt_length = len(layout) if torch.equal(positions, kept) else int(kept.numel())
-    prompt = SparsePrompt(layout.input_ids[kept], positions, prompt_length)
+def longllmlingua_method(engine: SpecPrefillEngine) -> Callable:
+    from longllmlingua import LongLLMLingua
+    from specprefill_rag.models import resolve
+
+    compressor = LongLLMLingua(resolve(engine.config.main))
+
+    def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
+        compressed = compressor.compress(sample["documents"], sample["question"], keep_rate)
+        return Prefill.whole(sample_layout(engine, sample, [compressed]))
+
+    return run
+
+
+# -- one answer -------------------------------------------------------------------------------------
+
+def generate(engine: SpecPrefillEngine, prefill: Prefill, max_new_tokens: int) -> str:
+    prompt = SparsePrompt(prefill.layout.input_ids[prefill.kept], prefill.positions, prefill.prompt_length)
     text = IncrementalText(engine.tokenizer, ("\n",))
     for token in engine.backend.generate(prompt, GenerationParams(max_new_tokens=max_new_tokens)):
         text.push(token)
@@ -174,6 +197,39 @@ def answer(engine: SpecPrefillEngine, layout, kept: torch.Tensor, positions: tor
             break
     text.finish()
     return text.emitted.strip()
+
+
+@torch.inference_mode()
+def answer_logprob(engine: SpecPrefillEngine, prefill: Prefill, answer: str) -> float:
+    """Mean log-probability per token of ``answer`` right after the prefilled prompt (teacher forced)."""
+    from transformers import DynamicCache
+
+    answer_ids = torch.tensor(engine.tokenizer(answer, add_special_tokens=False)["input_ids"])
+    ids = torch.cat([prefill.layout.input_ids[prefill.kept], answer_ids])
+    positions = torch.cat([prefill.positions, prefill.prompt_length + torch.arange(answer_ids.numel())])
+    # a fresh cache: without one, transformers reads gaps in position_ids as packed sequences
+    logits = engine.main.model(input_ids=ids[None], position_ids=positions[None], past_key_values=DynamicCache()).logits[0]
+    predicting = logits[prefill.kept.numel() - 1 : -1].float().log_softmax(-1)
+    return float(predicting.gather(1, answer_ids[:, None]).mean())
+
+
+def evaluate(engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_tokens: int) -> dict:
+    """Scores of one method's prefill on one sample."""
+    generated = {}
+    if max_new_tokens:  # 0: the log-probability study only
+        text = generate(engine, prefill, max_new_tokens)
+        generated = {"answer": text, **scores(text, sample["answers"])}
+    document_index = prefill.layout.document_index[prefill.kept]
+    document_ids = prefill.layout.input_ids[prefill.kept][document_index >= 0]
+    kept_text = normalise(engine.tokenizer.decode(document_ids))
+    return {
+        **generated,
+        "logprob": answer_logprob(engine, prefill, sample["answers"][0]),
+        "answer_kept": float(any(normalise(a) in kept_text for a in sample["answers"])),
+        "gold_document_kept": float(any(int(d) in sample["gold_documents"] for d in document_index.unique())),
+        "kept_share": document_ids.numel(),  # divided by the full prompt's document tokens in run()
+        "prefill_tokens": int(prefill.kept.numel()),
+    }
 
 
 # -- study ------------------------------------------------------------------------------------------
@@ -188,96 +244,114 @@ def bootstrap_interval(values: list[float], seed: int = 0, rounds: int = 2000) -
 
 def run(args: argparse.Namespace) -> dict:
     engine = SpecPrefillEngine(min_prompt_tokens=0)
-    if args.task == "squad":
-        samples = squad_samples(args.samples, args.documents, args.seed)
-    else:
-        samples = niah_samples(args.samples, engine.tokenizer, args.length, args.seed)
+    samples = load_samples(args, engine.tokenizer)
+    methods = make_methods(engine, args)
     records = []
-    started = time.perf_counter()
-    for index, sample in enumerate(samples):
-        layout = engine.layout(sample["question"], sample["documents"], INSTRUCTIONS)
-        methods = make_methods(engine, args.self_layers, args.seed)
-        full = answer(engine, layout, torch.arange(len(layout)), torch.arange(len(layout)), args.max_new_tokens)
-        records.append({"sample": index, "method": "full", "keep_rate": 1.0, "answer": full, **scores(full, sample["answers"])})
+    for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
+        layout = sample_layout(engine, sample)
+        document_tokens = layout.n_document_tokens
+        full = evaluate(engine, sample, Prefill.whole(layout), args.max_new_tokens)
+        records.append({"sample": index, "method": "full", "keep_rate": 1.0, **full, "gold_document_kept": 1.0,
+                        "kept_share": 1.0})
         for name, method in methods.items():
             for keep_rate in args.keep_rates:
-                kept, positions = method(layout, keep_rate)
-                text = answer(engine, layout, kept, positions, args.max_new_tokens)
-                kept_gold = float((layout.document_index[kept] == sample["gold_document"]).any())
-                records.append({"sample": index, "method": name, "keep_rate": keep_rate, "answer": text,
-                                "gold_document_kept": kept_gold, **scores(text, sample["answers"])})
-        elapsed = time.perf_counter() - started
-        print(f"[{index + 1}/{len(samples)}] {elapsed:.0f}s, prompt {len(layout)} tokens", flush=True)
-    return {"task": args.task, "samples": len(samples), "records": records, "settings": vars(args) | {"out": None}}
+                method_started = time.perf_counter()
+                result = evaluate(engine, sample, method(sample, layout, keep_rate), args.max_new_tokens)
+                result["kept_share"] /= document_tokens
+                records.append({"sample": index, "method": name, "keep_rate": keep_rate, **result,
+                                "seconds": time.perf_counter() - method_started})
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return {"task": args.task, "samples": len(samples), "records": records, "settings": settings}
 
 
 def summarise(report: dict, metric: str) -> list[dict]:
+    """One row per (method, keep rate): mean, bootstrap CI, retention and the paired change vs full."""
     records = report["records"]
     full = {r["sample"]: r[metric] for r in records if r["method"] == "full"}
     full_mean = sum(full.values()) / len(full)
-    rows = [{"method": "full", "keep_rate": 1.0, "score": full_mean, "ci": bootstrap_interval(list(full.values())),
-             "retention": 1.0}]
-    for method in dict.fromkeys(r["method"] for r in records if r["method"] != "full"):
+    rows = []
+    for method in dict.fromkeys(r["method"] for r in records):
         for keep_rate in sorted({r["keep_rate"] for r in records if r["method"] == method}):
             chosen = [r for r in records if r["method"] == method and r["keep_rate"] == keep_rate]
             values = [r[metric] for r in chosen]
             mean = sum(values) / len(values)
-            gold_kept = sum(r["gold_document_kept"] for r in chosen) / len(chosen)
-            rows.append({"method": method, "keep_rate": keep_rate, "score": mean, "ci": bootstrap_interval(values),
-                         "retention": mean / full_mean if full_mean else float("nan"), "gold_kept": gold_kept})
+            change = [r[metric] - full[r["sample"]] for r in chosen]
+            rows.append({
+                "method": method, "keep_rate": keep_rate, "score": mean, "ci": bootstrap_interval(values),
+                "change_ci": bootstrap_interval(change),
+                "retention": mean / full_mean if full_mean else float("nan"),
+                "gold_kept": sum(r["gold_document_kept"] for r in chosen) / len(chosen),
+                "answer_kept": sum(r["answer_kept"] for r in chosen) / len(chosen),
+                "kept_share": sum(r["kept_share"] for r in chosen) / len(chosen),
+            })
     return rows
 
 
 def markdown(report: dict, metric: str) -> str:
-    lines = [f"| method | keep | {metric} | 95% CI | retention | gold document kept |", "|---|---|---|---|---|---|"]
+    lines = [f"| method | keep | kept share | {metric} | 95% CI | retention | change vs full (95% CI) | "
+             "answer logprob | gold doc kept | answer kept |", "|---|---|---|---|---|---|---|---|---|---|"]
+    logprob = {(r["method"], r["keep_rate"]): r for r in summarise(report, "logprob")}
     for row in summarise(report, metric):
         low, high = row["ci"]
-        gold = f"{row['gold_kept']:.0%}" if "gold_kept" in row else "100%"
-        lines.append(f"| {row['method']} | {row['keep_rate']:g} | {row['score']:.3f} | {low:.2f}-{high:.2f} | "
-                     f"{row['retention']:.0%} | {gold} |")
+        change_low, change_high = row["change_ci"]
+        lp = logprob[(row["method"], row["keep_rate"])]
+        retention = f"{row['retention']:.0%}" if metric != "logprob" else "n/a"
+        lines.append(
+            f"| {row['method']} | {row['keep_rate']:g} | {row['kept_share']:.2f} | {row['score']:.3f} | {low:.2f} to {high:.2f} | "
+            f"{retention} | {change_low:+.2f} to {change_high:+.2f} | {lp['score']:.2f} "
+            f"({lp['change_ci'][0]:+.2f} to {lp['change_ci'][1]:+.2f}) | {row['gold_kept']:.0%} | {row['answer_kept']:.0%} |"
+        )
     return "\n".join(lines)
 
 
-def plot(report: dict, metric: str, path: Path) -> None:
+def plot(report: dict, metrics: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in summarise(report, metric) if r["method"] != "full"]
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        points = [(r["keep_rate"], r["score"]) for r in rows if r["method"] == method]
-        axes.plot(*zip(*points), marker="o", label=method)
-    full = summarise(report, metric)[0]["score"]
-    axes.axhline(full, color="black", linestyle="--", label="full prefill")
-    axes.set_xlabel("keep rate (share of document tokens)")
-    axes.set_ylabel(metric)
-    axes.set_title(f"{report['task']}: {report['samples']} samples, SmolLM2-135M")
-    axes.legend(fontsize=7)
+    figure, panels = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4))
+    for axes, metric in zip(panels if len(metrics) > 1 else [panels], metrics):
+        rows = summarise(report, metric)
+        for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
+            points = [(r["keep_rate"], r["score"]) for r in rows if r["method"] == method]
+            axes.plot(*zip(*points), marker="o", label=method)
+        axes.axhline(rows[0]["score"], color="black", linestyle="--", label="full prefill")
+        axes.set_xlabel("keep rate (share of document tokens)")
+        axes.set_ylabel(metric)
+        axes.set_title(f"{report['task']}: {report['samples']} samples, SmolLM2-135M")
+        axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
 
+ALL_METHODS = ["specprefill", "specprefill-la1", "self-8", "contiguous", "longllmlingua", "random", "first"]
+
+
 def main() -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    options.add_argument("--task", choices=["squad", "niah"], default="squad")
+    options.add_argument("--task", choices=["squad", "hotpotqa", "nq", "niah", "longbench"], default="squad")
     options.add_argument("--samples", type=int, default=40)
-    options.add_argument("--documents", type=int, default=10, help="squad: paragraphs per prompt")
-    options.add_argument("--length", type=int, default=2000, help="niah: haystack tokens")
+    options.add_argument("--documents", type=int, default=5, help="squad, nq: passages per prompt")
+    options.add_argument("--length", type=int, default=2000, help="niah: haystack tokens; longbench: context budget")
     options.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
+    options.add_argument("--methods", nargs="+", default=ALL_METHODS)
     options.add_argument("--self-layers", type=int, nargs="*", default=[8])
-    options.add_argument("--max-new-tokens", type=int, default=24)
+    options.add_argument("--max-new-tokens", type=int, default=16, help="0: skip generation, log-probabilities only")
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--out", type=Path)
     args = options.parse_args()
+    unknown = set(args.methods) - set(ALL_METHODS) - {f"self-{n}" for n in args.self_layers}
+    if unknown:
+        options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
     report = run(args)
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(report, indent=1))
-    table = markdown(report, "contains")
+    metrics = ["contains" if args.task != "longbench" else "f1", "logprob"] if args.max_new_tokens else ["logprob"]
+    table = markdown(report, metrics[0])
     Path(f"{out}.md").write_text(table + "\n")
-    plot(report, "contains", Path(f"{out}.png"))
+    plot(report, metrics, Path(f"{out}.png"))
     print(table)
 
 

@@ -1,0 +1,84 @@
+"""The benchmark helpers that a wrong number could hide behind: the LongLLMLingua shims and the tasks."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from tests.conftest import SHARED_DATA  # noqa: E402
+
+
+@torch.inference_mode()
+def test_legacy_cache_model_continues_like_one_forward(tiny_model, tokenizer):
+    from longllmlingua import LegacyCacheModel
+
+    ids = torch.tensor([tokenizer("Paris is the capital of France. The bridge opened in 1883.")["input_ids"]])
+    wrapped = LegacyCacheModel(tiny_model)
+    head = wrapped(ids[:, :5], attention_mask=torch.ones_like(ids[:, :5]))
+    assert isinstance(head.past_key_values, list) and len(head.past_key_values) == tiny_model.config.num_hidden_layers
+    # llmlingua slices these lists itself: keep the first 4 cached tokens, then continue from token 4
+    trimmed = [[k[:, :, :4], v[:, :, :4]] for k, v in head.past_key_values]
+    tail = wrapped(ids[:, 4:], attention_mask=torch.ones_like(ids), past_key_values=trimmed)
+    whole = tiny_model(input_ids=ids).logits
+    torch.testing.assert_close(tail.logits, whole[:, 4:], rtol=1e-4, atol=1e-4)
+    assert tail.past_key_values[0][0].shape[2] == ids.shape[1]
+
+
+def test_offline_tiktoken_restores_the_environment(monkeypatch):
+    from longllmlingua import offline_tiktoken
+
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    with offline_tiktoken():
+        import tiktoken
+
+        assert tiktoken.encoding_for_model("gpt-3.5-turbo").encode("hello world")
+    assert "TIKTOKEN_CACHE_DIR" not in os.environ
+
+
+def test_longllmlingua_compresses_with_the_real_package(tiny_model_dir):
+    from longllmlingua import LongLLMLingua
+
+    documents = [" ".join(["The bridge opened in 1883 after thirteen years of work."] * 12),
+                 " ".join(["Paris is the capital of France and a large city."] * 12)]
+    compressed = LongLLMLingua(tiny_model_dir).compress(documents, "When did the bridge open?", rate=0.3)
+    assert 0 < len(compressed) < 0.8 * sum(len(d) for d in documents)
+
+
+needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"evaluation data not found at {SHARED_DATA}")
+
+
+@needs_data
+def test_squad_and_nq_put_the_answer_in_the_gold_document():
+    import tasks
+
+    for sample in tasks.squad(5, 4, seed=0) + tasks.nq(5, 4, seed=0):
+        assert len(sample["documents"]) == 4
+        gold = sample["documents"][sample["gold_documents"][0]].lower()
+        assert any(answer.lower() in gold for answer in sample["answers"])
+
+
+@needs_data
+def test_hotpotqa_marks_both_gold_paragraphs():
+    import tasks
+
+    for sample in tasks.hotpotqa(5, seed=0):
+        assert len(sample["documents"]) == 10 and len(sample["gold_documents"]) == 2
+
+
+@needs_data
+def test_longbench_keeps_the_official_prompt_and_splits_passages(tokenizer):
+    import tasks
+
+    samples = tasks.longbench(30, tokenizer, max_tokens=4000, seed=0)
+    assert {s["dataset"] for s in samples} == set(tasks.LONGBENCH_TASKS)
+    for sample in samples:
+        assert "{context}" in sample["prompt"] and sample["question"] in sample["prompt"]
+        assert len(tokenizer("".join(sample["documents"]))["input_ids"]) <= 4010  # middle-truncated, re-tokenized
+    assert any(len(s["documents"]) > 1 for s in samples if s["dataset"] == "hotpotqa")
