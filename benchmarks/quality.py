@@ -10,7 +10,8 @@ Tasks (benchmarks/tasks.py, data read in place from ../shared/data):
 Methods (all share one prompt layout and one main model):
   specprefill      draft = SmolLM2-135M (the paper's algorithm), look-ahead 8
   specprefill-la1  the same draft, look-ahead 1
-  self-<n>         the main model's first n layers as draft
+  self-<n>[-w<W>]  the main model's first n layers as draft; queries: the last prompt token, or the
+                   last W prompt tokens
   contiguous       specprefill's kept tokens, renumbered 0..K-1 (what original positions are worth)
   longllmlingua    LongLLMLingua (real ``llmlingua`` package, SmolLM2-135M as its compressor)
   random           random chunks at the same budget (seeded)
@@ -134,13 +135,18 @@ def first_tokens(document_index: torch.Tensor, keep_rate: float) -> torch.Tensor
     return torch.nonzero(keep).flatten()
 
 
+def self_name(n_layers: int, window: int) -> str:
+    return f"self-{n_layers}" if window == 1 else f"self-{n_layers}-w{window}"
+
+
 def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[str, Callable]:
     """The methods named in ``args.methods``; each call takes (sample, layout, keep_rate)."""
     model = engine.main.model
     drafts = {
         "specprefill": lambda: ModelDraft(engine.draft.model, look_ahead=8, pool_kernel=13, eos_token_ids=engine.backend.eos_ids),
         "specprefill-la1": lambda: ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13),
-        **{f"self-{n}": (lambda n=n: LayerPrefixDraft(model, n, 13)) for n in args.self_layers},
+        **{self_name(n, w): (lambda n=n, w=w: LayerPrefixDraft(model, n, 13, w))
+           for n in args.self_layers for w in args.self_windows},
     }
     drafts = {name: make() for name, make in drafts.items() if name in args.methods or
               (name == "specprefill" and "contiguous" in args.methods)}
@@ -337,11 +343,12 @@ def main() -> None:
     options.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     options.add_argument("--methods", nargs="+", default=ALL_METHODS)
     options.add_argument("--self-layers", type=int, nargs="*", default=[8])
+    options.add_argument("--self-windows", type=int, nargs="*", default=[1], help="query window of self-<n> drafts")
     options.add_argument("--max-new-tokens", type=int, default=16, help="0: skip generation, log-probabilities only")
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--out", type=Path)
     args = options.parse_args()
-    unknown = set(args.methods) - set(ALL_METHODS) - {f"self-{n}" for n in args.self_layers}
+    unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     if unknown:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
     report = run(args)

@@ -35,9 +35,13 @@ def _attention_configs(model: nn.Module) -> list[Any]:
 
 
 @contextmanager
-def capture_attention(model: nn.Module, accumulator: ImportanceAccumulator, pool_kernel: int) -> Iterator[str]:
+def capture_attention(
+    model: nn.Module, accumulator: ImportanceAccumulator, pool_kernel: int, query_window: int = 1
+) -> Iterator[str]:
     """Score every attention call of ``model`` (batch 1) into ``accumulator``, for the ``with`` body only.
 
+    ``query_window`` = 1: the last query row of each call (the paper). ``W > 1``: the last ``W``
+    prompt tokens of the prefill call, one accumulator step each.
     Yields the private attention-implementation name in use (tests check it is gone afterwards).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -48,9 +52,12 @@ def capture_attention(model: nn.Module, accumulator: ImportanceAccumulator, pool
 
     def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):  # type: ignore[no-untyped-def]
         output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        last_query = query[0, :, -1]  # [H, d]
-        scale = scaling if scaling is not None else last_query.shape[-1] ** -0.5
-        accumulator.add(query_importance(last_query, key[0, :, :prompt_length], scale, pool_kernel))
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if query_window == 1:
+            accumulator.add(query_importance(query[0, :, -1], key[0, :, :prompt_length], scale, pool_kernel))
+        else:
+            window = query[0, :, -query_window:]  # [H, W, d], the prompt's last W tokens
+            accumulator.add_window(query_importance(window, key[0, :, :prompt_length], scale, pool_kernel))
         return output
 
     name = f"specprefill_capture_{next(_capture_ids)}"
@@ -141,20 +148,25 @@ class ModelDraft:
 
 @dataclass
 class LayerPrefixDraft:
-    """``self:<n>``: the first ``n_layers`` of the main model itself, weights shared, look-ahead 1.
+    """``self:<n>``: the first ``n_layers`` of the main model itself, weights shared.
 
-    For users without a smaller sibling model. The forward pass stops after layer ``n_layers``.
+    For users without a smaller sibling model. The forward pass stops after layer ``n_layers``, so no
+    look-ahead token can be decoded; the queries are instead the last ``query_window`` prompt tokens
+    (the question and the template around it), each seeing the prompt up to itself.
     """
 
     model: nn.Module
     n_layers: int
     pool_kernel: int = 13
+    query_window: int = 1
 
     @torch.inference_mode()
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
-        accumulator = ImportanceAccumulator(input_ids.numel(), 1, input_ids.device)
-        with capture_attention(self.model, accumulator, self.pool_kernel), stop_after_layers(self.model, self.n_layers):
+        window = min(self.query_window, input_ids.numel())
+        accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
+        capture = capture_attention(self.model, accumulator, self.pool_kernel, window)
+        with capture, stop_after_layers(self.model, self.n_layers):
             try:
                 self.model(**_step_inputs(input_ids, 0), use_cache=False, logits_to_keep=1)
             except _StopForward:

@@ -13,26 +13,34 @@ import torch.nn.functional as F
 
 
 def query_importance(query: torch.Tensor, keys: torch.Tensor, scaling: float, pool_kernel: int) -> torch.Tensor:
-    """Importance of every prompt token for one query token in one layer.
+    """Importance of every prompt token for one query token, or for a window of them, in one layer.
 
     Args:
-        query: ``[H, d]`` post-RoPE query of one token, all heads.
+        query: ``[H, d]`` post-RoPE query of one token that sees every prompt key (the last prompt
+            token or a look-ahead token), or ``[H, W, d]``: the last ``W`` prompt tokens, row ``w``
+            seeing keys ``0 .. L - W + w`` only (causal).
         keys: ``[H_kv, L, d]`` post-RoPE keys of the prompt; ``H`` must be a multiple of ``H_kv``
             (grouped-query attention: query head ``h`` reads KV head ``h // (H / H_kv)``).
         scaling: softmax scale, usually ``d ** -0.5``.
         pool_kernel: odd average-pooling kernel along the prompt (zero padded, as the paper's code).
 
     Returns:
-        ``[L]`` float32: max over heads of the pooled attention probabilities.
+        ``[L]`` float32 (or ``[W, L]`` for a window): max over heads of the pooled attention probabilities.
     """
-    n_heads, n_kv_heads = query.shape[0], keys.shape[0]
+    if query.dim() == 2:
+        return query_importance(query[:, None], keys, scaling, pool_kernel)[0]
+    n_heads, window, n_kv_heads, length = query.shape[0], query.shape[1], keys.shape[0], keys.shape[1]
     group = n_heads // n_kv_heads
-    grouped_query = query.float().view(n_kv_heads, group, -1)
-    logits = torch.matmul(grouped_query, keys.float().transpose(1, 2)) * scaling  # [H_kv, group, L]
-    probs = torch.softmax(logits, dim=-1).reshape(n_heads, 1, -1)
+    grouped_query = query.float().reshape(n_kv_heads, group * window, -1)
+    logits = torch.matmul(grouped_query, keys.float().transpose(1, 2)) * scaling  # [H_kv, group * W, L]
+    logits = logits.view(n_kv_heads, group, window, length)
+    if window > 1:
+        rows = torch.arange(window, device=keys.device)[:, None] + (length - window)
+        logits = logits.masked_fill(torch.arange(length, device=keys.device)[None, :] > rows, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).reshape(n_heads * window, 1, length)
     if pool_kernel > 1:
         probs = F.avg_pool1d(probs, kernel_size=pool_kernel, stride=1, padding=pool_kernel // 2)
-    return probs.squeeze(1).amax(dim=0)
+    return probs.view(n_heads, window, length).amax(dim=0)
 
 
 class ImportanceAccumulator:
@@ -53,6 +61,12 @@ class ImportanceAccumulator:
         """Fold one layer's ``[L]`` importance into the current step."""
         torch.maximum(self.scores[self.step], layer_importance, out=self.scores[self.step])
         self.seen[self.step] = True
+
+    def add_window(self, window_importance: torch.Tensor) -> None:
+        """Fold one layer's ``[W, L]`` importance of a query window into steps ``0 .. W-1``."""
+        rows = window_importance.shape[0]
+        torch.maximum(self.scores[:rows], window_importance, out=self.scores[:rows])
+        self.seen[:rows] = True
 
     def result(self) -> torch.Tensor:
         """``[L]`` float32 mean over the steps that saw at least one layer."""

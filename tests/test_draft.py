@@ -47,6 +47,19 @@ def test_query_importance_matches_naive_gqa():
     torch.testing.assert_close(got, pooled.amax(0))
 
 
+def test_query_window_rows_see_only_earlier_keys():
+    torch.manual_seed(0)
+    window, keys = torch.randn(6, 3, 8), torch.randn(2, 30, 8)
+    got = query_importance(window, keys, 8**-0.5, pool_kernel=5)
+    repeated = keys.repeat_interleave(3, dim=0)
+    for row in range(3):
+        visible = 30 - 3 + row + 1  # row w is prompt token L - W + w: it sees keys up to itself
+        probs = torch.softmax((repeated[:, :visible] @ window[:, row, :, None]).squeeze(-1) * 8**-0.5, dim=-1)
+        padded = F.pad(probs, (0, 30 - visible))
+        expected = F.avg_pool1d(padded[:, None], 5, 1, 2).squeeze(1).amax(0)
+        torch.testing.assert_close(got[row], expected)
+
+
 def test_accumulator_max_over_layers_mean_over_steps():
     accumulator = ImportanceAccumulator(3, n_steps=2)
     accumulator.add(torch.tensor([1.0, 0.0, 0.0]))
@@ -109,3 +122,19 @@ def test_draft_stops_look_ahead_at_eos(tokenizer, tiny_model):
     only_last = ModelDraft(tiny_model, look_ahead=1).score(input_ids)
     stopped = ModelDraft(tiny_model, look_ahead=4, eos_token_ids=frozenset({first})).score(input_ids)
     torch.testing.assert_close(stopped, only_last)
+
+
+def test_layer_prefix_draft_query_window_matches_reference(tokenizer, tiny_model):
+    input_ids = prompt_ids(tokenizer)
+    window, length = 5, input_ids.numel()
+    got = LayerPrefixDraft(tiny_model, n_layers=1, pool_kernel=13, query_window=window).score(input_ids)
+    implementation = tiny_model.config._attn_implementation
+    tiny_model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attention = tiny_model(input_ids[None], output_attentions=True).attentions[0]  # layer 0 only
+    finally:
+        tiny_model.set_attn_implementation(implementation)
+    rows = attention[0, :, length - window :, :length]  # [H, W, L], causal rows already sum to 1
+    pooled = F.avg_pool1d(rows.flatten(0, 1)[:, None], 13, 1, 6).view(rows.shape)
+    torch.testing.assert_close(got, pooled.amax(0).mean(0), atol=1e-5, rtol=1e-4)
