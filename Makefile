@@ -51,14 +51,21 @@ test-fast: install
 test-real: install
 	$(BIN)/python -m pytest -q -m real_model tests
 
-bench-quick: install  # a few minutes: 2k-token speed study, 3-sample quality smoke run
+bench-quick: install  # a few minutes: 2k-token speed study, 3-sample quality smoke run with the baselines
 	$(BIN)/python benchmarks/ttft.py --quick
-	$(BIN)/python benchmarks/quality.py --task squad --samples 3 --keep-rates 0.1 0.5 --out benchmarks/results/quick-quality-squad
+	$(BIN)/python benchmarks/quality.py --task squad --samples 3 --keep-rates 0.1 0.3 \
+		--methods specprefill longllmlingua random --out benchmarks/results/quick-quality-squad
 
-bench: install  # the full tables (about an hour on 2 cores)
+QUALITY := $(BIN)/python benchmarks/quality.py --keep-rates 0.1 0.2 0.3 0.5
+bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md for what each run took)
 	$(BIN)/python benchmarks/ttft.py
-	$(BIN)/python benchmarks/quality.py --task squad --samples 40
-	$(BIN)/python benchmarks/quality.py --task niah --samples 30
+	$(BIN)/python benchmarks/ttft_lengths.py --lengths 1024 2048 4096 8192
+	$(BIN)/python benchmarks/ttft_lengths.py --main smollm2-135m --lengths 1024 2048 4096 8192
+	$(QUALITY) --task niah --samples 40
+	$(QUALITY) --task squad --samples 40
+	$(QUALITY) --task hotpotqa --samples 40
+	$(QUALITY) --task nq --samples 40
+	$(QUALITY) --task longbench --samples 20
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache

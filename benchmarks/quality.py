@@ -248,7 +248,8 @@ def bootstrap_interval(values: list[float], seed: int = 0, rounds: int = 2000) -
     return means[int(0.025 * rounds)], means[int(0.975 * rounds)]
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
+    """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped)."""
     engine = SpecPrefillEngine(min_prompt_tokens=0)
     samples = load_samples(args, engine.tokenizer)
     methods = make_methods(engine, args)
@@ -266,8 +267,13 @@ def run(args: argparse.Namespace) -> dict:
                 result["kept_share"] /= document_tokens
                 records.append({"sample": index, "method": name, "keep_rate": keep_rate, **result,
                                 "seconds": time.perf_counter() - method_started})
+        save(make_report(args, index + 1, records))
+    return make_report(args, len(samples), records)
+
+
+def make_report(args: argparse.Namespace, n_samples: int, records: list[dict]) -> dict:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return {"task": args.task, "samples": len(samples), "records": records, "settings": settings}
+    return {"task": args.task, "samples": n_samples, "records": records, "settings": settings}
 
 
 def summarise(report: dict, metric: str) -> list[dict]:
@@ -351,15 +357,17 @@ def main() -> None:
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     if unknown:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
-    report = run(args)
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(report, indent=1))
     metrics = ["contains" if args.task != "longbench" else "f1", "logprob"] if args.max_new_tokens else ["logprob"]
-    table = markdown(report, metrics[0])
-    Path(f"{out}.md").write_text(table + "\n")
-    plot(report, metrics, Path(f"{out}.png"))
-    print(table)
+
+    def save(partial: dict) -> None:
+        Path(f"{out}.json").write_text(json.dumps(partial, indent=1))
+        Path(f"{out}.md").write_text(markdown(partial, metrics[0]) + "\n")
+
+    final = run(args, save)
+    plot(final, metrics, Path(f"{out}.png"))
+    print(markdown(final, metrics[0]))
 
 
 if __name__ == "__main__":
