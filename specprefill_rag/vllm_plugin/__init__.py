@@ -44,10 +44,12 @@ def register() -> None:
     import vllm
     from vllm import ModelRegistry
 
+    from .admission import install_length_check
     from .runner_v1 import install_position_remap
 
     check_vllm_version(vllm.__version__)
     for architecture, target in ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, target)
     install_position_remap()
+    install_length_check()
     logger.debug("specprefill-rag vLLM plugin registered %s", sorted(ARCHITECTURES))

@@ -147,6 +147,42 @@ def test_server_refuses_bad_positions_and_keeps_serving(server, tiny_folder):
     assert len(list(backend.generate(good, GenerationParams(max_new_tokens=3)))) <= 3
 
 
+def test_server_refuses_generation_past_max_model_len_and_keeps_serving(server, tiny_folder):
+    """K=3 fits, but generated tokens take positions L, L+1, ...: L=10 + max_tokens=1015 > 1024."""
+    import json
+    import urllib.error
+
+    from specprefill_rag.backends.vllm import VLLMServerBackend
+
+    backend = VLLMServerBackend(server, frozenset())
+    too_long = {"model": backend.model, "prompt": [5, 6, 7], "max_tokens": 1015,
+                "vllm_xargs": {"specprefill_prompt_length": 10, "specprefill_runs": [0, 1, 4, 1, 9, 1]}}
+    request = urllib.request.Request(server + "/v1/completions", json.dumps(too_long).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 400
+    assert "L=10 + max_tokens=1015 = 1025 exceeds max_model_len=1024" in refused.value.read().decode()
+    sparse = SparsePrompt(torch.tensor([5, 6, 7]), torch.tensor([0, 4, 9]), 10)
+    with pytest.raises(InvalidRequestError, match="400.*lower max_tokens to at most 1014 or send fewer documents"):
+        list(backend.generate(sparse, GenerationParams(max_new_tokens=1015)))
+    ordinary = SparsePrompt.full(torch.tensor([5, 6, 7]))
+    assert len(list(backend.generate(ordinary, GenerationParams(max_new_tokens=3)))) <= 3
+    assert len(list(backend.generate(sparse, GenerationParams(max_new_tokens=3)))) <= 3
+
+
+def test_offline_engine_refuses_generation_past_max_model_len(llm):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    spec = {"specprefill_prompt_length": 10, "specprefill_runs": [0, 1, 4, 1, 9, 1]}
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    with pytest.raises(VLLMValidationError, match="exceeds max_model_len=1024"):
+        llm.generate(prompt, SamplingParams(max_tokens=1015, extra_args=spec), use_tqdm=False)
+    output = llm.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True, extra_args=spec), use_tqdm=False)
+    assert len(output[0].outputs[0].token_ids) == 2
+
+
 def test_client_checks_context_before_sending(server, tiny_folder):
     remote = SpecPrefillEngine.for_vllm(server, draft=str(tiny_folder), min_prompt_tokens=0, look_ahead=2)
     layout = remote.layout("When?", random_documents(2, 40))
