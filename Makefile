@@ -8,8 +8,16 @@ CORE_STAMP := $(VENV)/.core-installed
 VLLM_VENV ?= .venv-vllm
 VLLM_PIP := $(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints/cpu.txt
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+# Model Runner V2 tests: the real vllm 0.33 wheel without its GPU dependencies imports on CPU; these are
+# the pure-Python requirements from its metadata that the model-state imports need (tests/vllm_v2).
+VLLM_V2_VENV ?= .venv-vllm-v2
+VLLM_V2_PIP := $(VLLM_V2_VENV)/bin/pip install --quiet --disable-pip-version-check -c constraints/cpu.txt
+VLLM_V2_STAMP := $(VLLM_V2_VENV)/.vllm-v2-installed
+VLLM_V2_DEPS := regex cachetools psutil msgspec cloudpickle pyzmq py-cpuinfo pyyaml einops cbor2 pybase64 uvloop \
+	prometheus_client pillow requests aiohttp partial-json-parser "openai>=2.25" "oss-harmony>=0.0.11" \
+	"fastapi>=0.133,<0.137" "xgrammar==0.2.8" "llguidance>=1.7,<1.8"
 
-.PHONY: install install-vllm demo test test-fast test-real test-vllm bench-quick bench clean
+.PHONY: install install-vllm install-vllm-v2 demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench clean
 
 $(CORE_STAMP): pyproject.toml constraints/cpu.txt integrations/langchain/pyproject.toml integrations/llama_index/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +40,16 @@ $(VLLM_STAMP): pyproject.toml constraints/cpu.txt
 
 install-vllm: $(VLLM_STAMP)
 
+$(VLLM_V2_STAMP): pyproject.toml constraints/cpu.txt
+	$(PYTHON) -m venv $(VLLM_V2_VENV)
+	$(VLLM_V2_PIP) torch
+	$(VLLM_V2_PIP) --no-deps vllm==0.33.0  # the GPU wheel; its CUDA requirements are left out on purpose
+	$(VLLM_V2_PIP) $(VLLM_V2_DEPS)
+	$(VLLM_V2_PIP) -e ".[test]"
+	touch $@
+
+install-vllm-v2: $(VLLM_V2_STAMP)
+
 demo: install
 	$(BIN)/python examples/demo.py
 
@@ -40,9 +58,13 @@ test: install
 	cd integrations/langchain && $(CURDIR)/$(BIN)/python -m pytest -q tests
 	cd integrations/llama_index && $(CURDIR)/$(BIN)/python -m pytest -q tests
 	$(MAKE) test-vllm
+	$(MAKE) test-vllm-v2
 
 test-vllm: install-vllm
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+
+test-vllm-v2: install-vllm-v2  # Model Runner V2 model state on CPU tensors (no engine, no GPU)
+	SPECPREFILL_REQUIRE_VLLM_V2=1 $(VLLM_V2_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm_v2
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not real_model" tests
@@ -68,4 +90,4 @@ bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md 
 	$(QUALITY) --task longbench --samples 20
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_V2_VENV) *.egg-info .pytest_cache

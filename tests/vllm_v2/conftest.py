@@ -3,7 +3,7 @@ dependencies, which imports on CPU (no engine, no Triton kernels). They drive th
 state with CPU tensors shaped like MRV2's own input batches. `make test-vllm-v2` sets
 SPECPREFILL_REQUIRE_VLLM_V2=1, which turns a missing vLLM into an error instead of a skip."""
 
-import importlib.metadata
+import importlib.util
 import os
 
 import pytest
@@ -13,11 +13,12 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
 
 
 def _missing_reason() -> str | None:
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
+    if importlib.util.find_spec("vllm") is None:
         return "vllm (the 0.33 wheel) is not installed here; `make test-vllm-v2` runs these in .venv-vllm-v2"
-    if tuple(int(p) for p in version.split(".")[:2]) < (0, 33):
+    import vllm
+
+    version = vllm.__version__
+    if tuple(int(p) for p in version.split("+")[0].split(".")[:2]) < (0, 33):
         return f"vllm {version} found; these tests target the 0.33 Model Runner V2 classes (`make test-vllm-v2`)"
     return None
 
