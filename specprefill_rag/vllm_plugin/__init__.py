@@ -2,15 +2,22 @@
 
 vLLM calls :func:`register` (entry point ``vllm.general_plugins``) in every process. It registers
 thin subclasses of the supported architectures under their own names, so a request without
-SpecPrefill arguments runs exactly as before, and installs the Model Runner V1 position remap. A
-request carrying ``extra_args`` ``specprefill_prompt_length`` and ``specprefill_runs`` (the kept
-positions, run-length encoded; see :mod:`specprefill_rag.positions`) gets RoPE position ``kept[p]``
-for its compact prompt index ``p`` and ``p + (L - K)`` for generated tokens. KV cache, slot mapping
-and attention stay in compact coordinates, so chunked prefill and prefix caching (with the client's
-``cache_salt``) keep working.
+SpecPrefill arguments runs exactly as before. A request carrying ``extra_args``
+``specprefill_prompt_length`` and ``specprefill_runs`` (the kept positions, run-length encoded; see
+:mod:`specprefill_rag.positions`) gets RoPE position ``kept[p]`` for its compact prompt index ``p``
+and ``p + (L - K)`` for generated tokens. KV cache, slot mapping and attention stay in compact
+coordinates, so chunked prefill and prefix caching (with the client's ``cache_salt``) keep working.
 
-Supported: vLLM 0.32-0.33 with Model Runner V1 (the CPU build, and GPU with
-``VLLM_USE_V2_MODEL_RUNNER=0``). Model Runner V2 is refused at engine start with that hint.
+Two model runners, one map:
+
+* Model Runner V2 (GPU default in vLLM 0.33): the subclasses' ``get_model_state_cls`` returns
+  :class:`~specprefill_rag.vllm_plugin.model_state.SpecPrefillModelState`, which hands the model
+  the mapped positions in a persistent buffer of its own.
+* Model Runner V1 (vLLM's CPU build; GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``): ``register`` wraps
+  ``GPUModelRunner._prepare_inputs`` (:mod:`.runner_v1`).
+
+Supported: vLLM 0.32-0.33. Unsupported configurations (sliding window, MRV1 without the wrapper)
+fail at engine start.
 """
 
 from __future__ import annotations
