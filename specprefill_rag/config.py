@@ -11,7 +11,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "smollm2-135m"
+SELF_DRAFT = "self"
 SELF_DRAFT_PREFIX = "self:"
+# draft="self": the first 40% of the main model's layers (12 of SmolLM2-135M's 30), scoring with the
+# last 16 prompt tokens as queries; both chosen on a SQuAD tuning split (BENCHMARKS.md).
+DEFAULT_SELF_LAYER_SHARE = 0.4
 
 
 class SpecPrefillConfig(BaseModel):
@@ -25,13 +29,18 @@ class SpecPrefillConfig(BaseModel):
     main: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
     draft: str = Field(
         DEFAULT_MODEL,
-        description="Draft model spec (same forms as `main`), or 'self:<n>' to score with the main model's first n layers.",
+        description="Draft model spec (same forms as `main`), or 'self:<n>' to score with the main model's first n "
+        "layers ('self': the first 40%).",
     )
     keep_rate: float = Field(0.3, gt=0.0, le=1.0, description="Fraction of document tokens the main model prefills.")
     max_document_tokens: int | None = Field(
         None, ge=0, description="Hard cap on kept document tokens; with keep_rate, the tighter budget wins."
     )
     look_ahead: int = Field(8, ge=1, le=64, description="Queries: last prompt token + look_ahead-1 draft tokens.")
+    self_draft_window: int = Field(
+        16, ge=1, le=512,
+        description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt tokens.",
+    )
     pool_kernel: int = Field(13, ge=1, description="Average-pooling kernel along the prompt (odd).")
     chunk_size: int = Field(32, ge=1, description="Document tokens are kept or dropped in chunks of this size.")
     min_prompt_tokens: int = Field(
@@ -55,6 +64,8 @@ class SpecPrefillConfig(BaseModel):
     @field_validator("draft")
     @classmethod
     def _draft_spec(cls, value: str) -> str:
+        if value == SELF_DRAFT:
+            return value
         if value.startswith(SELF_DRAFT_PREFIX):
             layers = value[len(SELF_DRAFT_PREFIX) :]
             if not layers.isdigit() or int(layers) < 1:
@@ -63,7 +74,7 @@ class SpecPrefillConfig(BaseModel):
 
     @model_validator(mode="after")
     def _self_draft_look_ahead(self) -> SpecPrefillConfig:
-        if self.self_draft_layers is not None and "look_ahead" in self.model_fields_set and self.look_ahead != 1:
+        if self.is_self_draft and "look_ahead" in self.model_fields_set and self.look_ahead != 1:
             raise ValueError(
                 f"draft {self.draft!r} scores with part of the main model and cannot decode look-ahead tokens; "
                 "leave look_ahead unset or set it to 1"
@@ -71,8 +82,13 @@ class SpecPrefillConfig(BaseModel):
         return self
 
     @property
+    def is_self_draft(self) -> bool:
+        """True for 'self' and 'self:<n>': the main model scores with its own first layers."""
+        return self.draft == SELF_DRAFT or self.draft.startswith(SELF_DRAFT_PREFIX)
+
+    @property
     def self_draft_layers(self) -> int | None:
-        """n for a 'self:<n>' draft, else None."""
+        """n for a 'self:<n>' draft, else None (also for 'self', whose n depends on the main model)."""
         if self.draft.startswith(SELF_DRAFT_PREFIX):
             return int(self.draft[len(SELF_DRAFT_PREFIX) :])
         return None
@@ -80,7 +96,7 @@ class SpecPrefillConfig(BaseModel):
     @property
     def effective_look_ahead(self) -> int:
         """Look-ahead actually used: always 1 for a 'self:<n>' draft."""
-        return 1 if self.self_draft_layers is not None else self.look_ahead
+        return 1 if self.is_self_draft else self.look_ahead
 
 
 class GenerationParams(BaseModel):
@@ -118,8 +134,9 @@ def adapter_config(backend: str, draft: str, look_ahead: int, **fields: object) 
         raise ValueError(
             f"backend {backend!r} is neither 'transformers' (in-process) nor the http(s) URL of a vLLM server"
         )
-    if backend != "transformers" and draft.startswith(SELF_DRAFT_PREFIX):
+    is_self = draft == SELF_DRAFT or draft.startswith(SELF_DRAFT_PREFIX)
+    if backend != "transformers" and is_self:
         raise ValueError(f"draft {draft!r} needs the main model in-process; with a vLLM server use a separate draft")
-    if not draft.startswith(SELF_DRAFT_PREFIX):
+    if not is_self:
         fields["look_ahead"] = look_ahead
     return SpecPrefillConfig(draft=draft, **fields)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ import torch
 
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
-from .config import GenerationParams, SpecPrefillConfig
+from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
 from .errors import ContextLengthError, InvalidRequestError
@@ -52,7 +52,7 @@ class SpecPrefillEngine:
         config = _make_config(config, settings)
         main = shared_model(config.main, config.device, config.dtype)
         draft = None
-        if config.self_draft_layers is None and config.draft != config.main:
+        if not config.is_self_draft and config.draft != config.main:
             draft = shared_model(config.draft, config.device, config.dtype)
         self._setup(config, main, draft)
 
@@ -86,12 +86,12 @@ class SpecPrefillEngine:
 
     def _setup(self, config: SpecPrefillConfig, main: LoadedModel, draft: LoadedModel | None) -> None:
         eos = eos_token_ids(main.model, main.tokenizer)
-        n_layers = config.self_draft_layers
-        if n_layers is not None:
+        if config.is_self_draft:
             available = len(decoder_layers(main.model))
+            n_layers = config.self_draft_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * available))
             if n_layers > available:
                 raise InvalidRequestError(f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})")
-            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel)
+            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, config.self_draft_window)
         else:
             if draft is not None:
                 check_same_vocabulary(main.tokenizer, draft.tokenizer)
@@ -123,7 +123,7 @@ class SpecPrefillEngine:
         from .backends.vllm import VLLMOfflineBackend, VLLMServerBackend, check_server_tokenizer
 
         config = _make_config(config, settings)
-        if config.self_draft_layers is not None:
+        if config.is_self_draft:
             raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
         if isinstance(server, str):  # connect first: an unreachable URL fails before any model loads
             backend: Any = VLLMServerBackend(server, frozenset(), timeout=timeout, on_missing_plugin=on_missing_plugin)  # type: ignore[arg-type]

@@ -80,6 +80,18 @@ def test_self_draft_scores_with_main_layers(tiny_model, tokenizer):
     assert result.stats.compressed and 0.3 <= result.stats.keep_rate < 0.7
 
 
+def test_plain_self_draft_takes_the_default_share_of_layers_and_the_question_window(tiny_model, tokenizer):
+    from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
+    from specprefill_rag.draft import LayerPrefixDraft
+
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft="self", self_draft_window=5, min_prompt_tokens=0)
+    layers = tiny_model.config.num_hidden_layers
+    expected = LayerPrefixDraft(tiny_model, max(1, round(DEFAULT_SELF_LAYER_SHARE * layers)), 13, query_window=5)
+    layout = engine.layout(QUESTION, random_documents(3, 80))
+    torch.testing.assert_close(engine.draft.score(layout.input_ids), expected.score(layout.input_ids))
+    assert engine.config.effective_look_ahead == 1
+
+
 def test_concurrent_requests_match_sequential(engine):
     requests = [(f"Question {i}?", random_documents(2, 40 + 7 * i, seed=i)) for i in range(6)]
     sequential = [engine.generate(q, d, max_new_tokens=6).token_ids for q, d in requests]

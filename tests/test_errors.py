@@ -149,6 +149,9 @@ def test_adapter_config_backend_and_look_ahead():
         adapter_config("grpc://host:8000", "smollm2-135m", 8)
     with pytest.raises(ValueError, match="needs the main model in-process"):
         adapter_config("http://host:8000", "self:4", 8)
+    with pytest.raises(ValueError, match="needs the main model in-process"):
+        adapter_config("http://host:8000", "self", 8)
     assert adapter_config("http://host:8000", "smollm2-135m", 8).look_ahead == 8
+    assert adapter_config("transformers", "self", 8).effective_look_ahead == 1
     assert adapter_config("transformers", "self:4", 8).effective_look_ahead == 1
     assert adapter_config("transformers", "smollm2-135m", 3).look_ahead == 3
