@@ -308,10 +308,12 @@ def markdown(report: dict, metric: str) -> str:
         change_low, change_high = row["change_ci"]
         lp = logprob[(row["method"], row["keep_rate"])]
         retention = f"{row['retention']:.0%}" if metric != "logprob" else "n/a"
+        # LongLLMLingua merges and reorders the documents: which one was gold is no longer known
+        gold = f"{row['gold_kept']:.0%}" if row["method"] != "longllmlingua" else "n/a"
         lines.append(
             f"| {row['method']} | {row['keep_rate']:g} | {row['kept_share']:.2f} | {row['score']:.3f} | {low:.2f} to {high:.2f} | "
             f"{retention} | {change_low:+.2f} to {change_high:+.2f} | {lp['score']:.2f} "
-            f"({lp['change_ci'][0]:+.2f} to {lp['change_ci'][1]:+.2f}) | {row['gold_kept']:.0%} | {row['answer_kept']:.0%} |"
+            f"({lp['change_ci'][0]:+.2f} to {lp['change_ci'][1]:+.2f}) | {gold} | {row['answer_kept']:.0%} |"
         )
     return "\n".join(lines)
 
