@@ -49,11 +49,13 @@ def requested_positions(new_req_data: Any, device: torch.device) -> SlotPosition
     return SlotPositions(new_req_data.req_id, kept.to(device, non_blocking=True), int(args[PROMPT_LENGTH_KEY]))
 
 
-def warn_if_out_of_range(slot: SlotPositions, new_req_data: Any, max_model_len: int) -> None:
-    """Log requests that will be clamped: their positions reach past ``max_model_len - 1``."""
+def warn_if_inconsistent(slot: SlotPositions, new_req_data: Any, max_model_len: int) -> None:
+    """Log a prompt length unlike ``K`` and requests whose positions will be clamped at ``max_model_len - 1``."""
     n_kept = slot.kept.numel()
     if new_req_data.prompt_len != n_kept:
-        logger.warning("request %s: %d prompt tokens but %d kept positions", slot.req_id, new_req_data.prompt_len, n_kept)
+        logger.warning(
+            "request %s: %d prompt tokens but %d kept positions", slot.req_id, new_req_data.prompt_len, n_kept
+        )
     max_tokens = new_req_data.sampling_params.max_tokens
     if max_tokens is not None and slot.prompt_length + max_tokens > max_model_len:
         logger.warning(
@@ -120,7 +122,7 @@ class SpecPrefillModelState(DefaultModelState):
         if self.slots.pop(req_index, None) is not None:  # a slot is reused only after remove_request; be safe
             self.stale = True
         if slot is not None:
-            warn_if_out_of_range(slot, new_req_data, self.max_model_len)
+            warn_if_inconsistent(slot, new_req_data, self.max_model_len)
             self.slots[req_index] = slot
             self.stale = True
 
