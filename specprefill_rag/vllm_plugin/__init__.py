@@ -16,6 +16,9 @@ Two model runners, one map:
 * Model Runner V1 (vLLM's CPU build; GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``): ``register`` wraps
   ``GPUModelRunner._prepare_inputs`` (:mod:`.runner_v1`).
 
+Admission: malformed SpecPrefill arguments (:mod:`.validation`) and requests whose generated tokens
+would pass ``max_model_len`` at their original positions (:mod:`.admission`) get HTTP 400.
+
 Supported: vLLM 0.32-0.33. Unsupported configurations (sliding window, MRV1 without the wrapper)
 fail at engine start.
 """
@@ -47,7 +50,8 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    """Entry point: register the architectures and the V1 position remap (idempotent)."""
+    """Entry point: register the architectures, the V1 position remap and the admission-time length
+    check (``L + max_tokens <= max_model_len``, :mod:`.admission`); idempotent."""
     import vllm
     from vllm import ModelRegistry
 
