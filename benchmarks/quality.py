@@ -150,15 +150,17 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     }
     drafts = {name: make() for name, make in drafts.items() if name in args.methods or
               (name == "specprefill" and "contiguous" in args.methods)}
-    scored: dict[tuple[int, str], torch.Tensor] = {}  # (id of layout, draft) -> importance [L]
+    # draft -> (the layout it scored, importance [L]); held by reference: an id() key could be reused
+    scored: dict[str, tuple[PromptLayout, torch.Tensor]] = {}
+
+    def importance(name: str, layout: PromptLayout) -> torch.Tensor:
+        if name not in scored or scored[name][0] is not layout:
+            scored[name] = (layout, drafts[name].score(layout.input_ids))
+        return scored[name][1]
 
     def draft_method(name: str, renumber: bool = False) -> Callable:
         def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
-            key = (id(layout), name)
-            if key not in scored:
-                scored.clear() if len(scored) > 16 else None
-                scored[key] = drafts[name].score(layout.input_ids)
-            kept = select_kept(scored[key], layout.document_index, keep_rate=keep_rate, chunk_size=32)
+            kept = select_kept(importance(name, layout), layout.document_index, keep_rate=keep_rate, chunk_size=32)
             return Prefill(layout, kept, torch.arange(kept.numel()) if renumber else kept)
         return run
 
@@ -255,6 +257,8 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     methods = make_methods(engine, args)
     records = []
     for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
+        if args.only_samples and index not in args.only_samples:
+            continue
         layout = sample_layout(engine, sample)
         document_tokens = layout.n_document_tokens
         full = evaluate(engine, sample, Prefill.whole(layout), args.max_new_tokens)
@@ -354,6 +358,7 @@ def main() -> None:
     options.add_argument("--self-windows", type=int, nargs="*", default=[1], help="query window of self-<n> drafts")
     options.add_argument("--max-new-tokens", type=int, default=16, help="0: skip generation, log-probabilities only")
     options.add_argument("--seed", type=int, default=0)
+    options.add_argument("--only-samples", type=int, nargs="*", help="evaluate these sample indices only (re-checks)")
     options.add_argument("--out", type=Path)
     args = options.parse_args()
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
