@@ -6,7 +6,8 @@ min-max spread; the plot shows each method's speedup over full prefill next to t
 
   full           the main model prefills the whole prompt to its first token
   specprefill    SmolLM2-135M draft scores (look-ahead 8), selection, sparse prefill at original positions
-  self-<n>       the main model's first n layers score, then the same sparse prefill
+  self-<n>       draft='self': the main model's first n layers score (40% of them, the last 16 prompt
+                 tokens as queries), then the same sparse prefill
   longllmlingua  ``llmlingua`` compresses the documents' text (SmolLM2-135M as its compressor), then the
                  main model prefills the compressed prompt
 
@@ -30,7 +31,7 @@ import torch
 from longllmlingua import LongLLMLingua
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
-from specprefill_rag.config import GenerationParams
+from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
 from specprefill_rag.models import load_model, resolve
 from specprefill_rag.selection import select_kept
@@ -58,8 +59,9 @@ def timed(fn) -> float:
 
 def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua, documents: list[str], args) -> dict:
     layout = engine.layout(QUESTION, documents)
+    n_layers = args.self_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * engine.main.model.config.num_hidden_layers))
     drafts = {"specprefill": ModelDraft(engine.draft.model, look_ahead=8, pool_kernel=13),
-              f"self-{args.self_layers}": LayerPrefixDraft(engine.main.model, args.self_layers, 13)}
+              f"self-{n_layers}": LayerPrefixDraft(engine.main.model, n_layers, 13, SpecPrefillConfig().self_draft_window)}
 
     def sparse(draft) -> None:
         kept = select_kept(draft.score(layout.input_ids), layout.document_index, keep_rate=args.keep_rate, chunk_size=32)
@@ -133,7 +135,7 @@ def main() -> None:
     options.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     options.add_argument("--repeats", type=int, default=2)
     options.add_argument("--keep-rate", type=float, default=0.1)
-    options.add_argument("--self-layers", type=int, default=8)
+    options.add_argument("--self-layers", type=int, help="default: what draft='self' takes (40% of the layers)")
     options.add_argument("--main", default="smollm2-1.7b-shape", choices=["smollm2-1.7b-shape", "smollm2-135m"])
     options.add_argument("--out", type=Path)
     args = options.parse_args()
