@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..positions import PROMPT_LENGTH_KEY, RUNS_KEY
+from .patching import is_wrapped, restore_method, wrap_method
 
 _ORIGINAL = "_specprefill_original_validate_params"
 
@@ -53,37 +54,31 @@ def _input_processor() -> type:
 
 def install_length_check() -> None:
     """Wrap ``InputProcessor._validate_params`` with :func:`check_length`; idempotent."""
-    processor = _input_processor()
-    if _ORIGINAL in processor.__dict__:
-        return
     from vllm.exceptions import VLLMValidationError
 
-    original = processor._validate_params
+    def make_wrapper(original: Any) -> Any:
+        def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, params, *args, **kwargs)
+            if hasattr(params, "max_tokens"):  # SamplingParams; PoolingParams carry no generation length
+                try:
+                    check_length(getattr(params, "extra_args", None), params.max_tokens, self.model_config.max_model_len)
+                except ValueError as error:
+                    raise VLLMValidationError(str(error), parameter="max_tokens") from None
+            return result
 
-    def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, params, *args, **kwargs)
-        if hasattr(params, "max_tokens"):  # SamplingParams; PoolingParams carry no generation length
-            try:
-                check_length(getattr(params, "extra_args", None), params.max_tokens, self.model_config.max_model_len)
-            except ValueError as error:
-                raise VLLMValidationError(str(error), parameter="max_tokens") from None
-        return result
+        return _validate_params
 
-    setattr(processor, _ORIGINAL, original)
-    processor._validate_params = _validate_params
+    wrap_method(_input_processor(), "_validate_params", _ORIGINAL, make_wrapper)
 
 
 def remove_length_check() -> None:
     """Restore vLLM's own ``_validate_params``."""
     from vllm.v1.engine.input_processor import InputProcessor
 
-    original = InputProcessor.__dict__.get(_ORIGINAL)
-    if original is not None:
-        InputProcessor._validate_params = original
-        delattr(InputProcessor, _ORIGINAL)
+    restore_method(InputProcessor, "_validate_params", _ORIGINAL)
 
 
 def length_check_installed() -> bool:
     from vllm.v1.engine.input_processor import InputProcessor
 
-    return _ORIGINAL in InputProcessor.__dict__
+    return is_wrapped(InputProcessor, _ORIGINAL)

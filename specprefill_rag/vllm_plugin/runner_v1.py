@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..positions import PROMPT_LENGTH_KEY, RUNS_KEY, decode_runs, original_positions
+from .patching import is_wrapped, restore_method, wrap_method
 
 logger = logging.getLogger(__name__)
 _ORIGINAL = "_specprefill_original_prepare_inputs"
@@ -63,30 +64,25 @@ def install_position_remap() -> None:
     """Wrap ``GPUModelRunner._prepare_inputs`` (also inherited by the CPU runner); idempotent."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    if hasattr(GPUModelRunner, _ORIGINAL):
-        return
-    original = GPUModelRunner._prepare_inputs
+    def make_wrapper(original: Any) -> Any:
+        def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
+            prepared = original(self, scheduler_output, num_scheduled_tokens)
+            remap_positions(self)
+            return prepared
 
-    def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
-        prepared = original(self, scheduler_output, num_scheduled_tokens)
-        remap_positions(self)
-        return prepared
+        return _prepare_inputs
 
-    setattr(GPUModelRunner, _ORIGINAL, original)
-    GPUModelRunner._prepare_inputs = _prepare_inputs
+    wrap_method(GPUModelRunner, "_prepare_inputs", _ORIGINAL, make_wrapper)
 
 
 def remove_position_remap() -> None:
     """Restore vLLM's own ``_prepare_inputs``."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    original = GPUModelRunner.__dict__.get(_ORIGINAL)
-    if original is not None:
-        GPUModelRunner._prepare_inputs = original
-        delattr(GPUModelRunner, _ORIGINAL)
+    restore_method(GPUModelRunner, "_prepare_inputs", _ORIGINAL)
 
 
 def position_remap_installed() -> bool:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    return _ORIGINAL in GPUModelRunner.__dict__
+    return is_wrapped(GPUModelRunner, _ORIGINAL)
