@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,11 +30,11 @@ import torch
 from longllmlingua import LongLLMLingua
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
-from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
+from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
 from specprefill_rag.models import load_model, resolve
 from specprefill_rag.selection import select_kept
-from ttft import ESSAYS, ROOT, machine, shape_model
+from ttft import ESSAYS, ROOT, clock, first_token, machine, shape_model
 
 QUESTION = "What does the author say about how startups should choose what to work on?"
 
@@ -47,16 +46,6 @@ def documents_of(tokenizer, length: int) -> list[str]:
     return [tokenizer.decode(ids[start : start + 512]) for start in range(0, len(ids), 512)]
 
 
-def first_token(engine: SpecPrefillEngine, prompt: SparsePrompt) -> None:
-    next(iter(engine.backend.generate(prompt, GenerationParams(max_new_tokens=1))))
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1000.0
-
-
 def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua, documents: list[str], args) -> dict:
     layout = engine.layout(QUESTION, documents)
     n_layers = args.self_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * engine.main.model.config.num_hidden_layers))
@@ -65,13 +54,13 @@ def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua, documents: lis
 
     def sparse(draft) -> None:
         kept = select_kept(draft.score(layout.input_ids), layout.document_index, keep_rate=args.keep_rate, chunk_size=32)
-        first_token(engine, SparsePrompt.kept(layout.input_ids, kept))
+        first_token(engine.backend, SparsePrompt.kept(layout.input_ids, kept))
 
     def longllmlingua() -> None:
         compressed = compressor.compress(documents, QUESTION, args.keep_rate)
-        first_token(engine, SparsePrompt.full(engine.layout(QUESTION, [compressed]).input_ids))
+        first_token(engine.backend, SparsePrompt.full(engine.layout(QUESTION, [compressed]).input_ids))
 
-    runs = {"full": lambda: first_token(engine, SparsePrompt.full(layout.input_ids)),
+    runs = {"full": lambda: first_token(engine.backend, SparsePrompt.full(layout.input_ids)),
             "draft_scoring": lambda: drafts["specprefill"].score(layout.input_ids)}
     runs.update({name: (lambda d=draft: sparse(d)) for name, draft in drafts.items()})
     runs["longllmlingua"] = longllmlingua
@@ -83,7 +72,7 @@ def run_length(engine, compressor, length: int, args) -> dict:
     samples: dict[str, list[float]] = {name: [] for name in study["runs"]}
     for _ in range(args.repeats):
         for name, fn in study["runs"].items():
-            samples[name].append(timed(fn))
+            samples[name].append(clock(fn, "cpu"))
         print(length, {k: round(v[-1]) for k, v in samples.items()}, flush=True)
     median = {name: statistics.median(values) for name, values in samples.items()}
     bound = 1.0 / (args.keep_rate + median["draft_scoring"] / median["full"])
