@@ -221,8 +221,8 @@ def answer_logprob(engine: SpecPrefillEngine, prefill: Prefill, answer: str) -> 
     return float(predicting.gather(1, answer_ids[:, None]).mean())
 
 
-def evaluate(engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_tokens: int) -> dict:
-    """Scores of one method's prefill on one sample."""
+def evaluate(engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_tokens: int, document_tokens: int) -> dict:
+    """Scores of one method's prefill on one sample (``document_tokens``: those of the uncompressed prompt)."""
     generated = {}
     if max_new_tokens:  # 0: the log-probability study only
         text = generate(engine, prefill, max_new_tokens)
@@ -235,7 +235,7 @@ def evaluate(engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_
         "logprob": answer_logprob(engine, prefill, sample["answers"][0]),
         "answer_kept": float(any(normalise(a) in kept_text for a in sample["answers"])),
         "gold_document_kept": float(any(int(d) in sample["gold_documents"] for d in document_index.unique())),
-        "kept_share": document_ids.numel(),  # divided by the full prompt's document tokens in run()
+        "kept_share": document_ids.numel() / document_tokens,
         "prefill_tokens": int(prefill.kept.numel()),
     }
 
@@ -261,14 +261,12 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
             continue
         layout = sample_layout(engine, sample)
         document_tokens = layout.n_document_tokens
-        full = evaluate(engine, sample, Prefill.whole(layout), args.max_new_tokens)
-        records.append({"sample": index, "method": "full", "keep_rate": 1.0, **full, "gold_document_kept": 1.0,
-                        "kept_share": 1.0})
+        full = evaluate(engine, sample, Prefill.whole(layout), args.max_new_tokens, document_tokens)
+        records.append({"sample": index, "method": "full", "keep_rate": 1.0, **full, "gold_document_kept": 1.0})
         for name, method in methods.items():
             for keep_rate in args.keep_rates:
                 method_started = time.perf_counter()
-                result = evaluate(engine, sample, method(sample, layout, keep_rate), args.max_new_tokens)
-                result["kept_share"] /= document_tokens
+                result = evaluate(engine, sample, method(sample, layout, keep_rate), args.max_new_tokens, document_tokens)
                 records.append({"sample": index, "method": name, "keep_rate": keep_rate, **result,
                                 "seconds": time.perf_counter() - method_started})
         save(make_report(args, index + 1, records))

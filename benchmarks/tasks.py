@@ -70,6 +70,10 @@ def hotpotqa(count: int, seed: int) -> list[dict]:
     return samples
 
 
+def _nq_passage(row: dict) -> str:
+    return f"{row['ctxs'][0]['title']}: {row['ctxs'][0]['text']}"
+
+
 def nq(count: int, n_documents: int, seed: int) -> list[dict]:
     """NQ-open with its gold passage among gold passages of other questions, at a random depth."""
     with gzip.open(DATA / "lost_in_the_middle" / "nq-open-oracle.jsonl.gz", "rt") as lines:
@@ -77,10 +81,9 @@ def nq(count: int, n_documents: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     samples = []
     for index in rng.sample(range(len(rows)), count):
-        passage = lambda row: f"{row['ctxs'][0]['title']}: {row['ctxs'][0]['text']}"  # noqa: E731
-        others = [passage(rows[i]) for i in rng.sample(range(len(rows)), n_documents) if i != index][: n_documents - 1]
+        others = [_nq_passage(rows[i]) for i in rng.sample(range(len(rows)), n_documents) if i != index][: n_documents - 1]
         depth = rng.randrange(n_documents)
-        samples.append({"question": rows[index]["question"], "documents": _insert_at(others, passage(rows[index]), depth),
+        samples.append({"question": rows[index]["question"], "documents": _insert_at(others, _nq_passage(rows[index]), depth),
                         "answers": rows[index]["answers"], "gold_documents": [depth]})
     return samples
 
