@@ -2,7 +2,11 @@
 
 For each length, every method runs once per repeat, interleaved, and the table gives medians with
 min-max spread; the plot shows each method's speedup over full prefill next to the bound
-``1 / (keep + draft_cost / main_cost)`` of the SmolLM2-135M draft.
+``1 / (keep + draft_cost / main_cost)`` of the SmolLM2-135M draft. After the timed repeats, each
+method runs once more under a memory probe: the peak growth of resident memory during the call
+(sampled every millisecond), after ``malloc_trim`` has handed freed heap back to the system, so
+memory freed by an earlier method is not counted as free for the next one. The models' own
+weights are loaded before and are not part of it.
 
   full           the main model prefills the whole prompt to its first token
   specprefill    SmolLM2-135M draft scores (look-ahead 8), selection, sparse prefill at original positions
@@ -21,6 +25,7 @@ RAG prompt: instructions, documents of about 512 tokens, a question.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 from pathlib import Path
@@ -34,7 +39,7 @@ from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
 from specprefill_rag.models import load_model, resolve
 from specprefill_rag.selection import select_kept
-from ttft import ESSAYS, ROOT, clock, first_token, machine, shape_model
+from ttft import ESSAYS, ROOT, clock, first_token, machine, peak_rss_growth_mb, shape_model
 
 QUESTION = "What does the author say about how startups should choose what to work on?"
 
@@ -67,6 +72,16 @@ def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua, documents: lis
     return {"prompt_tokens": len(layout), "document_tokens": layout.n_document_tokens, "runs": runs}
 
 
+def peak_memory_mb(runs: dict) -> dict[str, float]:
+    """Peak resident-memory growth (MB) of one call of each run, each after the heap is trimmed."""
+    trim = ctypes.CDLL("libc.so.6").malloc_trim
+    peaks = {}
+    for name, fn in runs.items():
+        trim(0)
+        peaks[name] = peak_rss_growth_mb(fn)
+    return peaks
+
+
 def run_length(engine, compressor, length: int, args) -> dict:
     study = methods(engine, compressor, documents_of(engine.tokenizer, length), args)
     samples: dict[str, list[float]] = {name: [] for name in study["runs"]}
@@ -75,12 +90,14 @@ def run_length(engine, compressor, length: int, args) -> dict:
             samples[name].append(clock(fn, "cpu"))
         print(length, {k: round(v[-1]) for k, v in samples.items()}, flush=True)
     median = {name: statistics.median(values) for name, values in samples.items()}
+    memory = peak_memory_mb(study["runs"])
     bound = 1.0 / (args.keep_rate + median["draft_scoring"] / median["full"])
     return {
         "length": length, "prompt_tokens": study["prompt_tokens"], "document_tokens": study["document_tokens"],
         "timings_ms": {k: {"median": median[k], "min": min(v), "max": max(v), "n": len(v)} for k, v in samples.items()},
         "speedup": {k: median["full"] / median[k] for k in samples if k not in ("full", "draft_scoring")},
         "bound": bound,
+        "peak_memory_mb": memory,
     }
 
 
@@ -89,12 +106,15 @@ def markdown(report: dict) -> str:
     lines = ["| prompt tokens | " + " | ".join(f"{n} ms (min-max)" for n in names) + " | bound | "
              + " | ".join(f"{n} speedup" for n in names if n != "full") + " |",
              "|---" * (2 * len(names) + 1) + "|"]
+    memory_header = "| prompt tokens | " + " | ".join(f"{n} peak MB" for n in report["results"][0]["peak_memory_mb"]) + " |"
+    memory_lines = ["", memory_header, "|---" * memory_header.count(" | ") + "|---|"]
     for row in report["results"]:
         cells = [f"{row['timings_ms'][n]['median']:,.0f} ({row['timings_ms'][n]['min']:,.0f}-{row['timings_ms'][n]['max']:,.0f})"
                  for n in names]
         speedups = [f"{row['speedup'][n]:.2f}x" for n in names if n != "full"]
         lines.append(f"| {row['prompt_tokens']:,} | " + " | ".join(cells) + f" | {row['bound']:.2f}x | " + " | ".join(speedups) + " |")
-    return "\n".join(lines)
+        memory_lines.append(f"| {row['prompt_tokens']:,} | " + " | ".join(f"{mb:,.0f}" for mb in row["peak_memory_mb"].values()) + " |")
+    return "\n".join(lines + memory_lines)
 
 
 def plot(report: dict, path: Path) -> None:

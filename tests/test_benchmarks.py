@@ -82,3 +82,19 @@ def test_longbench_keeps_the_official_prompt_and_splits_passages(tokenizer):
         assert "{context}" in sample["prompt"] and sample["question"] in sample["prompt"]
         assert len(tokenizer("".join(sample["documents"]))["input_ids"]) <= 4010  # middle-truncated, re-tokenized
     assert any(len(s["documents"]) > 1 for s in samples if s["dataset"] == "hotpotqa")
+
+
+def test_peak_memory_counts_each_run_after_the_heap_is_trimmed():
+    from ttft_lengths import peak_memory_mb
+
+    survivors = []
+
+    def allocate() -> None:
+        blocks = [torch.ones(16 * 1024) for _ in range(1024)]  # 1024 blocks of 64 kB: heap, not mmap
+        survivors.append(blocks[-1])  # pins the freed heap below it, as a cached tensor would
+        del blocks
+
+    peaks = peak_memory_mb({"first": allocate, "second": allocate, "nothing": lambda: None})
+    # without the trim, the second run would fit in heap the first one freed and show ~0 MB
+    assert peaks["first"] > 56 and peaks["second"] > 56
+    assert peaks["nothing"] < 16
