@@ -250,6 +250,26 @@ def bootstrap_interval(values: list[float], seed: int = 0, rounds: int = 2000) -
     return means[int(0.025 * rounds)], means[int(0.975 * rounds)]
 
 
+def bootstrap_ratio_interval(values: list[float], references: list[float], seed: int = 0,
+                             rounds: int = 2000) -> tuple[float, float]:
+    """95% interval of ``sum(values) / sum(references)`` over samples drawn in pairs, with replacement.
+
+    Draws whose references sum to 0 have no ratio; if more than 5% do, the interval is unknown (nan).
+    """
+    rng = random.Random(seed)
+    pairs = list(zip(values, references))
+    ratios = []
+    for _ in range(rounds):
+        drawn = [rng.choice(pairs) for _ in pairs]
+        reference = sum(r for _, r in drawn)
+        if reference:
+            ratios.append(sum(v for v, _ in drawn) / reference)
+    if len(ratios) < 0.95 * rounds:
+        return (float("nan"), float("nan"))
+    ratios.sort()
+    return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios))]
+
+
 def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped)."""
     engine = SpecPrefillEngine(min_prompt_tokens=0)
@@ -282,18 +302,19 @@ def summarise(report: dict, metric: str) -> list[dict]:
     """One row per (method, keep rate): mean, bootstrap CI, retention and the paired change vs full."""
     records = report["records"]
     full = {r["sample"]: r[metric] for r in records if r["method"] == "full"}
-    full_mean = sum(full.values()) / len(full)
     rows = []
     for method in dict.fromkeys(r["method"] for r in records):
         for keep_rate in sorted({r["keep_rate"] for r in records if r["method"] == method}):
             chosen = [r for r in records if r["method"] == method and r["keep_rate"] == keep_rate]
             values = [r[metric] for r in chosen]
             mean = sum(values) / len(values)
-            change = [r[metric] - full[r["sample"]] for r in chosen]
+            references = [full[r["sample"]] for r in chosen]  # full prefill on the same samples
+            change = [v - f for v, f in zip(values, references)]
             rows.append({
-                "method": method, "keep_rate": keep_rate, "score": mean, "ci": bootstrap_interval(values),
-                "change_ci": bootstrap_interval(change),
-                "retention": mean / full_mean if full_mean else float("nan"),
+                "method": method, "keep_rate": keep_rate, "n": len(chosen), "score": mean,
+                "ci": bootstrap_interval(values), "change_ci": bootstrap_interval(change),
+                "retention": sum(values) / sum(references) if sum(references) else float("nan"),
+                "retention_ci": bootstrap_ratio_interval(values, references),
                 "gold_kept": sum(r["gold_document_kept"] for r in chosen) / len(chosen),
                 "answer_kept": sum(r["answer_kept"] for r in chosen) / len(chosen),
                 "kept_share": sum(r["kept_share"] for r in chosen) / len(chosen),
@@ -302,18 +323,19 @@ def summarise(report: dict, metric: str) -> list[dict]:
 
 
 def markdown(report: dict, metric: str) -> str:
-    lines = [f"| method | keep | kept share | {metric} | 95% CI | retention | change vs full (95% CI) | "
-             "answer logprob | gold doc kept | answer kept |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| method | keep | n | kept share | {metric} | 95% CI | retention (95% CI) | change vs full (95% CI) | "
+             "answer logprob | gold doc kept | answer kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     logprob = {(r["method"], r["keep_rate"]): r for r in summarise(report, "logprob")}
     for row in summarise(report, metric):
         low, high = row["ci"]
         change_low, change_high = row["change_ci"]
         lp = logprob[(row["method"], row["keep_rate"])]
-        retention = f"{row['retention']:.0%}" if metric != "logprob" else "n/a"
+        retention = (f"{row['retention']:.0%} ({row['retention_ci'][0]:.0%} to {row['retention_ci'][1]:.0%})"
+                     if metric != "logprob" else "n/a")
         # LongLLMLingua merges and reorders the documents: which one was gold is no longer known
         gold = f"{row['gold_kept']:.0%}" if row["method"] != "longllmlingua" else "n/a"
         lines.append(
-            f"| {row['method']} | {row['keep_rate']:g} | {row['kept_share']:.2f} | {row['score']:.3f} | {low:.2f} to {high:.2f} | "
+            f"| {row['method']} | {row['keep_rate']:g} | {row['n']} | {row['kept_share']:.2f} | {row['score']:.3f} | {low:.2f} to {high:.2f} | "
             f"{retention} | {change_low:+.2f} to {change_high:+.2f} | {lp['score']:.2f} "
             f"({lp['change_ci'][0]:+.2f} to {lp['change_ci'][1]:+.2f}) | {gold} | {row['answer_kept']:.0%} |"
         )

@@ -98,3 +98,48 @@ def test_peak_memory_counts_each_run_after_the_heap_is_trimmed():
     # without the trim, the second run would fit in heap the first one freed and show ~0 MB
     assert peaks["first"] > 56 and peaks["second"] > 56
     assert peaks["nothing"] < 16
+
+
+def _run(samples: list[int], method: str, keep_rate: float, seed: int = 0) -> dict:
+    def record(sample: int, name: str, rate: float, value: float) -> dict:
+        return {"sample": sample, "method": name, "keep_rate": rate, "contains": value, "logprob": -value,
+                "answer_kept": value, "gold_document_kept": 1.0, "kept_share": rate}
+
+    records = []
+    for sample in samples:
+        records += [record(sample, "full", 1.0, 1.0), record(sample, method, keep_rate, float(sample % 2))]
+    settings = {"task": "niah", "seed": seed, "documents": 5, "length": 1500, "max_new_tokens": 16}
+    return {"task": "niah", "samples": len(samples), "records": records, "settings": settings}
+
+
+def test_merge_joins_runs_on_the_same_samples_and_keeps_full_once():
+    from merge import merge
+    from quality import summarise
+
+    merged = merge([_run([0, 1], "specprefill", 0.1), _run([0, 1, 2, 3], "specprefill", 0.2),
+                    _run([2, 3], "specprefill", 0.1)])
+    assert merged["samples"] == 4
+    rows = {(r["method"], r["keep_rate"]): r for r in summarise(merged, "contains")}
+    assert rows[("full", 1.0)]["n"] == 4
+    assert rows[("specprefill", 0.1)]["n"] == 4 and rows[("specprefill", 0.1)]["retention"] == 0.5
+
+
+def test_merge_refuses_other_samples_and_duplicates():
+    from merge import MergeError, merge
+
+    with pytest.raises(MergeError, match="seed"):
+        merge([_run([0], "specprefill", 0.1), _run([1], "specprefill", 0.2, seed=1)])
+    with pytest.raises(MergeError, match="two runs"):
+        merge([_run([0], "specprefill", 0.1), _run([0], "specprefill", 0.1)])
+
+
+def test_retention_compares_each_row_with_full_on_its_own_samples():
+    from quality import summarise
+
+    report = _run([0, 1, 2, 3], "specprefill", 0.1)
+    for record in report["records"]:  # full answers right only on the samples the row did not run
+        if record["method"] == "full":
+            record["contains"] = float(record["sample"] >= 2)
+    report["records"] = [r for r in report["records"] if r["method"] == "full" or r["sample"] >= 2]
+    row = {r["method"]: r for r in summarise(report, "contains")}["specprefill"]
+    assert row["n"] == 2 and row["retention"] == 0.5  # sample 3 of samples 2 and 3, not of all four

@@ -1,0 +1,65 @@
+"""One quality table from several runs on the same task and samples (extra keep rates, methods or samples).
+
+    python benchmarks/merge.py benchmarks/results/quality-niah*.json --out benchmarks/results/quality-niah-all
+
+Runs are merged only when they drew their samples the same way (task, seed, documents, length) and
+generated the same way (max new tokens): then sample ``i`` is the same prompt in every run. The
+full-prefill record that every run repeats for a sample is kept once, after checking the runs agree
+on it; any other record given twice is an error rather than a silent choice between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from quality import markdown, plot
+
+SAME_SAMPLES = ("task", "seed", "documents", "length", "max_new_tokens")
+
+
+class MergeError(ValueError):
+    """Runs that cannot share one table."""
+
+
+def merge(reports: list[dict]) -> dict:
+    """One report with every record of ``reports``; raises MergeError on a mismatch or a duplicate."""
+    first = reports[0]["settings"]
+    for report in reports[1:]:
+        differing = [k for k in SAME_SAMPLES if report["settings"].get(k) != first.get(k)]
+        if differing:
+            raise MergeError(f"runs differ in {differing}: their sample i is not the same prompt; "
+                             "merge only runs made with the same --task/--seed/--documents/--length/--max-new-tokens")
+    records: dict[tuple, dict] = {}
+    for report in reports:
+        for record in report["records"]:
+            key = (record["sample"], record["method"], record["keep_rate"])
+            if key in records and record["method"] != "full":
+                raise MergeError(f"sample {key[0]}, {key[1]} at keep {key[2]} is in two runs; drop one of them")
+            if key in records and abs(records[key]["logprob"] - record["logprob"]) > 1e-3:
+                raise MergeError(f"the runs' full prefill of sample {key[0]} differ: they were not made the same way")
+            records.setdefault(key, record)
+    merged = sorted(records.values(), key=lambda r: (r["sample"], r["method"] != "full"))
+    settings = {k: first.get(k) for k in SAME_SAMPLES}
+    return {"task": first["task"], "samples": len({r["sample"] for r in merged}), "records": merged, "settings": settings}
+
+
+def main() -> None:
+    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("results", type=Path, nargs="+")
+    options.add_argument("--out", type=Path, required=True)
+    args = options.parse_args()
+    report = merge([json.loads(path.read_text()) for path in args.results])
+    report["settings"]["merged_from"] = [str(path) for path in args.results]
+    metrics = ["contains" if report["task"] != "longbench" else "f1", "logprob"]
+    if not report["settings"]["max_new_tokens"]:
+        metrics = ["logprob"]
+    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
+    Path(f"{args.out}.md").write_text(markdown(report, metrics[0]) + "\n")
+    plot(report, metrics, Path(f"{args.out}.png"))
+    print(markdown(report, metrics[0]))
+
+
+if __name__ == "__main__":
+    main()
