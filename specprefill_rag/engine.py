@@ -120,20 +120,15 @@ class SpecPrefillEngine:
         """An engine whose main model runs on vLLM: ``server`` is the URL of an OpenAI-compatible vLLM
         server, or an in-process ``vllm.LLM``; both need this package installed next to vLLM (plugin).
         The draft (``config.draft``) runs here and provides the tokenizer."""
-        from .backends.vllm import VLLMOfflineBackend, VLLMServerBackend, check_server_tokenizer
+        from .backends.vllm import connect
 
         config = _make_config(config, settings)
         if config.is_self_draft:
             raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
-        if isinstance(server, str):  # connect first: an unreachable URL fails before any model loads
-            backend: Any = VLLMServerBackend(server, frozenset(), timeout=timeout, on_missing_plugin=on_missing_plugin)  # type: ignore[arg-type]
-        else:
-            backend = VLLMOfflineBackend(server, frozenset())
+        backend = connect(server, timeout, on_missing_plugin)  # type: ignore[arg-type]
         draft = shared_model(config.draft, config.device, config.dtype)
         eos = eos_token_ids(draft.model, draft.tokenizer)
-        backend.eos_ids = eos
-        if isinstance(server, str):
-            check_server_tokenizer(backend, draft.tokenizer)
+        backend.adopt_tokenizer(draft.tokenizer, eos)
         engine = cls.__new__(cls)
         scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, eos)
         engine._assemble(config, draft.tokenizer, backend, scorer, None)

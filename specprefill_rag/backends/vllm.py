@@ -108,6 +108,10 @@ class VLLMOfflineBackend:
     def context_length(self) -> int:
         return int(self.llm.llm_engine.model_config.max_model_len)
 
+    def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+        """Use the draft's end-of-sequence ids (the engine's vocabulary is the draft's)."""
+        self.eos_ids = eos_ids
+
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
         from vllm import SamplingParams
 
@@ -161,6 +165,11 @@ class VLLMServerBackend:
     @property
     def context_length(self) -> int:
         return self._context_length
+
+    def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
+        """Use the draft's end-of-sequence ids, after checking the server tokenizes as ``tokenizer`` does."""
+        check_server_tokenizer(self, tokenizer)
+        self.eos_ids = eos_ids
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
@@ -241,6 +250,16 @@ class VLLMServerBackend:
         if self._ssl is None:
             self._ssl = httpx.create_ssl_context()
         return self._ssl
+
+
+def connect(
+    server: str | Any, timeout: float = 60.0, on_missing_plugin: Literal["error", "full_prompt"] = "error"
+) -> VLLMServerBackend | VLLMOfflineBackend:
+    """The backend for a vLLM server URL (contacted now, so an unreachable one fails before any model
+    loads) or for an in-process ``vllm.LLM``; end-of-sequence ids come later, from the draft."""
+    if isinstance(server, str):
+        return VLLMServerBackend(server, frozenset(), timeout=timeout, on_missing_plugin=on_missing_plugin)
+    return VLLMOfflineBackend(server, frozenset())
 
 
 def check_server_tokenizer(backend: VLLMServerBackend, tokenizer: Any, sample: str = "SpecPrefill checks 1, 2, 3.") -> None:
