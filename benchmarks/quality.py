@@ -322,6 +322,12 @@ def summarise(report: dict, metric: str) -> list[dict]:
     return rows
 
 
+def retention_interval(row: dict) -> str:
+    low, high = row["retention_ci"]
+    # nan: in over 5% of resamples the full prompt scored 0, so the ratio has no interval
+    return "full too rare" if math.isnan(low) else f"{low:.0%} to {high:.0%}"
+
+
 def markdown(report: dict, metric: str) -> str:
     lines = [f"| method | keep | n | kept share | {metric} | 95% CI | retention (95% CI) | change vs full (95% CI) | "
              "answer logprob | gold doc kept | answer kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -330,8 +336,7 @@ def markdown(report: dict, metric: str) -> str:
         low, high = row["ci"]
         change_low, change_high = row["change_ci"]
         lp = logprob[(row["method"], row["keep_rate"])]
-        retention = (f"{row['retention']:.0%} ({row['retention_ci'][0]:.0%} to {row['retention_ci'][1]:.0%})"
-                     if metric != "logprob" else "n/a")
+        retention = "n/a" if metric == "logprob" else f"{row['retention']:.0%} ({retention_interval(row)})"
         # LongLLMLingua merges and reorders the documents: which one was gold is no longer known
         gold = f"{row['gold_kept']:.0%}" if row["method"] != "longllmlingua" else "n/a"
         lines.append(
