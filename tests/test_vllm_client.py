@@ -3,10 +3,12 @@ plugin detection, the full-prompt fallback, what a compressed request carries, a
 client (same tokens and errors as the blocking one, early close, concurrency on one event loop)."""
 
 import asyncio
+import gc
 import json
 import socket
 import threading
 import time
+import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -61,15 +63,19 @@ class StandIn(BaseHTTPRequestHandler):
         if body["max_tokens"] > MAX_TOKENS_ALLOWED and not self.refuse_in_stream:
             return self._json(400, refusal)
         type(self).bodies.append(body)
+        type(self).client_ports.append(self.client_address[1])
         if self.barrier is not None:
             self.barrier.wait()
+        try:
+            self._send_stream()
+        except (BrokenPipeError, ConnectionResetError):
+            self.disconnected.set()
+
+    def _send_stream(self):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
-        try:
-            self._stream_tokens()
-        except (BrokenPipeError, ConnectionResetError):
-            self.disconnected.set()
+        self._stream_tokens()
 
     def _stream_tokens(self):
         if self.refuse_in_stream:  # what vLLM does when it refuses a streamed request: status 200, an error event
@@ -83,14 +89,29 @@ class StandIn(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
 
+class KeepAliveStandIn(StandIn):
+    """HTTP/1.1 with keep-alive, as uvicorn serves vLLM: each stream is sent whole, with its length."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _send_stream(self):
+        events = [f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'token_ids': [t]}]})}\n\n" for t in self.tokens]
+        data = ("".join(events) + "data: [DONE]\n\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 def serve(handler):
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def handler_class(**attributes):
-    return type("Handler", (StandIn,), {"bodies": [], "disconnected": threading.Event(), **attributes})
+def handler_class(base=StandIn, **attributes):
+    return type("Handler", (base,), {"bodies": [], "client_ports": [], "disconnected": threading.Event(), **attributes})
 
 
 @pytest.fixture(params=[False, True], ids=["no-plugin", "plugin"])
@@ -233,3 +254,25 @@ def test_concurrent_async_requests_share_one_event_loop(serve_stand_in):
     started = time.perf_counter()
     assert asyncio.run(all_requests()) == [[5, 6, 7]] * n
     assert len(handler.bodies) == n and time.perf_counter() - started < 10.0
+
+
+def test_async_requests_on_one_loop_share_a_connection_and_closed_loops_are_dropped():
+    handler = handler_class(KeepAliveStandIn, plugin=True)
+    server, url = serve(handler)
+    backend = VLLMServerBackend(url, frozenset())
+    loops = []
+
+    async def three_requests():
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        return [await collect(backend.agenerate(PROMPT, GenerationParams())) for _ in range(3)]
+
+    try:
+        assert asyncio.run(three_requests()) == [[5, 6, 7]] * 3
+        assert asyncio.run(three_requests()) == [[5, 6, 7]] * 3  # a new loop cannot use the old loop's client
+    finally:
+        server.shutdown()
+    first_loop, second_loop = handler.client_ports[:3], handler.client_ports[3:]
+    assert len(set(first_loop)) == 1 and len(set(second_loop)) == 1, "requests on one loop opened new connections"
+    assert first_loop[0] != second_loop[0]
+    gc.collect()
+    assert loops[0]() is None, "the backend kept a closed event loop (and its client) alive"

@@ -13,9 +13,11 @@ request body, the SSE parsing and the error mapping.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 import urllib.error
+import threading
 import urllib.request
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any, Literal
@@ -152,6 +154,8 @@ class VLLMServerBackend:
         self.eos_ids = eos_ids
         self.timeout = timeout
         self._ssl: ssl.SSLContext | None = None
+        self._async_clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+        self._async_clients_lock = threading.Lock()
         card = self._request("GET", "/v1/models")["data"][0]
         self.model = model or card["id"]
         self._context_length = int(card.get("max_model_len") or 0)
@@ -231,19 +235,31 @@ class VLLMServerBackend:
         self._check_prompt(prompt)
         url = self.base_url + "/v1/completions"
         try:
-            async with httpx.AsyncClient(timeout=self.timeout, verify=self._ssl_context()) as client:
-                async with client.stream("POST", url, json=self._body(prompt, params)) as response:
-                    if response.status_code >= 400:
-                        detail = (await response.aread()).decode(errors="replace")
-                        raise _refused(response.status_code, detail)
-                    async for line in response.aiter_lines():
-                        tokens, ended = sse_tokens(line, self.eos_ids)
-                        for token in tokens:
-                            yield token
-                        if ended:
-                            return
+            async with self._async_client().stream("POST", url, json=self._body(prompt, params)) as response:
+                if response.status_code >= 400:
+                    detail = (await response.aread()).decode(errors="replace")
+                    raise _refused(response.status_code, detail)
+                async for line in response.aiter_lines():
+                    tokens, ended = sse_tokens(line, self.eos_ids)
+                    for token in tokens:
+                        yield token
+                    if ended:
+                        return
         except httpx.TransportError as error:
             raise _unreachable(self.base_url, self.timeout, error) from None
+
+    def _async_client(self) -> httpx.AsyncClient:
+        """One pooled client per event loop: requests on a loop reuse its connections (no new TCP or TLS
+        handshake per request); an httpx client cannot outlive or cross the loop it connected on.
+        No connection cap: each stream holds a connection until it ends, and a cap would queue them."""
+        loop = asyncio.get_running_loop()
+        with self._async_clients_lock:
+            for closed in [other for other in self._async_clients if other.is_closed()]:
+                del self._async_clients[closed]  # its connections died with it; drop both
+            if loop not in self._async_clients:
+                limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+                self._async_clients[loop] = httpx.AsyncClient(timeout=self.timeout, verify=self._ssl_context(), limits=limits)
+            return self._async_clients[loop]
 
     def _ssl_context(self) -> ssl.SSLContext:
         """One TLS context per backend: building httpx's default one costs tens of ms per client."""
