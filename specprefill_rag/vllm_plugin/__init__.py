@@ -16,8 +16,9 @@ Two model runners, one map:
 * Model Runner V1 (vLLM's CPU build; GPU with ``VLLM_USE_V2_MODEL_RUNNER=0``): ``register`` wraps
   ``GPUModelRunner._prepare_inputs`` (:mod:`.runner_v1`).
 
-Admission: malformed SpecPrefill arguments (:mod:`.validation`) and requests whose generated tokens
-would pass ``max_model_len`` at their original positions (:mod:`.admission`) get HTTP 400.
+Admission: malformed SpecPrefill arguments (:mod:`.validation`), and requests whose generated tokens
+would pass ``max_model_len`` at their original positions or whose kept positions do not number the
+prompt's tokens (:mod:`.admission`), get HTTP 400.
 
 Supported: vLLM 0.32-0.33. Unsupported configurations (sliding window, MRV1 without the wrapper)
 fail at engine start.
@@ -50,17 +51,18 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    """Entry point: register the architectures, the V1 position remap and the admission-time length
-    check (``L + max_tokens <= max_model_len``, :mod:`.admission`); idempotent."""
+    """Entry point: register the architectures, the V1 position remap and the admission checks
+    (``L + max_tokens <= max_model_len``, one kept position per prompt token: :mod:`.admission`);
+    idempotent."""
     import vllm
     from vllm import ModelRegistry
 
-    from .admission import install_length_check
+    from .admission import install_admission_checks
     from .runner_v1 import install_position_remap
 
     check_vllm_version(vllm.__version__)
     for architecture, target in ARCHITECTURES.items():
         ModelRegistry.register_model(architecture, target)
     install_position_remap()
-    install_length_check()
+    install_admission_checks()
     logger.debug("specprefill-rag vLLM plugin registered %s", sorted(ARCHITECTURES))

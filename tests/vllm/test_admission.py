@@ -1,37 +1,38 @@
-"""The admission length check and its hook on vLLM's InputProcessor, without starting an engine."""
+"""The admission checks and their hook on vLLM's InputProcessor, without starting an engine."""
 
 import pytest
 
 from specprefill_rag.vllm_plugin import register
 from specprefill_rag.vllm_plugin.admission import (
+    admission_checks_installed,
+    check_kept_count,
     check_length,
-    install_length_check,
-    length_check_installed,
-    remove_length_check,
+    install_admission_checks,
+    remove_admission_checks,
 )
 
 SPEC = {"specprefill_prompt_length": 100, "specprefill_runs": [0, 10, 90, 10]}  # K = 20, L = 100
 
 
-def test_register_installs_the_length_check():
+def test_register_installs_the_admission_checks():
     register()
-    assert length_check_installed()
+    assert admission_checks_installed()
 
 
 def test_install_is_idempotent_and_remove_restores_vllms_function():
     from vllm.v1.engine.input_processor import InputProcessor
 
-    remove_length_check()
-    original = InputProcessor._validate_params
+    remove_admission_checks()
+    original = InputProcessor.process_inputs
     try:
-        install_length_check()
-        patched = InputProcessor._validate_params
-        install_length_check()
-        assert InputProcessor._validate_params is patched is not original
-        remove_length_check()
-        assert InputProcessor._validate_params is original and not length_check_installed()
+        install_admission_checks()
+        patched = InputProcessor.process_inputs
+        install_admission_checks()
+        assert InputProcessor.process_inputs is patched is not original
+        remove_admission_checks()
+        assert InputProcessor.process_inputs is original and not admission_checks_installed()
     finally:
-        install_length_check()
+        install_admission_checks()
 
 
 def test_length_check():
@@ -51,3 +52,10 @@ def test_length_check():
 )
 def test_ordinary_and_malformed_requests_pass_to_their_own_checks(args):
     check_length(args, 10**6, 124)
+
+
+def test_kept_count_check():
+    check_kept_count(SPEC, 20)
+    with pytest.raises(ValueError, match="specprefill_runs cover 20 positions but the prompt has 19 tokens"):
+        check_kept_count(SPEC, 19)
+    check_kept_count({"other_plugin": 1}, 19)  # not a SpecPrefill request

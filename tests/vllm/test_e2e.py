@@ -148,7 +148,8 @@ def test_server_refuses_bad_positions_and_keeps_serving(server, tiny_folder):
 
 
 def test_server_refuses_generation_past_max_model_len_and_keeps_serving(server, tiny_folder):
-    """K=3 fits, but generated tokens take positions L, L+1, ...: L=10 + max_tokens=1015 > 1024."""
+    """K=3 fits, but generated tokens take positions L, L+1, ...: L=10 + max_tokens=1015 > 1024. Then a
+    request whose kept positions do not number its tokens."""
     import json
     import urllib.error
 
@@ -163,6 +164,13 @@ def test_server_refuses_generation_past_max_model_len_and_keeps_serving(server, 
         urllib.request.urlopen(request, timeout=60)
     assert refused.value.code == 400
     assert "L=10 + max_tokens=1015 = 1025 exceeds max_model_len=1024" in refused.value.read().decode()
+    miscounted = {**too_long, "prompt": [5, 6], "max_tokens": 3}  # 3 kept positions, 2 prompt tokens
+    request = urllib.request.Request(server + "/v1/completions", json.dumps(miscounted).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 400
+    assert "cover 3 positions but the prompt has 2 tokens" in refused.value.read().decode()
     sparse = SparsePrompt(torch.tensor([5, 6, 7]), torch.tensor([0, 4, 9]), 10)
     with pytest.raises(InvalidRequestError, match="400.*lower max_tokens to at most 1014 or send fewer documents"):
         list(backend.generate(sparse, GenerationParams(max_new_tokens=1015)))
@@ -179,6 +187,8 @@ def test_offline_engine_refuses_generation_past_max_model_len(llm):
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
     with pytest.raises(VLLMValidationError, match="exceeds max_model_len=1024"):
         llm.generate(prompt, SamplingParams(max_tokens=1015, extra_args=spec), use_tqdm=False)
+    with pytest.raises(VLLMValidationError, match="cover 3 positions but the prompt has 4 tokens"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=2, extra_args=spec), use_tqdm=False)
     output = llm.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True, extra_args=spec), use_tqdm=False)
     assert len(output[0].outputs[0].token_ids) == 2
 
