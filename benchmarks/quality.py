@@ -35,6 +35,7 @@ import random
 import re
 import string
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,6 +182,10 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     return {name: methods[name] for name in args.methods}
 
 
+class MethodFailed(Exception):
+    """A baseline could not process this sample; recorded as a failure, left out of its rows."""
+
+
 def longllmlingua_method(engine: SpecPrefillEngine) -> Callable:
     from longllmlingua import LongLLMLingua
     from specprefill_rag.models import resolve
@@ -188,7 +193,11 @@ def longllmlingua_method(engine: SpecPrefillEngine) -> Callable:
     compressor = LongLLMLingua(resolve(engine.config.main))
 
     def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
-        compressed = compressor.compress(sample["documents"], sample["question"], keep_rate)
+        try:
+            compressed = compressor.compress(sample["documents"], sample["question"], keep_rate)
+        except AssertionError as error:  # llmlingua asserts on some inputs (e.g. its get_prefix_length)
+            where = traceback.extract_tb(error.__traceback__)[-1]
+            raise MethodFailed(f"llmlingua: AssertionError in {where.name} ({Path(where.filename).name}:{where.lineno})") from None
         return Prefill.whole(sample_layout(engine, sample, [compressed]))
 
     return run
@@ -286,7 +295,12 @@ def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
         for name, method in methods.items():
             for keep_rate in args.keep_rates:
                 method_started = time.perf_counter()
-                result = evaluate(engine, sample, method(sample, layout, keep_rate), args.max_new_tokens, document_tokens)
+                try:
+                    prefill = method(sample, layout, keep_rate)
+                except MethodFailed as failure:
+                    records.append({"sample": index, "method": name, "keep_rate": keep_rate, "failed": str(failure)})
+                    continue
+                result = evaluate(engine, sample, prefill, args.max_new_tokens, document_tokens)
                 records.append({"sample": index, "method": name, "keep_rate": keep_rate, **result,
                                 "seconds": time.perf_counter() - method_started})
         save(make_report(args, index + 1, records))
@@ -300,7 +314,7 @@ def make_report(args: argparse.Namespace, n_samples: int, records: list[dict]) -
 
 def summarise(report: dict, metric: str) -> list[dict]:
     """One row per (method, keep rate): mean, bootstrap CI, retention and the paired change vs full."""
-    records = report["records"]
+    records = [r for r in report["records"] if "failed" not in r]
     full = {r["sample"]: r[metric] for r in records if r["method"] == "full"}
     rows = []
     for method in dict.fromkeys(r["method"] for r in records):
@@ -344,7 +358,19 @@ def markdown(report: dict, metric: str) -> str:
             f"{retention} | {change_low:+.2f} to {change_high:+.2f} | {lp['score']:.2f} "
             f"({lp['change_ci'][0]:+.2f} to {lp['change_ci'][1]:+.2f}) | {gold} | {row['answer_kept']:.0%} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + failures(report))
+
+
+def failures(report: dict) -> list[str]:
+    """One line per method, keep rate and reason that failed on some samples (left out of the rows)."""
+    failed: dict[tuple, list[int]] = {}
+    for r in report["records"]:
+        if "failed" in r:
+            failed.setdefault((r["method"], r["keep_rate"], r["failed"]), []).append(r["sample"])
+    return ([""] if failed else []) + [
+        f"Failed, not in the rows above: {method} at keep {rate:g} on sample(s) {', '.join(map(str, samples))}: {why}."
+        for (method, rate, why), samples in failed.items()
+    ]
 
 
 def plot(report: dict, metrics: list[str], path: Path) -> None:

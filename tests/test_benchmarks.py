@@ -143,3 +143,14 @@ def test_retention_compares_each_row_with_full_on_its_own_samples():
     report["records"] = [r for r in report["records"] if r["method"] == "full" or r["sample"] >= 2]
     row = {r["method"]: r for r in summarise(report, "contains")}["specprefill"]
     assert row["n"] == 2 and row["retention"] == 0.5  # sample 3 of samples 2 and 3, not of all four
+
+
+def test_failed_samples_are_left_out_of_the_rows_and_listed():
+    from quality import markdown, summarise
+
+    report = _run([0, 1, 2], "longllmlingua", 0.1)
+    report["records"] = [r for r in report["records"] if not (r["method"] == "longllmlingua" and r["sample"] == 1)]
+    report["records"].append({"sample": 1, "method": "longllmlingua", "keep_rate": 0.1, "failed": "llmlingua: AssertionError"})
+    row = {r["method"]: r for r in summarise(report, "contains")}["longllmlingua"]
+    assert row["n"] == 2 and row["score"] == 0.0  # samples 0 and 2
+    assert "longllmlingua at keep 0.1 on sample(s) 1: llmlingua: AssertionError." in markdown(report, "contains")
