@@ -3,9 +3,10 @@
     python benchmarks/merge.py benchmarks/results/quality-niah*.json --out benchmarks/results/quality-niah-all
 
 Runs are merged only when they drew their samples the same way (task, seed, documents, length) and
-generated the same way (max new tokens): then sample ``i`` is the same prompt in every run. The
-full-prefill record that every run repeats for a sample is kept once, after checking the runs agree
-on it; any other record given twice is an error rather than a silent choice between them.
+generated the same way (max new tokens): then sample ``i`` is the same prompt in every run. A record
+given by two runs (the full-prefill record every run repeats, or a sample evaluated again after a run
+stopped) is kept once if the two agree on every result (the run time aside); if they differ, that is
+an error rather than a silent choice between them.
 """
 
 from __future__ import annotations
@@ -35,14 +36,24 @@ def merge(reports: list[dict]) -> dict:
     for report in reports:
         for record in report["records"]:
             key = (record["sample"], record["method"], record["keep_rate"])
-            if key in records and record["method"] != "full":
-                raise MergeError(f"sample {key[0]}, {key[1]} at keep {key[2]} is in two runs; drop one of them")
-            if key in records and abs(records[key]["logprob"] - record["logprob"]) > 1e-3:
-                raise MergeError(f"the runs' full prefill of sample {key[0]} differ: they were not made the same way")
+            if key in records and not same_results(records[key], record):
+                raise MergeError(f"two runs give different results for sample {key[0]}, {key[1]} at keep {key[2]}: "
+                                 "they were not made the same way; merge only one of them")
             records.setdefault(key, record)
     merged = sorted(records.values(), key=lambda r: (r["sample"], r["method"] != "full"))
     settings = {k: first.get(k) for k in SAME_SAMPLES}
     return {"task": first["task"], "samples": len({r["sample"] for r in merged}), "records": merged, "settings": settings}
+
+
+def same_results(first: dict, second: dict, tolerance: float = 1e-4) -> bool:
+    """Whether two records of one (sample, method, keep rate) agree on everything but their run time."""
+    for key in (first.keys() | second.keys()) - {"seconds"}:
+        a, b = first.get(key), second.get(key)
+        if isinstance(a, float) and isinstance(b, float) and abs(a - b) <= tolerance:
+            continue
+        if a != b:
+            return False
+    return True
 
 
 def main() -> None:

@@ -129,8 +129,11 @@ def test_merge_refuses_other_samples_and_duplicates():
 
     with pytest.raises(MergeError, match="seed"):
         merge([_run([0], "specprefill", 0.1), _run([1], "specprefill", 0.2, seed=1)])
-    with pytest.raises(MergeError, match="two runs"):
-        merge([_run([0], "specprefill", 0.1), _run([0], "specprefill", 0.1)])
+    again = _run([0], "specprefill", 0.1)
+    assert merge([_run([0], "specprefill", 0.1), again])["samples"] == 1  # a re-run that agrees is kept once
+    again["records"][1]["logprob"] += 0.5
+    with pytest.raises(MergeError, match="different results for sample 0, specprefill at keep 0.1"):
+        merge([_run([0], "specprefill", 0.1), again])
 
 
 def test_retention_compares_each_row_with_full_on_its_own_samples():
