@@ -147,30 +147,31 @@ def test_server_refuses_bad_positions_and_keeps_serving(server, tiny_folder):
     assert len(list(backend.generate(good, GenerationParams(max_new_tokens=3)))) <= 3
 
 
-def test_server_refuses_generation_past_max_model_len_and_keeps_serving(server, tiny_folder):
-    """K=3 fits, but generated tokens take positions L, L+1, ...: L=10 + max_tokens=1015 > 1024. Then a
-    request whose kept positions do not number its tokens."""
+def _refusal(server: str, body: dict) -> tuple[int, str]:
+    """POST ``body`` to /v1/completions, expecting an HTTP error: (status, response text)."""
     import json
     import urllib.error
 
+    request = urllib.request.Request(server + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    return refused.value.code, refused.value.read().decode()
+
+
+def test_server_refuses_generation_past_max_model_len_and_keeps_serving(server, tiny_folder):
+    """K=3 fits, but generated tokens take positions L, L+1, ...: L=10 + max_tokens=1015 > 1024. Then a
+    request whose kept positions do not number its tokens."""
     from specprefill_rag.backends.vllm import VLLMServerBackend
 
     backend = VLLMServerBackend(server, frozenset())
     too_long = {"model": backend.model, "prompt": [5, 6, 7], "max_tokens": 1015,
                 "vllm_xargs": {"specprefill_prompt_length": 10, "specprefill_runs": [0, 1, 4, 1, 9, 1]}}
-    request = urllib.request.Request(server + "/v1/completions", json.dumps(too_long).encode(),
-                                     {"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=60)
-    assert refused.value.code == 400
-    assert "L=10 + max_tokens=1015 = 1025 exceeds max_model_len=1024" in refused.value.read().decode()
+    code, text = _refusal(server, too_long)
+    assert code == 400 and "L=10 + max_tokens=1015 = 1025 exceeds max_model_len=1024" in text
     miscounted = {**too_long, "prompt": [5, 6], "max_tokens": 3}  # 3 kept positions, 2 prompt tokens
-    request = urllib.request.Request(server + "/v1/completions", json.dumps(miscounted).encode(),
-                                     {"Content-Type": "application/json"})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=60)
-    assert refused.value.code == 400
-    assert "cover 3 positions but the prompt has 2 tokens" in refused.value.read().decode()
+    code, text = _refusal(server, miscounted)
+    assert code == 400 and "cover 3 positions but the prompt has 2 tokens" in text
     sparse = SparsePrompt(torch.tensor([5, 6, 7]), torch.tensor([0, 4, 9]), 10)
     with pytest.raises(InvalidRequestError, match="400.*lower max_tokens to at most 1014 or send fewer documents"):
         list(backend.generate(sparse, GenerationParams(max_new_tokens=1015)))
