@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from quality import markdown, plot
+from quality import markdown, plot, table_metrics, write_tables
 
 SAME_SAMPLES = ("task", "seed", "documents", "length", "max_new_tokens")
 
@@ -63,11 +63,8 @@ def main() -> None:
     args = options.parse_args()
     report = merge([json.loads(path.read_text()) for path in args.results])
     report["settings"]["merged_from"] = [str(path) for path in args.results]
-    metrics = ["contains" if report["task"] != "longbench" else "f1", "logprob"]
-    if not report["settings"]["max_new_tokens"]:
-        metrics = ["logprob"]
-    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
-    Path(f"{args.out}.md").write_text(markdown(report, metrics[0]) + "\n")
+    metrics = table_metrics(report["task"], report["settings"]["max_new_tokens"])
+    write_tables(report, args.out, metrics)
     plot(report, metrics, Path(f"{args.out}.png"))
     print(markdown(report, metrics[0]))
 

@@ -251,11 +251,17 @@ def evaluate(engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_
 
 # -- study ------------------------------------------------------------------------------------------
 
+def _bootstrap(items: list, statistic: Callable[[list], float | None], seed: int, rounds: int) -> list[float]:
+    """``statistic`` of ``rounds`` resamples of ``items`` (drawn with replacement), sorted; None dropped."""
+    rng = random.Random(seed)
+    results = (statistic([rng.choice(items) for _ in items]) for _ in range(rounds))
+    return sorted(r for r in results if r is not None)
+
+
 def bootstrap_interval(values: list[float], seed: int = 0, rounds: int = 2000) -> tuple[float, float]:
     if not values:
         return (float("nan"), float("nan"))
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choice(values) for _ in values) / len(values) for _ in range(rounds))
+    means = _bootstrap(values, lambda drawn: sum(drawn) / len(drawn), seed, rounds)
     return means[int(0.025 * rounds)], means[int(0.975 * rounds)]
 
 
@@ -265,17 +271,13 @@ def bootstrap_ratio_interval(values: list[float], references: list[float], seed:
 
     Draws whose references sum to 0 have no ratio; if more than 5% do, the interval is unknown (nan).
     """
-    rng = random.Random(seed)
-    pairs = list(zip(values, references))
-    ratios = []
-    for _ in range(rounds):
-        drawn = [rng.choice(pairs) for _ in pairs]
+    def ratio(drawn: list[tuple[float, float]]) -> float | None:
         reference = sum(r for _, r in drawn)
-        if reference:
-            ratios.append(sum(v for v, _ in drawn) / reference)
+        return sum(v for v, _ in drawn) / reference if reference else None
+
+    ratios = _bootstrap(list(zip(values, references)), ratio, seed, rounds)
     if len(ratios) < 0.95 * rounds:
         return (float("nan"), float("nan"))
-    ratios.sort()
     return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios))]
 
 
@@ -395,6 +397,19 @@ def plot(report: dict, metrics: list[str], path: Path) -> None:
 
 
 # self-12-w16: what draft="self" means for the 30-layer SmolLM2-135M (chosen on the --seed 1 SQuAD split)
+def table_metrics(task: str, max_new_tokens: int) -> list[str]:
+    """The tables' metrics, the main one first: log-probabilities only when nothing was generated."""
+    if not max_new_tokens:
+        return ["logprob"]
+    return ["contains" if task != "longbench" else "f1", "logprob"]
+
+
+def write_tables(report: dict, out: Path, metrics: list[str]) -> None:
+    """``out``.json (every record) and ``out``.md (the table of the main metric)."""
+    Path(f"{out}.json").write_text(json.dumps(report, indent=1))
+    Path(f"{out}.md").write_text(markdown(report, metrics[0]) + "\n")
+
+
 ALL_METHODS = ["specprefill", "specprefill-la1", "self-12-w16", "contiguous", "longllmlingua", "random", "first"]
 
 
@@ -418,13 +433,8 @@ def main() -> None:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    metrics = ["contains" if args.task != "longbench" else "f1", "logprob"] if args.max_new_tokens else ["logprob"]
-
-    def save(partial: dict) -> None:
-        Path(f"{out}.json").write_text(json.dumps(partial, indent=1))
-        Path(f"{out}.md").write_text(markdown(partial, metrics[0]) + "\n")
-
-    final = run(args, save)
+    metrics = table_metrics(args.task, args.max_new_tokens)
+    final = run(args, lambda partial: write_tables(partial, out, metrics))
     plot(final, metrics, Path(f"{out}.png"))
     print(markdown(final, metrics[0]))
 

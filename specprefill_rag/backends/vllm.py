@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
-import urllib.error
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any, Literal
