@@ -7,6 +7,7 @@ from .config import GenerationParams, SpecPrefillConfig
 from .engine import SpecPrefillEngine
 from .errors import (
     ContextLengthError,
+    DraftScoringError,
     InvalidRequestError,
     ModelLoadError,
     SpecPrefillError,
@@ -22,6 +23,7 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "ContextLengthError",
+    "DraftScoringError",
     "Document",
     "GenerationParams",
     "GenerationResult",

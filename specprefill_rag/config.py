@@ -51,7 +51,7 @@ class SpecPrefillConfig(BaseModel):
     )
     device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="'auto' = float32 on CPU, bfloat16 on CUDA."
+        "auto", description="'auto' = float32 on CPU, bfloat16 on CUDA (float16 where the GPU lacks bfloat16)."
     )
 
     @field_validator("pool_kernel")

@@ -44,3 +44,7 @@ class ModelLoadError(SpecPrefillError):
 
 class TokenizerMismatchError(SpecPrefillError):
     """The draft and main models do not share a vocabulary, so token ids cannot be passed between them."""
+
+
+class DraftScoringError(SpecPrefillError):
+    """The draft model gave no usable token importance (no attention captured, or non-finite scores)."""

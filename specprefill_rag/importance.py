@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .errors import DraftScoringError
+
 
 def query_importance(query: torch.Tensor, keys: torch.Tensor, scaling: float, pool_kernel: int) -> torch.Tensor:
     """Importance of every prompt token for one query token, or for a window of them, in one layer.
@@ -59,17 +61,26 @@ class ImportanceAccumulator:
 
     def add(self, layer_importance: torch.Tensor) -> None:
         """Fold one layer's ``[L]`` importance into the current step."""
+        layer_importance = layer_importance.to(self.scores.device)  # a draft split over GPUs: layer k's device
         torch.maximum(self.scores[self.step], layer_importance, out=self.scores[self.step])
         self.seen[self.step] = True
 
     def add_window(self, window_importance: torch.Tensor) -> None:
         """Fold one layer's ``[W, L]`` importance of a query window into steps ``0 .. W-1``."""
         rows = window_importance.shape[0]
+        window_importance = window_importance.to(self.scores.device)
         torch.maximum(self.scores[:rows], window_importance, out=self.scores[:rows])
         self.seen[:rows] = True
 
     def result(self) -> torch.Tensor:
         """``[L]`` float32 mean over the steps that saw at least one layer."""
         if not bool(self.seen.any()):
-            raise RuntimeError("no draft attention was captured; the draft model's attention did not run")
-        return self.scores[self.seen.to(self.scores.device)].mean(dim=0)
+            raise DraftScoringError("no draft attention was captured; the draft model's attention did not run")
+        importance = self.scores[self.seen.to(self.scores.device)].mean(dim=0)
+        if not bool(torch.isfinite(importance).all()):
+            # Selection would otherwise rank NaN chunks arbitrarily and keep the wrong documents.
+            raise DraftScoringError(
+                "the draft model produced non-finite attention scores (float16 overflow is the usual cause); "
+                "load the draft in bfloat16 or float32 (dtype='bfloat16')"
+            )
+        return importance

@@ -118,7 +118,10 @@ def resolve(spec: str) -> str:
 
 def _dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        if not device.startswith("cuda"):
+            return torch.float32
+        # Pre-Ampere GPUs (T4, V100) only emulate bfloat16.
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return getattr(torch, name)
 
 

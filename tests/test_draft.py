@@ -7,6 +7,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft, capture_attention, decoder_layers, stop_after_layers
+from specprefill_rag.errors import DraftScoringError
 from specprefill_rag.importance import ImportanceAccumulator, query_importance
 
 
@@ -67,6 +68,15 @@ def test_accumulator_max_over_layers_mean_over_steps():
     accumulator.step = 1
     accumulator.add(torch.tensor([3.0, 0.0, 4.0]))
     assert accumulator.result().tolist() == [2.0, 1.0, 2.0]
+
+
+def test_accumulator_refuses_non_finite_scores_and_no_scores():
+    accumulator = ImportanceAccumulator(3, n_steps=1)
+    with pytest.raises(DraftScoringError, match="no draft attention"):
+        accumulator.result()
+    accumulator.add(torch.tensor([0.5, float("nan"), 0.1]))  # what an overflowing float16 draft head gives
+    with pytest.raises(DraftScoringError, match="bfloat16 or float32"):
+        accumulator.result()
 
 
 @pytest.mark.parametrize("look_ahead", [1, 4])

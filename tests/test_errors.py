@@ -155,3 +155,16 @@ def test_adapter_config_backend_and_look_ahead():
     assert adapter_config("transformers", "self", 8).effective_look_ahead == 1
     assert adapter_config("transformers", "self:4", 8).effective_look_ahead == 1
     assert adapter_config("transformers", "smollm2-135m", 3).look_ahead == 3
+
+
+def test_auto_dtype_is_float16_on_a_gpu_without_bfloat16(monkeypatch):
+    import torch
+
+    from specprefill_rag.models import _dtype
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
+    assert _dtype("auto", "cuda:0") == torch.float16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert _dtype("auto", "cuda") == torch.bfloat16
+    assert _dtype("auto", "cpu") == torch.float32
+    assert _dtype("float16", "cpu") == torch.float16
