@@ -51,8 +51,8 @@ def shape_model(shape: str, dtype: torch.dtype, device: str):
 
     config = LlamaConfig(**SHAPES[shape], attn_implementation="sdpa")
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+    with torch.device(device):  # built in ``dtype`` directly: no float32 copy of 8B weights; RoPE stays float32
+        model = LlamaForCausalLM._from_config(config, dtype=dtype)
     return model.eval()
 
 
@@ -110,6 +110,15 @@ def load_pair(args):
     return draft, None, shape_model("llama-3.1-8b", dtype, args.device)
 
 
+def timing_engine(main_model, tokenizer, draft_model):
+    """What :func:`run_length` times: an engine, or only a main backend for the GPU shapes (random ids, no tokenizer)."""
+    if tokenizer is not None:
+        return SpecPrefillEngine.from_models(main_model, tokenizer, draft_model, min_prompt_tokens=0)
+    from specprefill_rag.backends.hf import HFBackend
+
+    return argparse.Namespace(backend=HFBackend(main_model, frozenset()))
+
+
 def run_length(engine, draft_model, tokenizer, length: int, args) -> dict:
     device = args.device
     ids = prompt_ids(tokenizer, length, draft_model.config.vocab_size).to(device)
@@ -120,7 +129,8 @@ def run_length(engine, draft_model, tokenizer, length: int, args) -> dict:
 
     kept = select_kept(importance, index, keep_rate=args.keep_rate, chunk_size=32).to(device)
     samples: dict[str, list[float]] = {k: [] for k in ("draft_prefill", "draft_scoring", "main_full", "main_sparse", "specprefill_ttft")}
-    first_token(engine.backend, SparsePrompt.full(ids[:256]))  # warm-up
+    # Warm-up; on CUDA at full length, so the caching allocator's growth is not in the first repeat.
+    first_token(engine.backend, SparsePrompt.full(ids if device.startswith("cuda") else ids[:256]))
     for _ in range(args.repeats):
         samples["draft_prefill"].append(clock(lambda: plain_prefill(draft_model, ids), device))
         samples["draft_scoring"].append(clock(lambda: scorer.score(ids), device))
@@ -158,6 +168,7 @@ def memory_probe(args) -> None:
     run = (lambda: plain_prefill(draft_model, ids)) if args.probe == "prefill" else (
         lambda: ModelDraft(draft_model, look_ahead=args.look_ahead).score(ids))
     if args.device.startswith("cuda"):
+        plain_prefill(draft_model, ids[:16])  # cuBLAS workspaces would otherwise count in the first probe's peak
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -238,15 +249,13 @@ def main() -> None:
         args.lengths = [2048] if args.quick else ([4096] if args.device == "cpu" else [8192, 32768])
     if args.quick:
         args.repeats = 1
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(args.device)  # synchronize() and the memory counters act on the current device
     if args.probe:
         memory_probe(args)
         return
     draft_model, tokenizer, main_model = load_pair(args)
-    engine = SpecPrefillEngine.from_models(main_model, tokenizer, draft_model, min_prompt_tokens=0) if tokenizer else None
-    if engine is None:  # GPU shapes: no tokenizer needed, ids are random
-        from specprefill_rag.backends.hf import HFBackend
-
-        engine = argparse.Namespace(backend=HFBackend(main_model, frozenset()))
+    engine = timing_engine(main_model, tokenizer, draft_model)
     report = {"machine": machine(), "device": args.device, "repeats": args.repeats, "keep_rate": args.keep_rate,
               "look_ahead": args.look_ahead, "results": []}
     for length in args.lengths:

@@ -100,6 +100,25 @@ def test_peak_memory_counts_each_run_after_the_heap_is_trimmed():
     assert peaks["nothing"] < 16
 
 
+def test_ttft_shape_path_runs_without_a_tokenizer(monkeypatch):
+    """The GPU study's code path (random-weight shapes, random ids, backend only), on CPU at a tiny size."""
+    import argparse
+
+    import ttft
+
+    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=300, max_position_embeddings=2048)
+    monkeypatch.setitem(ttft.SHAPES, "tiny", tiny)
+    draft, main = ttft.shape_model("tiny", torch.bfloat16, "cpu"), ttft.shape_model("tiny", torch.bfloat16, "cpu")
+    assert next(main.parameters()).dtype == torch.bfloat16
+    assert main.model.rotary_emb.inv_freq.dtype == torch.float32
+    args = argparse.Namespace(device="cpu", look_ahead=2, keep_rate=0.1, repeats=1)
+    row = ttft.run_length(ttft.timing_engine(main, None, draft), draft, None, 1024, args)
+    assert row["prompt_tokens"] == 1024 and 96 < row["kept_tokens"] < 1024
+    median = {name: timing["median"] for name, timing in row["timings_ms"].items()}
+    assert row["bound"] == pytest.approx(1 / (row["kept_share"] + median["draft_scoring"] / median["main_full"]))
+
+
 def _run(samples: list[int], method: str, keep_rate: float, seed: int = 0) -> dict:
     def record(sample: int, name: str, rate: float, value: float) -> dict:
         return {"sample": sample, "method": name, "keep_rate": rate, "contains": value, "logprob": -value,
