@@ -84,8 +84,9 @@ bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md 
 	$(BIN)/python benchmarks/ttft_lengths.py --lengths 1024 2048 4096 8192
 	$(BIN)/python benchmarks/ttft_lengths.py --main smollm2-135m --lengths 1024 2048 4096 8192
 	$(QUALITY) --task niah --length 1500 --samples 40
-	$(QUALITY) --task niah --length 4000 --samples 11 --keep-rates 0.1 0.3 --methods specprefill self-12-w16 longllmlingua random \
-		--out benchmarks/results/quality-niah-4k
+	$(QUALITY) --task niah --length 4000 --samples 33 --keep-rates 0.1 0.3 --out benchmarks/results/quality-niah-4k
+	$(QUALITY) --task niah --length 8000 --samples 11 --keep-rates 0.1 0.3 --methods specprefill self-12-w16 contiguous longllmlingua \
+		--out benchmarks/results/quality-niah-8k
 	$(QUALITY) --task squad --samples 40
 	$(QUALITY) --task hotpotqa --samples 40
 	$(QUALITY) --task nq --samples 40
