@@ -396,7 +396,6 @@ def plot(report: dict, metrics: list[str], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-# self-12-w16: what draft="self" means for the 30-layer SmolLM2-135M (chosen on the --seed 1 SQuAD split)
 def table_metrics(task: str, max_new_tokens: int) -> list[str]:
     """The tables' metrics, the main one first: log-probabilities only when nothing was generated."""
     if not max_new_tokens:
@@ -410,6 +409,7 @@ def write_tables(report: dict, out: Path, metrics: list[str]) -> None:
     Path(f"{out}.md").write_text(markdown(report, metrics[0]) + "\n")
 
 
+# self-12-w16: what draft="self" means for the 30-layer SmolLM2-135M (chosen on the --seed 1 SQuAD split)
 ALL_METHODS = ["specprefill", "specprefill-la1", "self-12-w16", "contiguous", "longllmlingua", "random", "first"]
 
 
