@@ -101,13 +101,19 @@ def first_token(backend, prompt: SparsePrompt) -> None:
     next(iter(backend.generate(prompt, GenerationParams(max_new_tokens=1))))
 
 
-def load_pair(args):
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+def load_draft(args):
+    """``(draft model, tokenizer)``: the real SmolLM2-135M on CPU; on CUDA a Llama-3.2-1B shape and no tokenizer."""
     if args.device == "cpu":
         draft = load_model("smollm2-135m", "cpu")
-        return draft.model, draft.tokenizer, shape_model(args.main_shape, dtype, "cpu")
-    draft = shape_model("llama-3.2-1b", dtype, args.device)
-    return draft, None, shape_model("llama-3.1-8b", dtype, args.device)
+        return draft.model, draft.tokenizer
+    return shape_model("llama-3.2-1b", torch.bfloat16, args.device), None
+
+
+def load_pair(args):
+    draft_model, tokenizer = load_draft(args)
+    if args.device == "cpu":
+        return draft_model, tokenizer, shape_model(args.main_shape, torch.float32, "cpu")
+    return draft_model, tokenizer, shape_model("llama-3.1-8b", torch.bfloat16, args.device)
 
 
 def timing_engine(main_model, tokenizer, draft_model):
@@ -163,7 +169,7 @@ def run_length(engine, draft_model, tokenizer, length: int, args) -> dict:
 
 def memory_probe(args) -> None:
     """Child process: print peak memory growth (MB) of one plain draft prefill or one scoring call."""
-    draft_model, tokenizer, _ = load_pair_draft_only(args)
+    draft_model, tokenizer = load_draft(args)
     ids = prompt_ids(tokenizer, args.lengths[0], draft_model.config.vocab_size).to(args.device)
     run = (lambda: plain_prefill(draft_model, ids)) if args.probe == "prefill" else (
         lambda: ModelDraft(draft_model, look_ahead=args.look_ahead).score(ids))
@@ -202,13 +208,6 @@ def peak_rss_growth_mb(run) -> float:
         done.set()
         sampler.join()
     return (max(peak[0], _rss_bytes()) - base) / 2**20
-
-
-def load_pair_draft_only(args):
-    if args.device == "cpu":
-        draft = load_model("smollm2-135m", "cpu")
-        return draft.model, draft.tokenizer, None
-    return shape_model("llama-3.2-1b", torch.bfloat16, args.device), None, None
 
 
 def measure_memory(args, length: int) -> dict:
