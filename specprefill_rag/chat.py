@@ -17,6 +17,7 @@ the question, earlier turns as context that is never dropped.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
@@ -35,16 +36,27 @@ from .prompt import (
     protect_tail,
 )
 
-DOCUMENT_START = "\x02"
-DOCUMENT_END = "\x03"
-_MARKED = re.compile(f"{DOCUMENT_START}(.*?){DOCUMENT_END}", re.S)
+# A secret of this process in every marker: retrieved text cannot forge one, so a document cannot end
+# its own span early and pass the rest of its text off as the (never dropped) question.
+_MARKER_NONCE = secrets.token_hex(8)
+DOCUMENT_START = f"\x02{_MARKER_NONCE}\x02"
+DOCUMENT_END = f"\x03{_MARKER_NONCE}\x03"
+_MARKED = re.compile(f"{re.escape(DOCUMENT_START)}(.*?){re.escape(DOCUMENT_END)}", re.S)
 
 ChatRole = Literal["system", "user", "assistant"]
 DocumentSource = Literal["argument-located", "argument-inserted", "blocks", "markers", "none"]
 
 
 def mark_document(text: str) -> str:
-    """Wrap a document's text so :func:`chat_layout` finds its span (markers are removed before use)."""
+    """Wrap a document's text so :func:`chat_layout` finds its span (markers are removed before use).
+
+    The markers hold a secret of this process, so they only work within it (not across a network)
+    and a document cannot contain them.
+    """
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"mark_document takes the document's text as str, got {type(text).__name__}")
+    if DOCUMENT_START in text or DOCUMENT_END in text:
+        raise InvalidRequestError("this text is already marked as a document; mark each document once")
     return f"{DOCUMENT_START}{text}{DOCUMENT_END}"
 
 

@@ -142,9 +142,9 @@ class SpecPrefillEngine:
         """Token ids and roles of a RAG prompt rendered with the main model's chat template."""
         return build_rag_layout(self.tokenizer, question, documents, instructions, use_chat_template)
 
-    def text_layout(self, prompt: str) -> PromptLayout:
+    def text_layout(self, prompt: str, parse_special_tokens: bool = False) -> PromptLayout:
         """Layout of an already-rendered prompt (no roles: see :func:`build_text_layout`)."""
-        return build_text_layout(self.tokenizer, prompt, self.config.protect_tail_tokens)
+        return build_text_layout(self.tokenizer, prompt, self.config.protect_tail_tokens, parse_special_tokens)
 
     # -- selection -------------------------------------------------------------------------------
 
@@ -209,11 +209,18 @@ class SpecPrefillEngine:
         """Answer ``question`` over ``documents``; only document tokens are compressed."""
         return last_result(self.stream(question, documents, instructions, keep_rate, **params))
 
-    def generate_text(self, prompt: str, keep_rate: float | None = None, **params: Any) -> GenerationResult:
-        """Complete an already-rendered prompt; all but template tokens and the tail are candidates."""
+    def generate_text(
+        self, prompt: str, keep_rate: float | None = None, parse_special_tokens: bool = False, **params: Any
+    ) -> GenerationResult:
+        """Complete an already-rendered prompt; all but template tokens and the tail are candidates.
+
+        Special-token strings in ``prompt`` are text unless ``parse_special_tokens=True``: pass that only
+        for a prompt you rendered yourself from trusted parts (retrieved text could open a turn).
+        """
         started = time.perf_counter()
         generation = GenerationParams(**params)
-        return last_result(self._stream(self.text_layout(prompt), generation, keep_rate, started))
+        layout = self.text_layout(prompt, parse_special_tokens)
+        return last_result(self._stream(layout, generation, keep_rate, started))
 
     def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         context = self.backend.context_length

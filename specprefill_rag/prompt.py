@@ -17,6 +17,7 @@ from typing import Any, Union
 import torch
 
 from .errors import InvalidRequestError
+from .tokens import encode_trusted_controls
 
 
 class Role(IntEnum):
@@ -42,11 +43,16 @@ DocumentLike = Union[Document, str, bytes, Mapping[str, Any]]
 
 @dataclass(frozen=True)
 class Segment:
-    """A piece of prompt text with its role; ``document`` is the document index for ``Role.DOCUMENT``."""
+    """A piece of prompt text with its role; ``document`` is the document index for ``Role.DOCUMENT``.
+
+    ``scaffold``: text the chat template itself wrote. Only there do special-token strings become
+    control tokens; everywhere else (documents, titles, question, instructions) they are text.
+    """
 
     text: str
     role: Role
     document: int = -1
+    scaffold: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,28 +141,29 @@ def rag_turns(question: str, documents: Sequence[DocumentLike], instructions: st
     return system + [Turn("user", tuple(user))]
 
 
-_SENTINEL = "\x1eSPR{}\x1e"
-_SENTINEL_RE = re.compile("\x1eSPR(\\d+)\x1e")
+# Private-use characters: not whitespace, so templates that trim message content keep them whole.
+_SENTINEL = "\ue000SPR{}\ue001"
+_SENTINEL_RE = re.compile("\ue000SPR(\\d+)\ue001")
 
 
 def render_chat(tokenizer: Any, turns: Sequence[Turn]) -> list[Segment]:
     """Render turns with the tokenizer's chat template (plus generation prompt), keeping segment roles.
 
-    Each non-template segment is rendered as a unique sentinel, located in the output, and put back;
-    the result must equal the template rendered over the real text, or the template is rejected.
+    Every segment is rendered as a unique sentinel, located in the output, and put back, so the text
+    between sentinels is exactly what the template wrote (``scaffold``). The result must equal the
+    template rendered over the real text, or the template is rejected.
     """
     flat = [segment for turn in turns for segment in turn.segments]
-    marked = [Segment(_SENTINEL.format(i), s.role) if s.role != Role.TEMPLATE else s for i, s in enumerate(flat)]
+    marked = [Segment(_SENTINEL.format(i), s.role) for i, s in enumerate(flat)]
     rendered = _apply_template(tokenizer, turns, marked)
     found = [int(m.group(1)) for m in _SENTINEL_RE.finditer(rendered)]
-    expected = [i for i, s in enumerate(flat) if s.role != Role.TEMPLATE]
     segments, cursor = [], 0
     for match in _SENTINEL_RE.finditer(rendered):
-        segments.append(Segment(rendered[cursor : match.start()], Role.TEMPLATE))
+        segments.append(Segment(rendered[cursor : match.start()], Role.TEMPLATE, scaffold=True))
         segments.append(flat[int(match.group(1))])
         cursor = match.end()
-    segments.append(Segment(rendered[cursor:], Role.TEMPLATE))
-    if found != expected or "".join(s.text for s in segments) != _apply_template(tokenizer, turns, flat):
+    segments.append(Segment(rendered[cursor:], Role.TEMPLATE, scaffold=True))
+    if found != list(range(len(flat))) or "".join(s.text for s in segments) != _apply_template(tokenizer, turns, flat):
         raise InvalidRequestError(
             "the chat template reorders or rewrites message content, so document spans cannot be located; "
             "pass use_chat_template=False"
@@ -182,14 +189,17 @@ def render_plain(turns: Sequence[Turn]) -> list[Segment]:
 
 
 def layout_from_segments(tokenizer: Any, segments: Sequence[Segment], add_special_tokens: bool) -> PromptLayout:
-    """Tokenize the concatenated segments once and give every token its segment's role."""
+    """Tokenize the concatenated segments once and give every token its segment's role.
+
+    Special-token strings become control tokens only inside ``scaffold`` segments (see :mod:`.tokens`).
+    """
     if not getattr(tokenizer, "is_fast", False):
         raise InvalidRequestError("a fast (Rust) tokenizer is required to locate document spans by offsets")
     text = "".join(s.text for s in segments)
-    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    offsets = torch.tensor(encoded["offset_mapping"], dtype=torch.long).view(-1, 2)
-    token_starts, token_ends = offsets[:, 0].contiguous(), offsets[:, 1].contiguous()
     starts = torch.tensor([0] + [len(s.text) for s in segments]).cumsum(0)
+    trusted = [(int(starts[i]), int(starts[i + 1])) for i, s in enumerate(segments) if s.scaffold]
+    input_ids, offsets = encode_trusted_controls(tokenizer, text, trusted, add_special_tokens)
+    token_starts, token_ends = offsets[:, 0].contiguous(), offsets[:, 1].contiguous()
     first = torch.searchsorted(starts, token_starts, right=True) - 1
     last = torch.searchsorted(starts, (token_ends - 1).clamp(min=0), right=True) - 1
     inside = (first == last) & (token_ends > token_starts)
@@ -198,7 +208,6 @@ def layout_from_segments(tokenizer: Any, segments: Sequence[Segment], add_specia
     index = torch.where(inside, first, torch.full_like(first, len(segments)))
     roles = segment_roles[index]
     document_index = torch.where(roles == Role.DOCUMENT, segment_documents[index], torch.full_like(index, -1))
-    input_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
     return PromptLayout(input_ids, roles, document_index, text)
 
 
@@ -232,16 +241,24 @@ def protect_tail(layout: PromptLayout, n_tokens: int) -> PromptLayout:
     return PromptLayout(layout.input_ids, roles, document_index, layout.text)
 
 
-def build_text_layout(tokenizer: Any, prompt: str, protect_tail_tokens: int) -> PromptLayout:
+def build_text_layout(
+    tokenizer: Any, prompt: str, protect_tail_tokens: int, parse_special_tokens: bool = False
+) -> PromptLayout:
     """Layout of an already-rendered prompt with no roles.
 
     Every token is a candidate except special tokens (template scaffolding) and the last
     ``protect_tail_tokens`` (taken as the question). Runs between special tokens are separate
     pseudo-documents, so no chunk spans a special token.
+
+    ``parse_special_tokens=False`` (default): the prompt may hold untrusted text, so special-token
+    strings in it stay text and the tokenizer adds its own tokens (e.g. BOS). ``True``: the prompt was
+    rendered by the caller from trusted parts (a chat template), and its special-token strings are
+    control tokens, as the tokenizer reads them.
     """
     if not isinstance(prompt, str) or not prompt.strip():
         raise InvalidRequestError("prompt is empty; pass the rendered prompt text")
-    input_ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    trusted = [(0, len(prompt))] if parse_special_tokens else []
+    input_ids, _ = encode_trusted_controls(tokenizer, prompt, trusted, add_special_tokens=not parse_special_tokens)
     special = torch.isin(input_ids, torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long))
     roles = torch.where(special, Role.TEMPLATE, Role.DOCUMENT).long()
     roles[-protect_tail_tokens:] = torch.where(special[-protect_tail_tokens:], Role.TEMPLATE, Role.QUESTION)

@@ -40,6 +40,65 @@ def build_tokenizer(vocab_size: int = 400, seed_text: list[str] | None = None) -
     return tokenizer
 
 
+# Special tokens and chat templates of the supported families, in the shape of their real templates
+# (Llama 3 trims message content; Mistral v0.3 folds the system message into the last user turn).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "chatml": {  # Qwen2/2.5, SmolLM2
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "bos": "<|im_start|>", "eos": "<|im_end|>", "pad": "<|endoftext|>",
+        "template": CHAT_TEMPLATE,
+    },
+    "qwen3": {  # ChatML plus non-special added tokens that still steer the model
+        "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        "added": ["<think>", "</think>", "<tool_call>", "</tool_call>"],
+        "bos": "<|im_start|>", "eos": "<|im_end|>", "pad": "<|endoftext|>",
+        "template": CHAT_TEMPLATE,
+    },
+    "llama3": {
+        "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|end_of_text|>",
+        "template": (
+            "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+            "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+        ),
+    },
+    "mistral": {
+        "specials": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        "bos": "<s>", "eos": "</s>", "pad": "<unk>",
+        "template": (
+            "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+            "{% set messages = messages[1:] %}{% endif %}{{ bos_token }}{% for message in messages %}"
+            "{% if message['role'] == 'user' %}{% if loop.last and system is defined %}"
+            "{{ '[INST] ' + system + '\n\n' + message['content'] + '[/INST]' }}{% else %}"
+            "{{ '[INST] ' + message['content'] + '[/INST]' }}{% endif %}"
+            "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+        ),
+    },
+}
+
+
+def build_family_tokenizer(family: str, vocab_size: int = 400) -> Any:
+    """A fast byte-level BPE tokenizer with the special tokens and chat template of ``family``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    spec = FAMILIES[family]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=spec["specials"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    core.train_from_iterator(CORPUS, trainer)
+    core.add_tokens([AddedToken(token, special=False) for token in spec.get("added", [])])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token=spec["bos"], eos_token=spec["eos"], pad_token=spec["pad"]
+    )
+    tokenizer.chat_template = spec["template"]
+    return tokenizer
+
+
 def build_model(tokenizer: Any, layers: int = 2, max_positions: int = 1024, seed: int = 0) -> Any:
     """A random Llama: hidden 64, 4 query heads sharing 2 KV heads (GQA), SDPA attention."""
     from transformers import LlamaConfig, LlamaForCausalLM

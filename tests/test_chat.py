@@ -2,7 +2,7 @@
 
 import pytest
 
-from specprefill_rag.chat import ChatMessage, chat_layout, mark_document
+from specprefill_rag.chat import DOCUMENT_START, ChatMessage, chat_layout, mark_document
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.prompt import Document, Role
 
@@ -87,7 +87,7 @@ def test_given_question_is_kept_in_fallback(tokenizer):
         ([ChatMessage("user", [Document("x"), "q"])], ["y"], "documents were given twice"),
         ([ChatMessage("user", [mark_document("x") + "q"])], ["y"], "documents were given twice"),
         ([ChatMessage("user", ["q"])], [], "documents=\\[\\] is empty"),
-        ([ChatMessage("user", ["\x02 unbalanced q"])], None, "unbalanced document markers"),
+        ([ChatMessage("user", [DOCUMENT_START + " unbalanced q"])], None, "unbalanced document markers"),
         ([ChatMessage("user", ["q"])], [3], "document 0 has type int"),
     ],
 )
