@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from .arguments import check_documents, check_optional_text, check_unicode
 from .errors import InvalidRequestError
 from .prompt import (
     Document,
@@ -122,6 +123,7 @@ def _message_segments(message: ChatMessage, outside: Role, next_index: int) -> l
     for part in message.parts:
         index = next_index + sum(s.role == Role.DOCUMENT for s in segments)
         if isinstance(part, Document):
+            part = as_document(part, index)
             label = [Segment(f"{part.title}\n", Role.TEMPLATE)] if part.title else []
             segments += [*label, Segment(part.text, Role.DOCUMENT, index), Segment("\n\n", Role.TEMPLATE)]
         else:
@@ -132,6 +134,10 @@ def _message_segments(message: ChatMessage, outside: Role, next_index: int) -> l
 def _validate(messages: Sequence[ChatMessage]) -> None:
     if not messages:
         raise InvalidRequestError("no messages given; pass at least one user message")
+    for index, message in enumerate(messages):
+        for part in message.parts:
+            if isinstance(part, str):
+                check_unicode(part, f"message {index}")
     if messages[-1].role != "user":
         raise InvalidRequestError(
             f"the last message is from '{messages[-1].role}'; SpecPrefill answers a user message, so end with one"
@@ -202,17 +208,16 @@ def chat_layout(
     e.g. a template variable); the fallback applies instead.
     """
     _validate(messages)
-    if question is not None and not question.strip():
-        raise InvalidRequestError("question is empty; pass the user's question or leave it out")
+    question = check_optional_text(question, "question", "user's question")
     source = _has_explicit_documents(messages)
     if documents is not None:
         if source != "none":
             raise InvalidRequestError(
                 f"documents were given twice: as an argument and as {source} in the messages; pass them one way"
             )
-        normalised = [as_document(d, i) for i, d in enumerate(documents)] if documents else []
-        if not normalised:
+        if isinstance(documents, (list, tuple)) and not documents:
             raise InvalidRequestError("documents=[] is empty; pass the retrieved documents or leave it out")
+        normalised = [as_document(d, i) for i, d in enumerate(check_documents(documents))]
         placed = _with_documents(messages, normalised, insert_missing)
         if placed is None:
             return chat_layout(tokenizer, messages, None, protect_tail_tokens, use_chat_template, question)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -36,6 +37,11 @@ class SpecPrefillConfig(BaseModel):
     max_document_tokens: int | None = Field(
         None, ge=0, description="Hard cap on kept document tokens; with keep_rate, the tighter budget wins."
     )
+    max_draft_tokens: int | None = Field(
+        None, ge=1,
+        description="Most prompt tokens one request may send through the draft (its memory grows with them; "
+        "README 'Resource bounds'); None = the draft's context. Longer prompts get a DraftLimitError.",
+    )
     look_ahead: int = Field(8, ge=1, le=64, description="Queries: last prompt token + look_ahead-1 draft tokens.")
     self_draft_window: int = Field(
         16, ge=1, le=512,
@@ -53,6 +59,15 @@ class SpecPrefillConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto' = float32 on CPU, bfloat16 on CUDA (float16 where the GPU lacks bfloat16)."
     )
+
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, value: str) -> str:
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"device {value!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+        return value
 
     @field_validator("pool_kernel")
     @classmethod
@@ -100,14 +115,19 @@ class SpecPrefillConfig(BaseModel):
 
 
 class GenerationParams(BaseModel):
-    """Per-request decoding settings."""
+    """Per-request decoding settings.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    Numbers are strict (a string or a bool where a number belongs is refused, not parsed) and finite.
+    """
 
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, description="Seed for sampling; None = nondeterministic.")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    max_new_tokens: int = Field(128, ge=1, strict=True)
+    temperature: float = Field(0.0, ge=0.0, strict=True, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, strict=True, description="Seed for sampling, 0 <= seed < 2**63; None = nondeterministic."
+    )
     stop: tuple[str, ...] = Field((), description="Stop strings; the returned text ends before the first match.")
 
     @field_validator("stop", mode="before")
@@ -117,9 +137,16 @@ class GenerationParams(BaseModel):
             value = (value,)
         if value is None:
             return ()
-        if any(not isinstance(s, str) or s == "" for s in value):  # type: ignore[union-attr]
-            raise ValueError("stop must be non-empty strings")
-        return tuple(value)  # type: ignore[arg-type]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {type(value).__name__}")
+        for stop in value:
+            if not isinstance(stop, str) or stop == "":
+                raise ValueError(f"stop must be non-empty strings, got {stop!r}")
+            try:
+                stop.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"stop string {stop!r} is not valid Unicode (a lone surrogate)") from None
+        return tuple(value)
 
 
 def adapter_config(backend: str, draft: str, look_ahead: int, **fields: object) -> SpecPrefillConfig:

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 
+from .arguments import check_flag, check_keep_rate, check_layout, check_params, generation_params
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
+from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
 from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
@@ -140,10 +142,12 @@ class SpecPrefillEngine:
         self, question: str, documents: Sequence[DocumentLike], instructions: str | None = None, use_chat_template: bool = True
     ) -> PromptLayout:
         """Token ids and roles of a RAG prompt rendered with the main model's chat template."""
+        check_flag(use_chat_template, "use_chat_template")
         return build_rag_layout(self.tokenizer, question, documents, instructions, use_chat_template)
 
     def text_layout(self, prompt: str, parse_special_tokens: bool = False) -> PromptLayout:
         """Layout of an already-rendered prompt (no roles: see :func:`build_text_layout`)."""
+        check_flag(parse_special_tokens, "parse_special_tokens")
         return build_text_layout(self.tokenizer, prompt, self.config.protect_tail_tokens, parse_special_tokens)
 
     # -- selection -------------------------------------------------------------------------------
@@ -153,14 +157,13 @@ class SpecPrefillEngine:
         rate = self.config.keep_rate if keep_rate is None else keep_rate
         if not 0.0 < rate <= 1.0:
             raise InvalidRequestError(f"keep_rate must be in (0, 1], got {rate}")
-        whole = rate >= 1.0 and self.config.max_document_tokens is None
-        unsupported = not self.backend.supports_sparse_prefill
-        if whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0:
+        if not self._uses_draft(layout, rate):
             return torch.arange(len(layout)), 0.0
+        check_draft_tokens(len(layout), self.max_draft_tokens)
         started = time.perf_counter()
         device = next(self.draft.model.parameters()).device
         with model_lock(self.draft.model):
-            importance = self.draft.score(layout.input_ids.to(device)).cpu()
+            importance = score_or_out_of_memory(self.draft, layout.input_ids.to(device))
         draft_ms = _milliseconds(started)
         kept = select_kept(
             importance,
@@ -171,13 +174,26 @@ class SpecPrefillEngine:
         )
         return kept, draft_ms
 
+    def _uses_draft(self, layout: PromptLayout, rate: float) -> bool:
+        """Whether a request at keep rate ``rate`` is scored by the draft (else it is prefilled whole)."""
+        whole = rate >= 1.0 and self.config.max_document_tokens is None
+        unsupported = not self.backend.supports_sparse_prefill
+        short = len(layout) < self.config.min_prompt_tokens
+        return not (whole or unsupported or short or layout.n_document_tokens == 0)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Most prompt tokens one request may send through the draft (``config.max_draft_tokens``, at most
+        the draft's context); longer prompts that would be compressed get a ``DraftLimitError``."""
+        return draft_token_limit(self.draft.model, self.config.max_draft_tokens, self.config.effective_look_ahead)
+
     # -- generation ------------------------------------------------------------------------------
 
     def stream_layout(
         self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
     ) -> Iterator[StreamChunk]:
         """Stream the answer to a prepared layout; the last chunk carries the stats and full result."""
-        return self._stream(layout, params or GenerationParams(), keep_rate, time.perf_counter())
+        return self._stream(layout, check_params(params) or GenerationParams(), keep_rate, time.perf_counter())
 
     def generate_layout(
         self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
@@ -194,7 +210,7 @@ class SpecPrefillEngine:
     ) -> Iterator[StreamChunk]:
         """Stream the answer to ``question`` over ``documents``; ``params`` are :class:`GenerationParams` fields."""
         started = time.perf_counter()
-        generation = GenerationParams(**params)
+        generation = generation_params(params)
         layout = self.layout(question, documents, instructions)
         return self._stream(layout, generation, keep_rate, started)
 
@@ -218,19 +234,25 @@ class SpecPrefillEngine:
         for a prompt you rendered yourself from trusted parts (retrieved text could open a turn).
         """
         started = time.perf_counter()
-        generation = GenerationParams(**params)
+        generation = generation_params(params)
         layout = self.text_layout(prompt, parse_special_tokens)
         return last_result(self._stream(layout, generation, keep_rate, started))
 
-    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def _check_request(self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None) -> None:
+        """Refuse a request before any model runs: bad layout or keep rate, too long for the main model's
+        context or for the draft (``max_draft_tokens``)."""
+        check_layout(layout, len(self.tokenizer))
+        rate = check_keep_rate(keep_rate)
         context = self.backend.context_length
-        if prompt_tokens + max_new_tokens > context:
-            raise ContextLengthError(prompt_tokens, max_new_tokens, context)
+        if len(layout) + params.max_new_tokens > context:
+            raise ContextLengthError(len(layout), params.max_new_tokens, context)
+        if self._uses_draft(layout, self.config.keep_rate if rate is None else rate):
+            check_draft_tokens(len(layout), self.max_draft_tokens)
 
     def _stream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> Iterator[StreamChunk]:
-        self._check_length(len(layout), params.max_new_tokens)
+        self._check_request(layout, params, keep_rate)
         return self._decode(layout, params, keep_rate, started)
 
     def _decode(
@@ -257,7 +279,7 @@ class SpecPrefillEngine:
         """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from
         the backend's async interface (over HTTP for a vLLM server: no thread per request). Close the
         generator (``aclose``) to stop early; that ends the main model's request."""
-        return self._astream(layout, params or GenerationParams(), keep_rate, time.perf_counter())
+        return self._astream(layout, check_params(params) or GenerationParams(), keep_rate, time.perf_counter())
 
     async def agenerate_layout(
         self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
@@ -274,7 +296,7 @@ class SpecPrefillEngine:
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`stream` for an event loop (the prompt is tokenized on the loop)."""
         started = time.perf_counter()
-        generation = GenerationParams(**params)
+        generation = generation_params(params)
         return self._astream(self.layout(question, documents, instructions), generation, keep_rate, started)
 
     async def agenerate(
@@ -291,7 +313,7 @@ class SpecPrefillEngine:
     def _astream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        self._check_length(len(layout), params.max_new_tokens)
+        self._check_request(layout, params, keep_rate)
         return self._adecode(layout, params, keep_rate, started)
 
     async def _adecode(

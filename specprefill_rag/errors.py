@@ -48,3 +48,29 @@ class TokenizerMismatchError(SpecPrefillError):
 
 class DraftScoringError(SpecPrefillError):
     """The draft model gave no usable token importance (no attention captured, or non-finite scores)."""
+
+
+class DraftLimitError(InvalidRequestError):
+    """The prompt is longer than the draft may read in one request (``max_draft_tokens``: draft memory)."""
+
+    def __init__(self, prompt_tokens: int, max_draft_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_draft_tokens = max_draft_tokens
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens but the draft may score at most {max_draft_tokens} per request "
+            "(max_draft_tokens, which bounds the draft's memory); send fewer or shorter documents, raise "
+            "max_draft_tokens, or pass keep_rate=1.0 to prefill the whole prompt without the draft"
+        )
+
+
+class DraftOutOfMemoryError(DraftScoringError):
+    """The draft ran out of device memory scoring one prompt; the engine keeps serving other requests."""
+
+    def __init__(self, prompt_tokens: int, device: str) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.device = device
+        super().__init__(
+            f"the draft ran out of memory on {device} scoring a prompt of {prompt_tokens} tokens; lower "
+            "max_draft_tokens below that (see README, 'Resource bounds'), send fewer documents, or give the draft "
+            "a device with more free memory"
+        )

@@ -16,6 +16,7 @@ from typing import Any, Union
 
 import torch
 
+from .arguments import check_documents, check_optional_text, check_text
 from .errors import InvalidRequestError
 from .tokens import encode_trusted_controls
 
@@ -79,29 +80,54 @@ class PromptLayout:
         return int((self.document_index >= 0).sum())
 
 
+_DOCUMENT_KEYS = ("text", "title", "id")
+
+
 def as_document(value: DocumentLike, index: int) -> Document:
-    """Normalise a document given as text, UTF-8 bytes, a mapping with text/title/id, or a Document."""
+    """Validate a document given as text, UTF-8 bytes, a mapping with text/title/id, or a Document.
+
+    Text must be valid Unicode and not blank, the title a non-blank str or None, the id a str or None;
+    nothing is coerced (``{"text": None}`` is refused, not sent as the word ``None``).
+    """
+    name = f"document {index}"
     if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise InvalidRequestError(
-                f"document {index} is not valid UTF-8 (byte {error.start}: {value[error.start:error.start + 4]!r}); "
-                "decode it with its real encoding before passing it"
-            ) from None
+        value = _decode_utf8(value, name)
     if isinstance(value, str):
         value = Document(value)
     elif isinstance(value, Mapping):
-        if "text" not in value:
-            raise InvalidRequestError(f"document {index} is a mapping without a 'text' key; give text, title and id")
-        value = Document(str(value["text"]), value.get("title"), value.get("id"))
+        value = _mapping_document(value, name)
     if not isinstance(value, Document):
         raise InvalidRequestError(
-            f"document {index} has type {type(value).__name__}; pass str, bytes, Document or a mapping with 'text'"
+            f"{name} has type {type(value).__name__}; pass str, bytes, Document or a mapping with 'text'"
         )
-    if not value.text.strip():
-        raise InvalidRequestError(f"document {index} is empty; drop it before calling")
-    return value
+    if isinstance(value.text, str) and not value.text.strip():
+        raise InvalidRequestError(f"{name} is empty; drop it before calling")
+    text = check_text(value.text, f"{name}'s text", "document text")
+    title = check_optional_text(value.title, f"{name}'s title", "title")
+    if value.id is not None and not isinstance(value.id, str):
+        raise InvalidRequestError(f"{name}'s id must be a str or None, got {type(value.id).__name__}; pass str(id)")
+    return Document(text, title, value.id)
+
+
+def _decode_utf8(value: bytes, name: str) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidRequestError(
+            f"{name} is not valid UTF-8 (byte {error.start}: {value[error.start:error.start + 4]!r}); "
+            "decode it with its real encoding before passing it"
+        ) from None
+
+
+def _mapping_document(value: Mapping[str, Any], name: str) -> Document:
+    if "text" not in value:
+        raise InvalidRequestError(f"{name} is a mapping without a 'text' key; give text, title and id")
+    unknown = sorted(str(key) for key in value if key not in _DOCUMENT_KEYS)
+    if unknown:
+        raise InvalidRequestError(
+            f"{name} has unknown keys {unknown}; a document mapping takes 'text' and optionally 'title' and 'id'"
+        )
+    return Document(value["text"], value.get("title"), value.get("id"))
 
 
 @dataclass(frozen=True)
@@ -118,12 +144,8 @@ class Turn:
 
 def document_segments(documents: Sequence[DocumentLike], first_index: int = 0) -> list[Segment]:
     """Validated documents as labelled segments: ``Document [i] title`` (template), then the text."""
-    if isinstance(documents, (str, bytes)) or not documents:
-        raise InvalidRequestError(
-            "no documents given; pass a list of retrieved documents, or use generate_text() for a plain prompt"
-        )
     segments: list[Segment] = []
-    for offset, raw in enumerate(documents):
+    for offset, raw in enumerate(check_documents(documents)):
         index = first_index + offset
         document = as_document(raw, index)
         label = f"Document [{index + 1}]" + (f" {document.title}" if document.title else "")
@@ -134,8 +156,8 @@ def document_segments(documents: Sequence[DocumentLike], first_index: int = 0) -
 
 def rag_turns(question: str, documents: Sequence[DocumentLike], instructions: str | None) -> list[Turn]:
     """Validate a RAG request and lay it out as ``[system?, user]`` turns; the question comes last."""
-    if not isinstance(question, str) or not question.strip():
-        raise InvalidRequestError("question is empty; pass the user's question as a non-empty string")
+    question = check_text(question, "question", "user's question")
+    instructions = check_optional_text(instructions, "instructions", "system instructions")
     user = document_segments(documents) + [Segment("Question: ", Role.TEMPLATE), Segment(question.strip(), Role.QUESTION)]
     system = [Turn("system", (Segment(instructions, Role.INSTRUCTION),))] if instructions else []
     return system + [Turn("user", tuple(user))]
@@ -255,8 +277,7 @@ def build_text_layout(
     rendered by the caller from trusted parts (a chat template), and its special-token strings are
     control tokens, as the tokenizer reads them.
     """
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise InvalidRequestError("prompt is empty; pass the rendered prompt text")
+    check_text(prompt, "prompt", "rendered prompt text")
     trusted = [(0, len(prompt))] if parse_special_tokens else []
     input_ids, _ = encode_trusted_controls(tokenizer, prompt, trusted, add_special_tokens=not parse_special_tokens)
     special = torch.isin(input_ids, torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long))

@@ -1,0 +1,47 @@
+"""What one request may ask of the draft: a cap on its prompt tokens, and running out of memory.
+
+The draft's memory grows linearly with the prompt (its KV cache and the prefill's activations; the
+per-token cost of the embedded model is measured in BENCHMARKS.md, "Resource bounds"), so a request
+may send at most ``max_draft_tokens`` prompt tokens through it. A longer prompt is refused with a
+:class:`~specprefill_rag.errors.DraftLimitError` before any model runs. An out-of-memory error inside
+the draft becomes a :class:`~specprefill_rag.errors.DraftOutOfMemoryError` for that request only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .errors import DraftLimitError, DraftOutOfMemoryError
+
+# What allocators raise when memory runs out: CUDA (torch.OutOfMemoryError in torch >= 2.5) and Python.
+_OUT_OF_MEMORY = (torch.cuda.OutOfMemoryError, MemoryError)
+
+
+def draft_token_limit(draft_model: Any, max_draft_tokens: int | None, look_ahead: int) -> int:
+    """Most prompt tokens one request may send through the draft: ``max_draft_tokens``, and never more
+    than the draft's own context less the ``look_ahead - 1`` tokens it decodes after the prompt."""
+    context = int(draft_model.config.max_position_embeddings) - (look_ahead - 1)
+    return context if max_draft_tokens is None else min(context, max_draft_tokens)
+
+
+def check_draft_tokens(prompt_tokens: int, limit: int) -> None:
+    """Raise :class:`DraftLimitError` if a prompt of ``prompt_tokens`` exceeds ``limit``."""
+    if prompt_tokens > limit:
+        raise DraftLimitError(prompt_tokens, limit)
+
+
+def score_or_out_of_memory(draft: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """``draft.score(input_ids)``: ``[L]`` ids -> ``[L]`` importance, on the CPU.
+
+    Out of memory raises :class:`DraftOutOfMemoryError` outside the ``except`` block, so the error
+    carries no traceback of the draft's frames and their tensors are freed before it propagates.
+    """
+    try:
+        return draft.score(input_ids).cpu()
+    except _OUT_OF_MEMORY:
+        pass
+    if input_ids.device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the failed request's cached blocks back for the next one
+    raise DraftOutOfMemoryError(int(input_ids.numel()), str(input_ids.device))
