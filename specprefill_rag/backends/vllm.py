@@ -14,6 +14,7 @@ request body, the SSE parsing and the error mapping.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import ssl
 import threading
@@ -25,14 +26,14 @@ from typing import Any, Literal
 import httpx
 
 from ..aio import iterate_in_thread
+from ..arguments import check_number, shown
 from ..config import GenerationParams
 from ..errors import InvalidRequestError, SpecPrefillError
 from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
 from .base import SparsePrompt
+from .vllm_wire import VLLMServerError, check_server_url, cut_short, interrupted, refused, sse_tokens, unreachable
 
-
-class VLLMServerError(SpecPrefillError):
-    """The vLLM server is unreachable, lacks the plugin, or refused a request."""
+__all__ = ["VLLMOfflineBackend", "VLLMServerBackend", "VLLMServerError", "connect", "request_fields", "sse_tokens"]
 
 
 def _is_sparse(prompt: SparsePrompt) -> bool:
@@ -54,44 +55,6 @@ def _without_eos(tokens: list[int], eos_ids: frozenset[int]) -> Iterator[int]:
         if token in eos_ids:
             return
         yield token
-
-
-def sse_tokens(line: str | bytes, eos_ids: frozenset[int]) -> tuple[list[int], bool]:
-    """Token ids carried by one server-sent-events line of a streamed completion, up to the first
-    end-of-sequence id, and whether one was found (the stream is then over).
-
-    A streamed request that vLLM refuses still gets status 200; the refusal comes as an ``error``
-    event, raised here as for a non-streamed one (4xx: :class:`InvalidRequestError`)."""
-    text = line.decode() if isinstance(line, bytes) else line
-    text = text.strip()
-    if not text.startswith("data:") or text == "data: [DONE]":
-        return [], False
-    event = json.loads(text[len("data:") :])
-    if "error" in event:
-        error = event["error"]
-        code = error.get("code") if isinstance(error, dict) else None
-        raise _refused(code if isinstance(code, int) else 500, json.dumps(event))
-    tokens: list[int] = []
-    for choice in event["choices"]:
-        for token in choice.get("token_ids") or []:
-            if token in eos_ids:
-                return tokens, True
-            tokens.append(int(token))
-    return tokens, False
-
-
-def _refused(code: int, detail: str) -> SpecPrefillError:
-    """The error for an HTTP error status: the request's fault (4xx) or the server's."""
-    if 400 <= code < 500:
-        return InvalidRequestError(f"the vLLM server refused the request ({code}): {detail}")
-    return VLLMServerError(f"the vLLM server failed ({code}): {detail}")
-
-
-def _unreachable(base_url: str, timeout: float, error: BaseException) -> VLLMServerError:
-    return VLLMServerError(
-        f"cannot reach a vLLM server at {base_url} within {timeout:g} s ({error or type(error).__name__}); "
-        "check the URL and that the server is running"
-    )
 
 
 class VLLMOfflineBackend:
@@ -156,7 +119,7 @@ class VLLMServerBackend:
         self._ssl: ssl.SSLContext | None = None
         self._async_clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._async_clients_lock = threading.Lock()
-        card = self._request("GET", "/v1/models")["data"][0]
+        card = self._model_card()
         self.model = model or card["id"]
         self._context_length = int(card.get("max_model_len") or 0)
         self.supports_sparse_prefill = self._probe()
@@ -170,6 +133,18 @@ class VLLMServerBackend:
     def context_length(self) -> int:
         return self._context_length
 
+    def _model_card(self) -> dict[str, Any]:
+        """The first model ``/v1/models`` lists."""
+        listing = self._request("GET", "/v1/models")
+        try:
+            card = listing["data"][0]
+            int(card.get("max_model_len") or 0), str(card["id"])
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            raise VLLMServerError(
+                f"{self.base_url}/v1/models lists no model in vLLM's format ({shown(listing)}); check the URL"
+            ) from None
+        return card
+
     def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
         """Use the draft's end-of-sequence ids, after checking the server tokenizes as ``tokenizer`` does."""
         check_server_tokenizer(self, tokenizer)
@@ -182,13 +157,19 @@ class VLLMServerBackend:
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:
-            raise _refused(error.code, error.read().decode(errors="replace")) from None
+            raise refused(error.code, error.read().decode(errors="replace")) from None
         except (urllib.error.URLError, OSError) as error:
-            raise _unreachable(self.base_url, self.timeout, error) from None
+            raise unreachable(self.base_url, self.timeout, error) from None
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         with self._open(method, path, body) as response:
-            return json.loads(response.read())
+            try:
+                return json.loads(response.read())
+            except (ValueError, OSError, http.client.HTTPException) as error:
+                raise VLLMServerError(
+                    f"{self.base_url}{path} answered with something that is not JSON ({error}); "
+                    "check that the URL is a vLLM OpenAI-compatible server"
+                ) from None
 
     def _probe(self) -> bool:
         """True when the server refuses a probe request with the plugin's marker."""
@@ -219,34 +200,47 @@ class VLLMServerBackend:
 
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
         self._check_prompt(prompt)
+        received, done = 0, False
         with self._open("POST", "/v1/completions", self._body(prompt, params)) as response:
             try:
                 for line in response:
-                    tokens, ended = sse_tokens(line, self.eos_ids)
+                    tokens, end = sse_tokens(line, self.eos_ids)
+                    received += len(tokens)
                     yield from tokens
-                    if ended:
+                    if end == "eos":
                         return
-            except OSError as error:  # a read timed out or the connection dropped mid-stream
-                raise _unreachable(self.base_url, self.timeout, error) from None
+                    done = done or end == "done"  # read on to the end of the body: the connection stays usable
+            except (OSError, http.client.HTTPException) as error:  # a read timed out or the connection dropped
+                raise interrupted(self.base_url, self.timeout, received, error) from None
+        if not done:
+            raise cut_short(self.base_url, received)
 
     async def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
         """:meth:`generate` on the event loop (``httpx``): same request, tokens, errors and early close;
         closing this generator closes the HTTP response."""
         self._check_prompt(prompt)
         url = self.base_url + "/v1/completions"
+        received, answered, done = 0, False, False
         try:
             async with self._async_client().stream("POST", url, json=self._body(prompt, params)) as response:
+                answered = True
                 if response.status_code >= 400:
                     detail = (await response.aread()).decode(errors="replace")
-                    raise _refused(response.status_code, detail)
+                    raise refused(response.status_code, detail)
                 async for line in response.aiter_lines():
-                    tokens, ended = sse_tokens(line, self.eos_ids)
+                    tokens, end = sse_tokens(line, self.eos_ids)
+                    received += len(tokens)
                     for token in tokens:
                         yield token
-                    if ended:
+                    if end == "eos":
                         return
-        except httpx.TransportError as error:
-            raise _unreachable(self.base_url, self.timeout, error) from None
+                    done = done or end == "done"  # read on to the end of the body: the connection is reused
+        except httpx.RequestError as error:  # connect or read timed out, refused, dropped mid-stream
+            if answered:
+                raise interrupted(self.base_url, self.timeout, received, error) from None
+            raise unreachable(self.base_url, self.timeout, error) from None
+        if not done:
+            raise cut_short(self.base_url, received)
 
     def _async_client(self) -> httpx.AsyncClient:
         """One pooled client per event loop: requests on a loop reuse its connections (no new TCP or TLS
@@ -273,8 +267,18 @@ def connect(
 ) -> VLLMServerBackend | VLLMOfflineBackend:
     """The backend for a vLLM server URL (contacted now, so an unreachable one fails before any model
     loads) or for an in-process ``vllm.LLM``; end-of-sequence ids come later, from the draft."""
+    if on_missing_plugin not in ("error", "full_prompt"):
+        raise InvalidRequestError(f"on_missing_plugin must be 'error' or 'full_prompt', got {shown(on_missing_plugin)}")
     if isinstance(server, str):
+        check_server_url(server)
+        check_number(timeout, "timeout", "pass the seconds to wait for the server, e.g. timeout=60")
+        if timeout <= 0:
+            raise InvalidRequestError(f"timeout must be > 0 seconds, got {timeout}; e.g. timeout=60")
         return VLLMServerBackend(server, frozenset(), timeout=timeout, on_missing_plugin=on_missing_plugin)
+    if not hasattr(server, "llm_engine"):
+        raise InvalidRequestError(
+            f"server must be the http(s) URL of a vLLM server or an in-process vllm.LLM, got {type(server).__name__}"
+        )
     return VLLMOfflineBackend(server, frozenset())
 
 

@@ -1,0 +1,110 @@
+"""What travels between the client and a vLLM server: stream events and the errors they map to.
+
+Shared by the blocking (urllib) and the async (httpx) client. A stream ends with ``data: [DONE]`` or an
+end-of-sequence token; one that stops before (the server was killed or restarted) is an error, never
+a shorter answer. Events that are not vLLM's, and reads that fail, are :class:`VLLMServerError`;
+refusals (HTTP 4xx, or an ``error`` event) are :class:`InvalidRequestError`.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from typing import Literal, NamedTuple
+
+from ..arguments import check_text
+from ..errors import InvalidRequestError, SpecPrefillError
+
+
+class VLLMServerError(SpecPrefillError):
+    """The vLLM server is unreachable, lacks the plugin, or refused a request."""
+
+
+class StreamEvent(NamedTuple):
+    """One server-sent-events line: its token ids, up to the first end-of-sequence id, and ``end``:
+    ``"eos"`` (stop reading), ``"done"`` (``data: [DONE]``: the stream is complete) or None."""
+
+    tokens: list[int]
+    end: Literal["eos", "done"] | None = None
+
+
+def sse_tokens(line: str | bytes, eos_ids: frozenset[int]) -> StreamEvent:
+    """The tokens of one server-sent-events line of a streamed completion.
+
+    A streamed request that vLLM refuses still gets status 200; the refusal comes as an ``error``
+    event, raised here as for a non-streamed one (4xx: :class:`InvalidRequestError`). An event that is
+    not vLLM's is a :class:`VLLMServerError`."""
+    try:
+        text = (line.decode() if isinstance(line, bytes) else line).strip()
+    except UnicodeDecodeError:
+        raise malformed(line, "not UTF-8") from None
+    if text == "data: [DONE]":
+        return StreamEvent([], "done")
+    if not text.startswith("data:"):
+        return StreamEvent([])
+    try:
+        event = json.loads(text[len("data:") :])
+        if "error" in event:
+            error = event["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            raise refused(code if isinstance(code, int) else 500, json.dumps(event))
+        ids = [choice.get("token_ids") or [] for choice in event["choices"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise malformed(text, f"{type(error).__name__}: {error}") from None
+    tokens: list[int] = []
+    for token in (token for choice in ids for token in choice):
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise malformed(text, f"token id {token!r} is not an int")
+        if token in eos_ids:
+            return StreamEvent(tokens, "eos")
+        tokens.append(token)
+    return StreamEvent(tokens)
+
+
+def malformed(event: str | bytes, problem: str) -> VLLMServerError:
+    shown = repr(event) if len(event) <= 120 else f"{event[:120]!r}..."
+    return VLLMServerError(
+        f"the server sent a stream event that is not vLLM's ({problem}): {shown}; check that the URL is a vLLM "
+        "OpenAI-compatible server"
+    )
+
+
+def interrupted(base_url: str, timeout: float, received: int, error: BaseException) -> VLLMServerError:
+    """A read failed after the server had answered: it stopped, dropped the connection or went silent."""
+    return VLLMServerError(
+        f"the vLLM server at {base_url} failed mid-stream after {received} tokens ({error or type(error).__name__}; "
+        f"reads time out after {timeout:g} s); the answer is incomplete: check that the server is running and retry"
+    )
+
+
+def cut_short(base_url: str, received: int) -> VLLMServerError:
+    """The stream ended without ``[DONE]`` or end-of-sequence: the server stopped or dropped the connection."""
+    return VLLMServerError(
+        f"the vLLM server at {base_url} closed the stream after {received} tokens, before it ended (was it stopped "
+        "or restarted?); the answer is incomplete, so retry the request"
+    )
+
+
+def refused(code: int, detail: str) -> SpecPrefillError:
+    """The error for an HTTP error status: the request's fault (4xx) or the server's."""
+    if 400 <= code < 500:
+        return InvalidRequestError(f"the vLLM server refused the request ({code}): {detail}")
+    return VLLMServerError(f"the vLLM server failed ({code}): {detail}")
+
+
+def unreachable(base_url: str, timeout: float, error: BaseException) -> VLLMServerError:
+    return VLLMServerError(
+        f"cannot reach a vLLM server at {base_url} within {timeout:g} s ({error or type(error).__name__}); "
+        "check the URL and that the server is running"
+    )
+
+
+def check_server_url(url: str) -> None:
+    """An ``http(s)://host[:port]`` URL, checked before anything is sent."""
+    try:
+        parts = urllib.parse.urlsplit(check_text(url, "server", "vLLM server URL"))
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # e.g. a port that is not a number
+        valid = False
+    if not valid or any(c.isspace() for c in url):
+        raise InvalidRequestError(f"server {url!r} is not an http(s) URL; pass e.g. 'http://127.0.0.1:8000'")
