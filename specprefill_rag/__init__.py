@@ -7,6 +7,8 @@ from .config import GenerationParams, SpecPrefillConfig
 from .engine import SpecPrefillEngine
 from .errors import (
     ContextLengthError,
+    DraftLimitError,
+    DraftOutOfMemoryError,
     DraftScoringError,
     InvalidRequestError,
     ModelLoadError,
@@ -23,6 +25,8 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "ContextLengthError",
+    "DraftLimitError",
+    "DraftOutOfMemoryError",
     "DraftScoringError",
     "Document",
     "GenerationParams",

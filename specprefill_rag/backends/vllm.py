@@ -194,6 +194,16 @@ class VLLMServerBackend:
             body["cache_salt"] = fields["cache_salt"]
         return body
 
+    def _count(self, received: int, tokens: list[int], params: GenerationParams) -> int:
+        """Tokens received so far; more than were asked for means the server is not honouring the request
+        (it would otherwise stream forever without a read ever timing out)."""
+        if received + len(tokens) > params.max_new_tokens:
+            raise VLLMServerError(
+                f"the server at {self.base_url} sent more than max_tokens={params.max_new_tokens} tokens; "
+                "check that the URL is a vLLM OpenAI-compatible server"
+            )
+        return received + len(tokens)
+
     def _check_prompt(self, prompt: SparsePrompt) -> None:
         if _is_sparse(prompt) and not self.supports_sparse_prefill:
             raise InvalidRequestError("this server has no specprefill plugin; send the full prompt")
@@ -205,7 +215,7 @@ class VLLMServerBackend:
             try:
                 for line in response:
                     tokens, end = sse_tokens(line, self.eos_ids)
-                    received += len(tokens)
+                    received = self._count(received, tokens, params)
                     yield from tokens
                     if end == "eos":
                         return
@@ -229,7 +239,7 @@ class VLLMServerBackend:
                     raise refused(response.status_code, detail)
                 async for line in response.aiter_lines():
                     tokens, end = sse_tokens(line, self.eos_ids)
-                    received += len(tokens)
+                    received = self._count(received, tokens, params)
                     for token in tokens:
                         yield token
                     if end == "eos":
