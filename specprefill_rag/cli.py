@@ -23,11 +23,14 @@ def read_documents(paths: Sequence[str]) -> list[Document]:
     for name in paths:
         path = Path(name)
         if not path.is_file():
-            raise SpecPrefillError(f"document file {name} does not exist")
+            problem = "is not a file" if path.exists() else "does not exist"
+            raise SpecPrefillError(f"document file {name} {problem}; pass text files to --docs")
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as error:
             raise SpecPrefillError(f"{name} is not UTF-8 (byte {error.start}); convert it, e.g. with iconv") from None
+        if not text.strip():
+            raise SpecPrefillError(f"document file {name} is empty; leave it out of --docs")
         documents.append(Document(text, title=path.stem, id=str(path)))
     return documents
 
@@ -38,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
     ask = commands.add_parser("ask", help="answer a question over document files")
     ask.add_argument("--question", required=True)
     ask.add_argument("--docs", nargs="+", required=True, metavar="FILE", help="one document per UTF-8 text file")
-    ask.add_argument("--instructions", default=DEFAULT_INSTRUCTIONS, help="system instructions (kept whole)")
+    ask.add_argument("--instructions", default=DEFAULT_INSTRUCTIONS, help="system instructions (kept whole; '' for none)")
     ask.add_argument("--keep-rate", type=float, default=0.3, help="fraction of document tokens to prefill (0, 1]")
     ask.add_argument("--main", default=DEFAULT_MODEL, help="HF id, model folder, .gguf file or 'smollm2-135m'")
     ask.add_argument("--draft", default=DEFAULT_MODEL, help="same forms as --main, or 'self:<n>'")
@@ -64,7 +67,7 @@ def run_ask(args: argparse.Namespace) -> int:
     )
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
     result = None
-    for chunk in engine.stream(args.question, documents, args.instructions, **params):
+    for chunk in engine.stream(args.question, documents, args.instructions or None, **params):
         if args.stream and not args.json:
             print(chunk.text, end="", flush=True)
         result = chunk.result or result
@@ -85,7 +88,11 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """Run a command; bad arguments or input print one error line and return 2 (no traceback)."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as stop:  # argparse printed the usage error (or --help)
+        return stop.code if isinstance(stop.code, int) else 2
     try:
         return run_ask(args)
     except (SpecPrefillError, ValidationError) as error:

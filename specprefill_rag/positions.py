@@ -33,17 +33,39 @@ def encode_runs(kept: torch.Tensor | Sequence[int]) -> list[int]:
     return torch.stack([values[starts], ends - starts], dim=1).flatten().tolist()
 
 
-def decode_runs(runs: Sequence[int]) -> torch.Tensor:
-    """Flat runs -> ``[K]`` long positions. Raises :class:`InvalidRequestError` on malformed runs."""
-    if len(runs) % 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in runs):
-        raise InvalidRequestError(f"{RUNS_KEY} must be a flat list of integer (start, length) pairs")
+_LARGEST = 2**62  # positions and lengths beyond this cannot be real and would overflow int64 sums
+
+
+def check_runs(runs: Sequence[int]) -> torch.Tensor:
+    """Validate flat runs without expanding them: ``[R, 2]`` long ``(start, length)`` pairs.
+
+    Raises :class:`InvalidRequestError` unless the runs are integer pairs with starts >= 0, lengths > 0
+    and each run starting after the previous one ends. Cost is O(R), whatever the lengths claim, so a
+    request cannot make the server allocate its claimed positions before they are counted.
+    """
+    if not isinstance(runs, (list, tuple)) or len(runs) % 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in runs):
+        raise InvalidRequestError(f"{RUNS_KEY} must be a flat list of integer (start, length) pairs, e.g. [0, 8, 40, 16]")
+    if any(abs(v) >= _LARGEST for v in runs):
+        raise InvalidRequestError(f"{RUNS_KEY}: starts and lengths must be below 2**62")
     pairs = torch.tensor(list(runs), dtype=torch.long).view(-1, 2)
     if bool((pairs[:, 1] <= 0).any()) or bool((pairs[:, 0] < 0).any()):
         raise InvalidRequestError(f"{RUNS_KEY}: starts must be >= 0 and lengths > 0")
-    positions = torch.cat([torch.arange(s, s + n) for s, n in pairs.tolist()]) if len(pairs) else pairs.new_zeros(0)
-    if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
-        raise InvalidRequestError(f"{RUNS_KEY}: kept positions must be strictly increasing")
-    return positions
+    ends = pairs[:, 0] + pairs[:, 1]
+    if bool((pairs[1:, 0] < ends[:-1]).any()):
+        raise InvalidRequestError(f"{RUNS_KEY}: kept positions must be strictly increasing (runs in order, not overlapping)")
+    return pairs
+
+
+def decode_runs(runs: Sequence[int]) -> torch.Tensor:
+    """Flat runs -> ``[K]`` long positions. Raises :class:`InvalidRequestError` on malformed runs.
+
+    Expands to ``K`` = the sum of the run lengths: callers on a server count them first (admission).
+    """
+    pairs = check_runs(runs)
+    starts, lengths = pairs[:, 0], pairs[:, 1]
+    first_index = torch.cumsum(lengths, 0) - lengths  # index in the output of each run's first position
+    offsets = torch.arange(int(lengths.sum())) - first_index.repeat_interleave(lengths)
+    return starts.repeat_interleave(lengths) + offsets
 
 
 def validate(prompt_length: int, kept: torch.Tensor, n_prompt_tokens: int, max_new_tokens: int, max_positions: int) -> None:

@@ -9,18 +9,21 @@ client detects that a server has the plugin.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ..errors import InvalidRequestError
-from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, decode_runs
+from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, check_runs
 
 
 def check_arguments(extra_args: dict[str, Any] | None) -> None:
     """Raise ``ValueError`` naming the problem for malformed SpecPrefill arguments."""
     args = extra_args or {}
+    if not isinstance(args, Mapping):
+        raise ValueError(f"extra_args must be a mapping of names to values, got {type(args).__name__}")
     if PROBE_KEY in args:
         raise ValueError(f"{PROBE_MARKER}: probe request refused on purpose")
     if RUNS_KEY not in args and PROMPT_LENGTH_KEY not in args:
@@ -31,10 +34,10 @@ def check_arguments(extra_args: dict[str, Any] | None) -> None:
     if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
         raise ValueError(f"{PROMPT_LENGTH_KEY} must be a positive integer, got {length!r}")
     try:
-        kept = decode_runs(list(args[RUNS_KEY]))
-    except (InvalidRequestError, TypeError) as error:
+        runs = check_runs(args[RUNS_KEY])  # no expansion: a request's claimed lengths are not allocated here
+    except InvalidRequestError as error:
         raise ValueError(str(error)) from None
-    if kept.numel() == 0 or int(kept[-1]) != length - 1:
+    if runs.numel() == 0 or int(runs[-1].sum()) != length:
         raise ValueError(f"kept positions must end at the last prompt position {length - 1} (and not exceed it)")
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, PrivateAttr, model_validator
 from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
+from specprefill_rag.arguments import generation_params
 from specprefill_rag.chat import ChatLayout, ChatMessage, chat_layout
 from specprefill_rag.config import DEFAULT_MODEL, adapter_config
 from specprefill_rag.errors import InvalidRequestError
@@ -24,7 +25,9 @@ class SpecPrefillSettings(BaseModel):
     backend: str = Field(
         "transformers", description="'transformers' (main model in-process) or the URL of a vLLM server with the plugin."
     )
-    timeout: float = Field(60.0, description="Seconds to wait for a vLLM server (connect and each read).")
+    timeout: float = Field(
+        60.0, gt=0, allow_inf_nan=False, description="Seconds to wait for a vLLM server (connect and each read)."
+    )
     keep_rate: float = Field(0.3, description="Fraction of document tokens the main model prefills, in (0, 1].")
     max_document_tokens: int | None = Field(None, description="Hard cap on kept document tokens.")
     look_ahead: int = Field(8, description="Draft queries: last prompt token + look_ahead-1 draft tokens.")
@@ -37,6 +40,7 @@ class SpecPrefillSettings(BaseModel):
     top_p: float = Field(1.0, description="Nucleus sampling mass.")
     seed: int | None = Field(None, description="Sampling seed.")
     stop: list[str] | None = Field(None, description="Stop strings (merged with per-call stop).")
+    streaming: bool = Field(False, description="invoke() through stream(); the same answer either way (LangChain's flag).")
 
     _config: SpecPrefillConfig = PrivateAttr()
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
@@ -48,7 +52,8 @@ class SpecPrefillSettings(BaseModel):
             max_document_tokens=self.max_document_tokens, min_prompt_tokens=self.min_prompt_tokens,
             protect_tail_tokens=self.protect_tail_tokens, device=self.device, dtype=self.dtype,
         )
-        GenerationParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p)
+        GenerationParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                         seed=self.seed, stop=tuple(self.stop or ()))
         return self
 
     @classmethod
@@ -69,14 +74,14 @@ class SpecPrefillSettings(BaseModel):
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise InvalidRequestError(f"unknown call options {unknown}; supported: {list(CALL_OPTIONS)}")
-        stops = [*(self.stop or []), *(stop or [])]
-        params = GenerationParams(
-            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            seed=kwargs.get("seed", self.seed),
-            stop=tuple(dict.fromkeys(stops)),
-        )
+        stops = [*(self.stop or []), *([stop] if isinstance(stop, str) else stop or [])]
+        params = generation_params({
+            "max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
+            "temperature": kwargs.get("temperature", self.temperature),
+            "top_p": kwargs.get("top_p", self.top_p),
+            "seed": kwargs.get("seed", self.seed),
+            "stop": list(dict.fromkeys(stops)),
+        })
         return params, kwargs
 
     def _request(

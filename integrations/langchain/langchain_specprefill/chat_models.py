@@ -10,6 +10,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from pydantic import ConfigDict
 from specprefill_rag.results import StreamChunk
 
 from langchain_specprefill._settings import SpecPrefillSettings
@@ -40,6 +41,8 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
             message = chain.invoke("When did the bridge open?")
             message.response_metadata["spec_prefill"]["keep_rate"]
     """
+
+    model_config = ConfigDict(extra="forbid")  # an unknown setting is refused, not ignored
 
     @property
     def _llm_type(self) -> str:

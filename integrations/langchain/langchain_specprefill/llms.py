@@ -10,6 +10,7 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.llms import LLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict
 from specprefill_rag.chat import ChatMessage
 from specprefill_rag.results import StreamChunk
 
@@ -21,6 +22,8 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
     template; documents are found as for :class:`~langchain_specprefill.ChatSpecPrefill`
     (``documents=``, marked text from ``format_docs``, else everything but the protected tail).
     The output never includes the prompt."""
+
+    model_config = ConfigDict(extra="forbid")  # an unknown setting is refused, not ignored
 
     @property
     def _llm_type(self) -> str:

@@ -29,7 +29,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
@@ -38,6 +38,7 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode
 from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
+from specprefill_rag.arguments import check_text, generation_params
 from specprefill_rag.chat import ChatLayout, chat_layout
 from specprefill_rag.chat import ChatMessage as CoreMessage
 from specprefill_rag.config import DEFAULT_MODEL, adapter_config
@@ -137,7 +138,7 @@ class SpecPrefillLLM(CustomLLM):
     backend: str = Field(
         default="transformers", description="'transformers' (in-process main model) or a vLLM server URL."
     )
-    timeout: float = Field(default=60.0, description="Seconds to wait for a vLLM server.")
+    timeout: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="Seconds to wait for a vLLM server.")
     keep_rate: float = Field(default=0.3, description="Fraction of context tokens prefilled, in (0, 1].")
     max_document_tokens: int | None = Field(default=None, description="Hard cap on kept context tokens.")
     look_ahead: int = Field(default=8, description="Draft queries: last prompt token + look_ahead-1 tokens.")
@@ -151,6 +152,8 @@ class SpecPrefillLLM(CustomLLM):
     seed: int | None = Field(default=None, description="Sampling seed.")
     stop: list[str] | None = Field(default=None, description="Stop strings.")
 
+    model_config = ConfigDict(extra="forbid")  # an unknown setting is refused, not ignored
+
     _config: SpecPrefillConfig = PrivateAttr()
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
 
@@ -161,6 +164,8 @@ class SpecPrefillLLM(CustomLLM):
             max_document_tokens=self.max_document_tokens, min_prompt_tokens=self.min_prompt_tokens,
             protect_tail_tokens=self.protect_tail_tokens, device=self.device, dtype=self.dtype,
         )
+        GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                         seed=self.seed, stop=tuple(self.stop or ()))
         install_node_recorder()
         return self
 
@@ -225,8 +230,8 @@ class SpecPrefillLLM(CustomLLM):
         )
 
     def _params(self) -> GenerationParams:
-        return GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                top_p=self.top_p, seed=self.seed, stop=tuple(self.stop or ()))
+        return generation_params({"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                  "top_p": self.top_p, "seed": self.seed, "stop": list(self.stop or ())})
 
 
     @staticmethod
@@ -259,10 +264,13 @@ class SpecPrefillLLM(CustomLLM):
                 yield self._response(chunk, text, layout)
 
     def _prompt_layout(self, prompt: str, kwargs: dict[str, Any]) -> ChatLayout:
+        check_text(prompt, "prompt", "prompt text")
         captured = getattr(prompt, "template_args", {})
         return self._layout([CoreMessage("user", [str(prompt)])], captured, kwargs)
 
     def _chat_layout(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatLayout:
+        if isinstance(messages, (str, bytes)) or not all(isinstance(m, ChatMessage) for m in messages):
+            raise InvalidRequestError("messages must be a list of llama_index ChatMessage; wrap text as ChatMessage(...)")
         captured = messages[-1].additional_kwargs.get(_CAPTURE_KEY, {}) if messages else {}
         return self._layout([_core_message(m) for m in messages], captured, kwargs)
 
