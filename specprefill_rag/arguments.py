@@ -42,7 +42,9 @@ def check_unicode(value: str, name: str) -> str:
 def check_text(value: Any, name: str, what: str = "text") -> str:
     """A non-blank, valid-Unicode ``str``; ``what`` says in the message what belongs there."""
     if not isinstance(value, str):
-        raise InvalidRequestError(f"{name} must be a str ({what}), got {type(value).__name__} {shown(value)}")
+        raise InvalidRequestError(
+            f"{name} must be a str ({what}), got {type(value).__name__} {shown(value)}; pass the {what} as text"
+        )
     if not value.strip():
         raise InvalidRequestError(f"{name} is empty or only whitespace; pass the {what}")
     return check_unicode(value, name)
@@ -60,7 +62,7 @@ def check_optional_text(value: Any, name: str, what: str = "text") -> str | None
 def check_flag(value: Any, name: str) -> bool:
     """A real ``bool`` (a string such as ``'no'`` would be true)."""
     if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be True or False, got {type(value).__name__} {shown(value)}")
+        raise InvalidRequestError(f"{name} must be True or False, got {type(value).__name__} {shown(value)}; pass a bool")
     return value
 
 
@@ -86,11 +88,11 @@ def check_keep_rate(value: Any) -> float | None:
 
 def check_documents(documents: Any) -> Sequence[Any]:
     """A list or tuple of documents (not one string, one mapping, a set or a one-shot iterator)."""
-    if documents is None or isinstance(documents, (str, bytes)) or (isinstance(documents, Sequence) and not documents):
+    if documents is None or (isinstance(documents, (list, tuple)) and not documents):
         raise InvalidRequestError(
             "no documents given; pass a list of retrieved documents, or use generate_text() for a plain prompt"
         )
-    if isinstance(documents, Mapping) or not isinstance(documents, Sequence):
+    if isinstance(documents, (str, bytes, Mapping)) or not isinstance(documents, Sequence):
         raise InvalidRequestError(
             f"documents must be a list of documents (str, UTF-8 bytes, Document or a mapping with 'text'), got "
             f"{type(documents).__name__}; wrap a single document as [document], an iterator as list(...)"
@@ -98,14 +100,15 @@ def check_documents(documents: Any) -> Sequence[Any]:
     return documents
 
 
-def generation_params(fields: Mapping[str, Any]) -> GenerationParams:
+def generation_params(fields: Mapping[str, Any], names: Mapping[str, str] | None = None) -> GenerationParams:
     """:class:`GenerationParams` from a request's keyword arguments; a bad value or an unknown option is
     an :class:`InvalidRequestError` naming it (a request is not configuration: pydantic's error is a
-    ``ValueError``, which some frameworks catch and retry)."""
+    ``ValueError``, which some frameworks catch and retry). ``names``: the caller's name for a field
+    (e.g. ``{"max_new_tokens": "max_tokens"}``), used in the message."""
     try:
         return GenerationParams(**fields)
     except ValidationError as error:
-        raise InvalidRequestError(_describe(error)) from None
+        raise InvalidRequestError(_describe(error, names or {})) from None
 
 
 _EXPECTED = {
@@ -117,16 +120,18 @@ _EXPECTED = {
 }
 
 
-def _describe(error: ValidationError) -> str:
-    known = ", ".join(GenerationParams.model_fields)
+def _describe(error: ValidationError, names: Mapping[str, str]) -> str:
+    known = ", ".join(names.get(field, field) for field in GenerationParams.model_fields)
     problems = []
     for item in error.errors():
-        name = ".".join(str(part) for part in item["loc"][:1])
+        field = ".".join(str(part) for part in item["loc"][:1])
+        name = names.get(field, field)
         if item["type"] == "extra_forbidden":
-            problems.append(f"unknown option {name!r}; the generation options are {known}")
+            problems.append(f"unknown option {name!r}; use one of the generation options: {known}")
             continue
         problem = item["msg"].removeprefix("Value error, ").rstrip(".")
-        problems.append(f"{name}: {problem} (got {shown(item['input'])}); pass {_EXPECTED.get(name, 'a valid value')}")
+        expected = _EXPECTED.get(field, "a valid value").replace(field, name)
+        problems.append(f"{name}: {problem} (got {shown(item['input'])}); pass {expected}")
     return "; ".join(problems)
 
 

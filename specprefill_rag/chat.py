@@ -143,7 +143,7 @@ def _validate(messages: Sequence[ChatMessage]) -> None:
             f"the last message is from '{messages[-1].role}'; SpecPrefill answers a user message, so end with one"
         )
     if not messages[-1].text.strip():
-        raise InvalidRequestError("the last user message is empty; it should hold the question")
+        raise InvalidRequestError("the last user message is empty; pass the question in it")
 
 
 def _has_explicit_documents(messages: Sequence[ChatMessage]) -> DocumentSource:

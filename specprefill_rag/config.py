@@ -22,10 +22,11 @@ DEFAULT_SELF_LAYER_SHARE = 0.4
 class SpecPrefillConfig(BaseModel):
     """Settings of a :class:`~specprefill_rag.engine.SpecPrefillEngine`.
 
-    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field on bad values.
+    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field on bad values (NaN and
+    infinities included).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     main: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
     draft: str = Field(

@@ -44,15 +44,19 @@ def check_runs(runs: Sequence[int]) -> torch.Tensor:
     request cannot make the server allocate its claimed positions before they are counted.
     """
     if not isinstance(runs, (list, tuple)) or len(runs) % 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in runs):
-        raise InvalidRequestError(f"{RUNS_KEY} must be a flat list of integer (start, length) pairs, e.g. [0, 8, 40, 16]")
+        raise InvalidRequestError(
+            f"{RUNS_KEY} must be a flat list of integer (start, length) pairs; send e.g. [0, 8, 40, 16]"
+        )
     if any(abs(v) >= _LARGEST for v in runs):
-        raise InvalidRequestError(f"{RUNS_KEY}: starts and lengths must be below 2**62")
+        raise InvalidRequestError(f"{RUNS_KEY}: starts and lengths must be below 2**62; send the real kept positions")
     pairs = torch.tensor(list(runs), dtype=torch.long).view(-1, 2)
     if bool((pairs[:, 1] <= 0).any()) or bool((pairs[:, 0] < 0).any()):
-        raise InvalidRequestError(f"{RUNS_KEY}: starts must be >= 0 and lengths > 0")
+        raise InvalidRequestError(f"{RUNS_KEY}: starts must be >= 0 and lengths > 0; send the real kept positions")
     ends = pairs[:, 0] + pairs[:, 1]
     if bool((pairs[1:, 0] < ends[:-1]).any()):
-        raise InvalidRequestError(f"{RUNS_KEY}: kept positions must be strictly increasing (runs in order, not overlapping)")
+        raise InvalidRequestError(
+            f"{RUNS_KEY}: kept positions must be strictly increasing; send runs in order that do not overlap"
+        )
     return pairs
 
 

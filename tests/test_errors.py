@@ -50,9 +50,12 @@ def test_empty_question(engine, question):
         engine.generate(question, ["a document"])
 
 
-@pytest.mark.parametrize("documents", [[], "a string, not a list"])
-def test_no_documents(engine, documents):
-    with pytest.raises(InvalidRequestError, match="no documents"):
+@pytest.mark.parametrize(
+    "documents, match",
+    [([], "no documents given"), ("a string, not a list", "documents must be a list .* got str; wrap a single document")],
+)
+def test_no_documents(engine, documents, match):
+    with pytest.raises(InvalidRequestError, match=match):
         engine.generate("Q?", documents)
 
 

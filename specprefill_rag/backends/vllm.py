@@ -278,16 +278,19 @@ def connect(
     """The backend for a vLLM server URL (contacted now, so an unreachable one fails before any model
     loads) or for an in-process ``vllm.LLM``; end-of-sequence ids come later, from the draft."""
     if on_missing_plugin not in ("error", "full_prompt"):
-        raise InvalidRequestError(f"on_missing_plugin must be 'error' or 'full_prompt', got {shown(on_missing_plugin)}")
+        raise InvalidRequestError(
+            f"on_missing_plugin must be 'error' or 'full_prompt', got {shown(on_missing_plugin)}; pass one of them"
+        )
     if isinstance(server, str):
         check_server_url(server)
         check_number(timeout, "timeout", "pass the seconds to wait for the server, e.g. timeout=60")
         if timeout <= 0:
-            raise InvalidRequestError(f"timeout must be > 0 seconds, got {timeout}; e.g. timeout=60")
+            raise InvalidRequestError(f"timeout must be > 0 seconds, got {timeout}; pass e.g. timeout=60")
         return VLLMServerBackend(server, frozenset(), timeout=timeout, on_missing_plugin=on_missing_plugin)
     if not hasattr(server, "llm_engine"):
         raise InvalidRequestError(
-            f"server must be the http(s) URL of a vLLM server or an in-process vllm.LLM, got {type(server).__name__}"
+            f"server must be the http(s) URL of a vLLM server or an in-process vllm.LLM, got {type(server).__name__}; "
+            "pass e.g. 'http://127.0.0.1:8000'"
         )
     return VLLMOfflineBackend(server, frozenset())
 

@@ -73,16 +73,25 @@ class SpecPrefillSettings(BaseModel):
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[GenerationParams, dict[str, Any]]:
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
-            raise InvalidRequestError(f"unknown call options {unknown}; supported: {list(CALL_OPTIONS)}")
-        stops = [*(self.stop or []), *([stop] if isinstance(stop, str) else stop or [])]
+            raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(CALL_OPTIONS)}")
         params = generation_params({
             "max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
             "temperature": kwargs.get("temperature", self.temperature),
             "top_p": kwargs.get("top_p", self.top_p),
             "seed": kwargs.get("seed", self.seed),
-            "stop": list(dict.fromkeys(stops)),
-        })
+            "stop": self._stops(stop),
+        }, names={"max_new_tokens": "max_tokens"})
         return params, kwargs
+
+    def _stops(self, stop: Any) -> Any:
+        """The constructor's stop strings then the call's (a str is one stop string), each once; anything
+        else is passed on as given, for GenerationParams to refuse."""
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop is not None and not isinstance(stop, (list, tuple)):
+            return stop
+        stops = [*(self.stop or []), *(stop or [])]
+        return list(dict.fromkeys(stops)) if all(isinstance(s, str) for s in stops) else stops
 
     def _request(
         self, messages: list[ChatMessage], stop: list[str] | None, kwargs: dict[str, Any]

@@ -46,7 +46,8 @@ def documents_argument(value: Any) -> list[Any] | None:
         return None
     if isinstance(value, (str, bytes, dict, LCDocument)) or not isinstance(value, Sequence):
         raise InvalidRequestError(
-            f"documents= must be a list of LangChain Documents, dicts with 'text', or strings; got {type(value).__name__}"
+            f"documents= must be a list of LangChain Documents, dicts with 'text', or strings; got {type(value).__name__}; "
+            "pass a list"
         )
     return [to_core_document(v, i) for i, v in enumerate(value)]
 
@@ -55,12 +56,16 @@ def _block_part(block: Any) -> str | Document:
     if isinstance(block, str):
         return block
     kind = block.get("type") if isinstance(block, dict) else None
+    if kind in ("text", "text-plain") and not isinstance(block.get("text"), str):
+        raise InvalidRequestError(
+            f"a {kind!r} content block needs its 'text' as a str, got {type(block.get('text')).__name__}; pass the text"
+        )
     if kind == "text":
-        return str(block.get("text", ""))
-    if kind == "text-plain":
-        return Document(str(block.get("text", "")), title=block.get("title"), id=block.get("id"))
+        return block["text"]
+    if kind == "text-plain":  # checked like every document (title, id, Unicode) when the prompt is laid out
+        return Document(block["text"], title=block.get("title"), id=block.get("id"))
     raise InvalidRequestError(
-        f"content block of type {kind!r} is not supported; ChatSpecPrefill takes text and 'text-plain' document blocks"
+        f"content block of type {kind!r} is not supported; pass text and 'text-plain' document blocks"
     )
 
 

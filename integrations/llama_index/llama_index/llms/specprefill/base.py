@@ -217,7 +217,7 @@ class SpecPrefillLLM(CustomLLM):
     def _layout(self, messages: list[CoreMessage], captured: dict[str, Any], kwargs: dict[str, Any]) -> ChatLayout:
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
-            raise InvalidRequestError(f"unknown call options {unknown}; supported: {list(CALL_OPTIONS)}")
+            raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(CALL_OPTIONS)}")
         explicit = kwargs.get("documents")
         documents = explicit if explicit is not None else context_documents(captured.get("context"))
         return chat_layout(

@@ -1,0 +1,460 @@
+"""The bad-input matrix of the core package (issue 14): every public surface, every kind of bad argument.
+
+A row is (surface, case, call, error type, what the message must say). Each bad call must raise exactly
+that typed error: a ``SpecPrefillError`` subclass naming the argument and the fix, pydantic's
+``ValidationError`` for configuration, exit status 2 with one error line for the CLI, ``ValueError`` (vLLM's
+contract: HTTP 400) for the plugin's admission checks. Never a bare ``TypeError``, ``KeyError``,
+``IndexError`` or ``UnicodeEncodeError`` from inside, nothing truncated, and afterwards the same engine
+(CLI: the same process, models cached) answers a good request.
+
+The engine rows run through all four entry points (``generate``, ``stream``, ``agenerate``, ``astream``).
+README.md ("Bad input") lists the rows; :func:`test_readme_lists_every_row` keeps it in step. The adapters'
+rows live in their packages (integrations/langchain/tests/unit_tests/test_bad_input_matrix.py,
+integrations/llama_index/tests/test_bad_input_matrix.py), the plugin rows that need vLLM in
+tests/vllm/test_bad_input_matrix.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from specprefill_rag import (
+    ContextLengthError,
+    Document,
+    DraftLimitError,
+    GenerationParams,
+    InvalidRequestError,
+    ModelLoadError,
+    PromptLayout,
+    SpecPrefillConfig,
+    SpecPrefillEngine,
+    SpecPrefillError,
+)
+from specprefill_rag.cli import main as cli_main
+from specprefill_rag.positions import check_runs, decode_runs
+from specprefill_rag.testing import random_documents
+from specprefill_rag.vllm_plugin.admission import check_kept_count, check_length
+from tests.test_vllm_client import MAX_TOKENS_ALLOWED, handler_class, serve
+
+pytestmark = pytest.mark.timeout(120)
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+QUESTION = "When did the bridge open?"
+DOCUMENTS = ["The bridge opened in 1883 after thirteen years of work.", "Paris is the capital of France."]
+SURROGATE = "caf\udce9"  # what decoding Latin-1 bytes as UTF-8 with errors='surrogateescape' leaves
+FIX = re.compile(
+    r"\b(pass|use|lower|send|decode|drop|wrap|build|leave|rebuild|check|raise|retrieve|convert|give|pick|change|install)\b"
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    surface: str
+    case: str
+    call: Callable[[Any], Any]
+    error: type[BaseException] | str  # "exit 2" for the CLI
+    message: str  # a regex the message must match: the argument, and for our errors the fix
+
+    @property
+    def id(self) -> str:
+        return f"{self.surface}: {self.case}"
+
+
+# -- the engine: one spec per case, run through generate / stream / agenerate / astream -------------
+
+
+def _long_documents(s, tokens):
+    return s.documents_of(tokens)
+
+
+ENGINE_CASES: list[tuple[str, Callable[[Any], dict] | dict, type, str]] = [
+    ("question: int", {"question": 42}, InvalidRequestError, "question must be a str .* got int 42"),
+    ("question: None", {"question": None}, InvalidRequestError, "question must be a str .* got NoneType"),
+    ("question: bytes", {"question": b"When?"}, InvalidRequestError, "question must be a str .* got bytes"),
+    ("question: empty", {"question": ""}, InvalidRequestError, "question is empty"),
+    ("question: whitespace only", {"question": " \n\t"}, InvalidRequestError, "question is empty or only whitespace"),
+    ("question: lone surrogate", {"question": SURROGATE}, InvalidRequestError, "question is not valid Unicode"),
+    ("documents: None", {"documents": None}, InvalidRequestError, "no documents given"),
+    ("documents: empty list", {"documents": []}, InvalidRequestError, "no documents given"),
+    ("documents: one str", {"documents": "just one text"}, InvalidRequestError, "documents must be a list .* got str; wrap"),
+    ("documents: int", {"documents": 5}, InvalidRequestError, "documents must be a list .* got int"),
+    ("documents: one mapping", {"documents": {"text": "x"}}, InvalidRequestError, "documents must be a list .* got dict"),
+    ("documents: generator", {"documents": (d for d in DOCUMENTS)}, InvalidRequestError, "got generator; .*list\\(\\.\\.\\.\\)"),
+    ("document: None", {"documents": [None]}, InvalidRequestError, "document 0 has type NoneType"),
+    ("document: whitespace only", {"documents": ["ok", " \n"]}, InvalidRequestError, "document 1 is empty"),
+    ("document: bytes not UTF-8", {"documents": [b"caf\xe9"]}, InvalidRequestError, "document 0 is not valid UTF-8"),
+    ("document: lone surrogate", {"documents": [SURROGATE]}, InvalidRequestError, "document 0's text is not valid Unicode"),
+    ("document: mapping text None", {"documents": [{"text": None}]}, InvalidRequestError, "document 0's text must be a str"),
+    ("document: mapping without text", {"documents": [{"title": "t"}]}, InvalidRequestError, "without a 'text' key"),
+    ("document: mapping unknown key", {"documents": [{"text": "x", "score": 1}]}, InvalidRequestError, "unknown keys \\['score'\\]"),
+    ("document: Document text bytes", {"documents": [Document(b"x")]}, InvalidRequestError, "document 0's text must be a str"),
+    ("document: title int", {"documents": [Document("x", title=5)]}, InvalidRequestError, "document 0's title must be a str"),
+    ("document: title whitespace", {"documents": [Document("x", title=" ")]}, InvalidRequestError, "document 0's title is empty"),
+    ("document: title lone surrogate", {"documents": [Document("x", title=SURROGATE)]}, InvalidRequestError,
+     "document 0's title is not valid Unicode"),
+    ("document: id int", {"documents": [{"text": "x", "id": 7}]}, InvalidRequestError, "document 0's id must be a str"),
+    ("instructions: int", {"instructions": 3}, InvalidRequestError, "instructions must be a str"),
+    ("instructions: whitespace only", {"instructions": "  "}, InvalidRequestError, "instructions is empty .* or None"),
+    ("instructions: lone surrogate", {"instructions": SURROGATE}, InvalidRequestError, "instructions is not valid Unicode"),
+    ("keep_rate: NaN", {"keep_rate": float("nan")}, InvalidRequestError, "keep_rate must be finite, got nan"),
+    ("keep_rate: +inf", {"keep_rate": float("inf")}, InvalidRequestError, "keep_rate must be finite, got inf"),
+    ("keep_rate: -inf", {"keep_rate": float("-inf")}, InvalidRequestError, "keep_rate must be finite, got -inf"),
+    ("keep_rate: str", {"keep_rate": "0.5"}, InvalidRequestError, "keep_rate must be a number, got str '0.5'"),
+    ("keep_rate: bool", {"keep_rate": True}, InvalidRequestError, "keep_rate must be a number, got bool"),
+    ("keep_rate: 0", {"keep_rate": 0}, InvalidRequestError, "keep_rate must be in \\(0, 1\\], got 0"),
+    ("keep_rate: 1.5", {"keep_rate": 1.5}, InvalidRequestError, "keep_rate must be in \\(0, 1\\], got 1.5"),
+    ("max_new_tokens: str", {"max_new_tokens": "5"}, InvalidRequestError, "max_new_tokens: .*valid integer \\(got '5'\\)"),
+    ("max_new_tokens: NaN", {"max_new_tokens": float("nan")}, InvalidRequestError, "max_new_tokens: .*\\(got nan\\)"),
+    ("max_new_tokens: 0", {"max_new_tokens": 0}, InvalidRequestError, "max_new_tokens: .*greater than or equal to 1"),
+    ("max_new_tokens: float", {"max_new_tokens": 2.5}, InvalidRequestError, "max_new_tokens: .*\\(got 2.5\\)"),
+    ("temperature: NaN", {"temperature": float("nan")}, InvalidRequestError, "temperature: .*finite number"),
+    ("temperature: +inf", {"temperature": float("inf")}, InvalidRequestError, "temperature: .*finite number"),
+    ("temperature: negative", {"temperature": -1.0}, InvalidRequestError, "temperature: .*greater than or equal to 0"),
+    ("temperature: str", {"temperature": "hot"}, InvalidRequestError, "temperature: .*valid number \\(got 'hot'\\)"),
+    ("top_p: 0", {"top_p": 0.0}, InvalidRequestError, "top_p: .*greater than 0"),
+    ("top_p: NaN", {"top_p": float("nan")}, InvalidRequestError, "top_p: .*finite number"),
+    ("seed: str", {"seed": "1"}, InvalidRequestError, "seed: .*valid integer"),
+    ("seed: negative", {"seed": -1}, InvalidRequestError, "seed: .*greater than or equal to 0"),
+    ("seed: beyond int64", {"seed": 2**70}, InvalidRequestError, "seed: .*less than 9223372036854775808"),
+    ("stop: int", {"stop": 5}, InvalidRequestError, "stop: stop must be a string or a list of strings, got int"),
+    ("stop: empty string", {"stop": [""]}, InvalidRequestError, "stop: stop must be non-empty strings"),
+    ("stop: lone surrogate", {"stop": [SURROGATE]}, InvalidRequestError, "stop: stop string .* not valid Unicode"),
+    ("unknown option", {"max_tokens": 5}, InvalidRequestError, "unknown option 'max_tokens'; use one of the generation options"),
+    ("huge: prompt over the context", lambda s: {"documents": _long_documents(s, 1100)}, ContextLengthError,
+     "the prompt has \\d{4} tokens but the main model's context is 1024 tokens"),
+    ("huge: max_new_tokens over the context", {"max_new_tokens": 10**9}, ContextLengthError,
+     "max_new_tokens=1000000000 = \\d+ exceeds the main model's context of 1024"),
+    ("huge: prompt over max_draft_tokens", lambda s: {"documents": _long_documents(s, 700), "max_new_tokens": 2},
+     DraftLimitError, "the prompt has \\d{3} tokens but the draft may score at most 600"),
+]
+
+
+def _engine_call(style: str, arguments: Callable[[Any], dict] | dict) -> Callable[[Any], Any]:
+    def call(s):
+        given = arguments(s) if callable(arguments) else arguments
+        kwargs = {"question": QUESTION, "documents": DOCUMENTS, "max_new_tokens": 2, **given}
+        return s.run(style, kwargs)
+
+    return call
+
+
+LAYOUT_CASES: list[tuple[str, Callable[[Any], dict], type, str]] = [
+    ("layout: None", lambda s: {"layout": None}, InvalidRequestError, "layout must be a PromptLayout, got NoneType"),
+    ("layout: str", lambda s: {"layout": "When?"}, InvalidRequestError, "layout must be a PromptLayout, got str"),
+    ("layout: empty", lambda s: {"layout": s.empty_layout()}, InvalidRequestError, "layout is empty"),
+    ("layout: ids outside the vocabulary", lambda s: {"layout": s.foreign_layout()}, InvalidRequestError,
+     "token ids outside this tokenizer's vocabulary"),
+    ("params: dict", lambda s: {"params": {"max_new_tokens": 2}}, InvalidRequestError,
+     "params must be a GenerationParams or None, got dict"),
+    ("keep_rate: NaN", lambda s: {"keep_rate": float("nan")}, InvalidRequestError, "keep_rate must be finite"),
+]
+
+
+def _layout_call(style: str, arguments: Callable[[Any], dict]) -> Callable[[Any], Any]:
+    def call(s):
+        kwargs = {"layout": s.engine.layout(QUESTION, DOCUMENTS), "params": GenerationParams(max_new_tokens=2), **arguments(s)}
+        return s.run(f"{style}_layout", kwargs)
+
+    return call
+
+
+STYLES = ("generate", "stream", "agenerate", "astream")
+ROWS: list[Row] = [
+    Row(f"engine.{style}", case, _engine_call(style, arguments), error, message)
+    for case, arguments, error, message in ENGINE_CASES
+    for style in STYLES
+] + [
+    Row(f"engine.{style}_layout", case, _layout_call(style, arguments), error, message)
+    for case, arguments, error, message in LAYOUT_CASES
+    for style in STYLES
+]
+
+ROWS += [
+    Row("engine.generate_text", "prompt: int", lambda s: s.engine.generate_text(5), InvalidRequestError, "prompt must be a str"),
+    Row("engine.generate_text", "prompt: whitespace only", lambda s: s.engine.generate_text("\n "), InvalidRequestError,
+        "prompt is empty"),
+    Row("engine.generate_text", "prompt: lone surrogate", lambda s: s.engine.generate_text(SURROGATE), InvalidRequestError,
+        "prompt is not valid Unicode"),
+    Row("engine.generate_text", "parse_special_tokens: str", lambda s: s.engine.generate_text("Q?", parse_special_tokens="no"),
+        InvalidRequestError, "parse_special_tokens must be True or False, got str"),
+    Row("engine.generate_text", "keep_rate: str", lambda s: s.engine.generate_text("Q?", keep_rate="all"), InvalidRequestError,
+        "keep_rate must be a number"),
+    Row("engine.generate_text", "unknown option", lambda s: s.engine.generate_text("Q?", n=2), InvalidRequestError,
+        "unknown option 'n'"),
+    Row("engine.layout", "use_chat_template: str", lambda s: s.engine.layout(QUESTION, DOCUMENTS, None, "no"),
+        InvalidRequestError, "use_chat_template must be True or False"),
+    Row("engine.text_layout", "parse_special_tokens: int", lambda s: s.engine.text_layout("Q?", 1), InvalidRequestError,
+        "parse_special_tokens must be True or False, got int"),
+    # configuration: pydantic's ValidationError naming the field
+    Row("SpecPrefillEngine(...)", "keep_rate: NaN", lambda s: s.configure(keep_rate=float("nan")), ValidationError,
+        "keep_rate\n.*finite number"),
+    Row("SpecPrefillEngine(...)", "keep_rate: str", lambda s: s.configure(keep_rate="most"), ValidationError,
+        "keep_rate\n.*valid number"),
+    Row("SpecPrefillEngine(...)", "max_draft_tokens: 0", lambda s: s.configure(max_draft_tokens=0), ValidationError,
+        "max_draft_tokens\n.*greater than or equal to 1"),
+    Row("SpecPrefillEngine(...)", "look_ahead: +inf", lambda s: s.configure(look_ahead=float("inf")), ValidationError,
+        "look_ahead\n"),
+    Row("SpecPrefillEngine(...)", "device: not a device", lambda s: s.configure(device="gpu0"), ValidationError,
+        "device 'gpu0' is not a torch device; use e.g. 'cpu'"),
+    Row("SpecPrefillEngine(...)", "unknown setting", lambda s: s.configure(keeprate=0.2), ValidationError,
+        "keeprate\n.*Extra inputs are not permitted"),
+    Row("SpecPrefillEngine(...)", "config and settings both", lambda s: s.configure(config=SpecPrefillConfig(), keep_rate=0.2),
+        InvalidRequestError, "pass either a SpecPrefillConfig or its fields"),
+]
+
+# -- the CLI: exit status 2 and one error line naming the argument --------------------------------
+
+CLI_CASES = [
+    ("--keep-rate: not a number", ["--keep-rate", "abc"], "argument --keep-rate: invalid float value: 'abc'"),
+    ("--keep-rate: NaN", ["--keep-rate", "nan"], "keep_rate\n.*finite number"),
+    ("--keep-rate: inf", ["--keep-rate", "inf"], "keep_rate\n.*finite number"),
+    ("--max-new-tokens: 0", ["--max-new-tokens", "0"], "max_new_tokens: .*greater than or equal to 1"),
+    ("--max-new-tokens: not an int", ["--max-new-tokens", "2.5"], "argument --max-new-tokens: invalid int value"),
+    ("--temperature: NaN", ["--temperature", "nan"], "temperature: .*finite number"),
+    ("--min-prompt-tokens: negative", ["--min-prompt-tokens", "-5"], "min_prompt_tokens\n.*greater than or equal to 0"),
+    ("--question: empty", ["--question", ""], "question is empty"),
+    ("--question: undecodable bytes", ["--question", "caf\udce9?"], "question is not valid Unicode"),
+    ("--instructions: whitespace only", ["--instructions", "   "], "instructions is empty"),
+    ("--docs: not UTF-8", lambda s: ["--docs", s.file("latin1.txt", b"caf\xe9")], "latin1.txt is not UTF-8"),
+    ("--docs: a directory", lambda s: ["--docs", str(s.folder)], "is not a file"),
+    ("--docs: empty file", lambda s: ["--docs", s.file("empty.txt", b" \n")], "empty.txt is empty"),
+    ("--docs: missing file", lambda s: ["--docs", str(s.folder / "missing.txt")], "missing.txt does not exist"),
+    ("--docs: prompt over the context", lambda s: ["--docs", s.file("long.txt", " ".join(random_documents(1, 1400)).encode())],
+     "the prompt has \\d{4} tokens but the main model's context is 1024 tokens"),
+    ("--device: not a device", ["--device", "gpu0"], "device 'gpu0' is not a torch device"),
+    ("--main: no such model", ["--main", "./no/such/model"], "model path './no/such/model' does not exist"),
+    ("unknown option", ["--top-k", "5"], "unrecognized arguments: --top-k 5"),
+]
+
+
+def _cli_call(arguments):
+    def call(s):
+        return s.cli(arguments(s) if callable(arguments) else arguments)
+
+    return call
+
+
+ROWS += [Row("CLI ask", case, _cli_call(arguments), "exit 2", message) for case, arguments, message in CLI_CASES]
+
+# -- the vLLM client (stand-in server) and the plugin's checks that need no vLLM -------------------
+
+ROWS += [
+    Row("for_vllm", "server: int", lambda s: s.connect(5), InvalidRequestError, "server must be the http\\(s\\) URL .* got int"),
+    Row("for_vllm", "server: no scheme", lambda s: s.connect("127.0.0.1:8000"), InvalidRequestError,
+        "server '127.0.0.1:8000' is not an http\\(s\\) URL; pass e.g."),
+    Row("for_vllm", "server: port not a number", lambda s: s.connect("http://127.0.0.1:port"), InvalidRequestError,
+        "is not an http\\(s\\) URL"),
+    Row("for_vllm", "server: whitespace only", lambda s: s.connect(" "), InvalidRequestError, "server is empty"),
+    Row("for_vllm", "timeout: NaN", lambda s: s.connect(s.url, timeout=float("nan")), InvalidRequestError,
+        "timeout must be finite"),
+    Row("for_vllm", "timeout: negative", lambda s: s.connect(s.url, timeout=-1), InvalidRequestError, "timeout must be > 0"),
+    Row("for_vllm", "timeout: str", lambda s: s.connect(s.url, timeout="60"), InvalidRequestError,
+        "timeout must be a number, got str"),
+    Row("for_vllm", "on_missing_plugin: unknown", lambda s: s.connect(s.url, on_missing_plugin="ignore"),
+        InvalidRequestError, "on_missing_plugin must be 'error' or 'full_prompt'"),
+    Row("for_vllm", "keep_rate: NaN", lambda s: s.connect(s.url, keep_rate=float("nan")), ValidationError, "keep_rate\n"),
+    Row("for_vllm", "draft: self", lambda s: s.connect(s.url, draft="self:4", look_ahead=1), InvalidRequestError,
+        "needs the main model in-process"),
+    Row("vLLM engine.generate", "question: lone surrogate", lambda s: s.remote.generate(SURROGATE, DOCUMENTS),
+        InvalidRequestError, "question is not valid Unicode"),
+    Row("vLLM engine.generate", "max_new_tokens over the server's context", lambda s: s.remote.generate(
+        QUESTION, DOCUMENTS, max_new_tokens=1024), ContextLengthError, "exceeds the main model's context of 1024"),
+    Row("vLLM engine.generate", "refused by the server (400)", lambda s: s.remote.generate(
+        QUESTION, DOCUMENTS, max_new_tokens=MAX_TOKENS_ALLOWED + 1), InvalidRequestError, "refused the request \\(400\\)"),
+    Row("vLLM engine.astream", "unknown option", lambda s: s.remote.astream(QUESTION, DOCUMENTS, best_of=2),
+        InvalidRequestError, "unknown option 'best_of'"),
+    Row("plugin positions", "runs: None", lambda s: check_runs(None), InvalidRequestError,
+        "specprefill_runs must be a flat list of integer \\(start, length\\) pairs; send e.g."),
+    Row("plugin positions", "runs: odd length", lambda s: decode_runs([0, 4, 9]), InvalidRequestError, "pairs"),
+    Row("plugin positions", "runs: float", lambda s: decode_runs([0, 2.5]), InvalidRequestError, "integer"),
+    Row("plugin positions", "runs: bool", lambda s: decode_runs([True, 1]), InvalidRequestError, "integer"),
+    Row("plugin positions", "runs: overlapping", lambda s: decode_runs([0, 4, 2, 2]), InvalidRequestError,
+        "strictly increasing"),
+    Row("plugin positions", "runs: huge", lambda s: decode_runs([0, 2**62]), InvalidRequestError, "below 2\\*\\*62"),
+    Row("plugin admission", "2**40 positions for 3 tokens", lambda s: check_kept_count(
+        {"specprefill_prompt_length": 2**40, "specprefill_runs": [0, 2**40]}, 3), ValueError,
+        "specprefill_runs cover 1099511627776 positions but the prompt has 3 tokens; send exactly"),
+    Row("plugin admission", "L + max_tokens over max_model_len", lambda s: check_length(
+        {"specprefill_prompt_length": 1000, "specprefill_runs": [0, 1000]}, 100, 1024), ValueError,
+        "L=1000 \\+ max_tokens=100 = 1100 exceeds max_model_len=1024 .* lower max_tokens to at most 24"),
+]
+
+
+class Surfaces:
+    """What the rows call: the engine, the CLI, the vLLM client; and a good request for each surface."""
+
+    def __init__(self, engine, model_folder, folder, capsys):
+        self.engine, self.model_folder, self.folder, self.capsys = engine, model_folder, folder, capsys
+        self._documents: dict[int, list[str]] = {}
+        self._remote = None
+
+    # -- the engine
+    def run(self, style, kwargs):
+        method = getattr(self.engine, style)
+        if style.startswith("agenerate"):
+            return asyncio.run(method(**kwargs))
+        if style.startswith("astream"):
+            return asyncio.run(_collect(method(**kwargs)))
+        return list(method(**kwargs)) if style.startswith("stream") else method(**kwargs)
+
+    def documents_of(self, tokens):
+        if tokens not in self._documents:
+            documents = random_documents(1, 40, seed=tokens)
+            while len(self.engine.layout(QUESTION, documents)) < tokens:
+                documents += random_documents(1, 40, seed=tokens + len(documents))
+            self._documents[tokens] = documents
+        return self._documents[tokens]
+
+    def empty_layout(self):
+        nothing = torch.zeros(0, dtype=torch.long)
+        return PromptLayout(nothing, nothing, nothing, "")
+
+    def foreign_layout(self):
+        layout = self.engine.layout(QUESTION, DOCUMENTS)
+        return PromptLayout(layout.input_ids + 10**6, layout.roles, layout.document_index, layout.text)
+
+    def configure(self, **settings):
+        return SpecPrefillEngine.from_models(self.engine.main.model, self.engine.tokenizer, **settings)
+
+    # -- the CLI
+    def file(self, name, data):
+        path = self.folder / name
+        path.write_bytes(data)
+        return str(path)
+
+    def cli(self, arguments):
+        self.capsys.readouterr()
+        code = cli_main(self._cli_argv(arguments))
+        return code, self.capsys.readouterr().err
+
+    def _cli_argv(self, arguments):
+        good = {"--question": QUESTION, "--docs": self.file("good.txt", DOCUMENTS[0].encode()),
+                "--main": str(self.model_folder), "--draft": str(self.model_folder), "--min-prompt-tokens": "0",
+                "--max-new-tokens": "2"}
+        argv = ["ask"]
+        overridden = dict(zip(arguments[::2], arguments[1::2]))
+        for flag, value in {**good, **overridden}.items():
+            argv += [flag, value]
+        return argv
+
+    # -- the vLLM client
+    @property
+    def url(self):
+        if not hasattr(self, "_server"):
+            self._server, self._url = serve(handler_class(plugin=True))
+        return self._url
+
+    def connect(self, server, **settings):
+        settings = {"draft": str(self.model_folder), "min_prompt_tokens": 0, "look_ahead": 2, **settings}
+        return SpecPrefillEngine.for_vllm(server, **settings)
+
+    @property
+    def remote(self):
+        if self._remote is None:
+            self._remote = self.connect(self.url, timeout=10.0)
+        return self._remote
+
+    def close(self):
+        if hasattr(self, "_server"):
+            self._server.shutdown()
+
+    # -- the good request after each bad one
+    def serve_good_request(self, row):
+        if row.surface == "CLI ask":
+            code, err = self.cli([])
+            assert code == 0, err
+        elif row.surface.startswith("plugin"):
+            assert decode_runs([0, 2, 5, 1]).tolist() == [0, 1, 5]
+            check_kept_count({"specprefill_prompt_length": 6, "specprefill_runs": [0, 2, 5, 1]}, 3)
+        elif "vllm" in row.surface.lower():
+            assert self.remote.generate(QUESTION, DOCUMENTS).token_ids == [5, 6, 7]
+        else:
+            result = self.engine.generate(QUESTION, DOCUMENTS, max_new_tokens=2)
+            assert result.stats.prompt_tokens > 0 and result.finish_reason in ("stop", "length")
+
+
+async def _collect(chunks):
+    return [chunk async for chunk in chunks]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tokenizer, tiny_draft):
+    return SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, tiny_draft, min_prompt_tokens=0, look_ahead=2, max_draft_tokens=600
+    )
+
+
+@pytest.fixture(scope="module")
+def module_surfaces(engine, tiny_model_dir, tmp_path_factory):
+    surfaces = Surfaces(engine, tiny_model_dir, tmp_path_factory.mktemp("cli"), None)
+    yield surfaces
+    surfaces.close()
+
+
+@pytest.fixture
+def surfaces(module_surfaces, capsys):
+    module_surfaces.capsys = capsys
+    return module_surfaces
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(row, surfaces):
+    if row.error == "exit 2":
+        code, err = row.call(surfaces)
+        assert code == 2 and "Traceback" not in err
+        assert re.search(row.message, err, re.S), err
+    else:
+        with pytest.raises(row.error) as raised:
+            row.call(surfaces)
+        message = str(raised.value)
+        assert re.search(row.message, message, re.S), message
+        if isinstance(raised.value, SpecPrefillError) or row.surface.startswith("plugin"):
+            assert FIX.search(message), f"the message names no fix: {message}"
+    surfaces.serve_good_request(row)
+
+
+def test_the_matrix_covers_every_kind_of_bad_input():
+    cases = " ".join(row.case for row in ROWS).lower()
+    for kind in ("int", "none", "bytes", "surrogate", "utf-8", "empty", "whitespace", "nan", "inf", "str", "huge",
+                 "unknown"):
+        assert kind in cases, kind
+    assert len(ROWS) >= 60
+
+
+def test_readme_lists_every_row():
+    readme = README.read_text()
+    table = readme[readme.index("| surface | case | error |"):]
+    missing = [(surface, case) for surface, case in {(_readme_surface(r.surface), r.case) for r in ROWS}
+               if f"| {surface} | {case} |" not in table]
+    assert not missing, f"README's bad-input table lacks {missing[:5]} ({len(missing)} rows)"
+
+
+def _readme_surface(surface: str) -> str:
+    """The README groups the four engine entry points into one row."""
+    for style in STYLES:
+        surface = surface.replace(f"engine.{style}_layout", "engine.*_layout")
+    if surface.startswith("engine.") and surface.removeprefix("engine.") in STYLES:
+        return "engine.generate / stream / agenerate / astream"
+    return surface
+
+
+def readme_table() -> str:
+    """The README table of this matrix: ``python -c "from tests.test_bad_input_matrix import readme_table as t; print(t())"``."""
+    lines, seen = [], set()
+    for row in ROWS:
+        key = (_readme_surface(row.surface), row.case)
+        if key in seen:
+            continue
+        seen.add(key)
+        error = row.error if isinstance(row.error, str) else row.error.__name__
+        lines.append(f"| {key[0]} | {row.case} | {error} |")
+    return "\n".join(lines)
