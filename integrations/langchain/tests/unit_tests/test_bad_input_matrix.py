@@ -91,7 +91,7 @@ CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
 ]
 
 LLM_CASES: list[tuple[str, Any, dict, type, str]] = [
-    ("prompt: lone surrogate", SURROGATE, {}, InvalidRequestError, "message 0 is not valid Unicode"),
+    ("prompt: lone surrogate", SURROGATE, {}, InvalidRequestError, "prompt is not valid Unicode"),
     ("prompt: whitespace only", " \n ", {}, InvalidRequestError, "last user message is empty"),
     ("documents=: int", QUESTION, {"documents": 3}, InvalidRequestError, "documents= must be a list"),
     ("keep_rate: +inf", QUESTION, {"keep_rate": float("inf")}, InvalidRequestError, "keep_rate must be finite"),

@@ -116,7 +116,7 @@ def _core_message(message: ChatMessage) -> CoreMessage:
     parts = []
     for block in message.blocks:
         if not isinstance(block, TextBlock):
-            raise InvalidRequestError(f"{type(block).__name__} is not supported; SpecPrefillLLM takes text only")
+            raise InvalidRequestError(f"{type(block).__name__} is not supported; pass text blocks only")
         parts.append(block.text)
     return CoreMessage(role, parts)  # type: ignore[arg-type]
 

@@ -1,0 +1,159 @@
+"""The bad-input matrix of the LlamaIndex adapter (issue 14; the core's is tests/test_bad_input_matrix.py).
+
+Every bad call raises exactly the typed error of its row (``SpecPrefillError`` subclasses naming the
+argument and the fix; pydantic's ``ValidationError`` for constructor settings), never a bare
+``TypeError``/``KeyError``/``IndexError``/``UnicodeEncodeError``. The errors are deliberately not
+``ValueError`` (LlamaIndex's refine step catches those). Afterwards the same LLM answers. Completion rows
+run through ``complete``, ``stream_complete``, ``acomplete`` and ``astream_complete``; chat rows through
+``chat``, ``stream_chat``, ``achat`` and ``astream_chat``. README.md ("Bad input") lists the rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pytest
+from llama_index.core.base.llms.types import ImageBlock, MessageRole
+from llama_index.core.llms import ChatMessage
+from pydantic import ValidationError
+from specprefill_rag.errors import ContextLengthError, InvalidRequestError, SpecPrefillError
+from specprefill_rag.testing import random_documents
+
+from llama_index.llms.specprefill import SpecPrefillLLM
+
+pytestmark = pytest.mark.timeout(120)
+
+QUESTION = "When did the bridge open?"
+DOCUMENTS = ["The bridge opened in 1883 after thirteen years of work.", "Paris is the capital of France."]
+SURROGATE = "caf\udce9"
+FIX = re.compile(r"\b(pass|use|lower|send|decode|drop|wrap|build|leave|retrieve|give|end|change)\b")
+LONG = random_documents(8, 160)  # ~1,300 tokens: over the tiny model's 1,024-token context
+
+
+@dataclass(frozen=True)
+class Row:
+    surface: str
+    case: str
+    call: Callable[[Any], Any]
+    error: type[BaseException]
+    message: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.surface}: {self.case}"
+
+
+COMPLETE_CASES: list[tuple[str, Any, dict, type, str]] = [
+    # (case, prompt, call options, error, message)
+    ("prompt: int", 5, {}, InvalidRequestError, "prompt must be a str .* got int"),
+    ("prompt: None", None, {}, InvalidRequestError, "prompt must be a str .* got NoneType"),
+    ("prompt: empty", "", {}, InvalidRequestError, "prompt is empty"),
+    ("prompt: whitespace only", "\n  ", {}, InvalidRequestError, "prompt is empty or only whitespace"),
+    ("prompt: lone surrogate", SURROGATE, {}, InvalidRequestError, "prompt is not valid Unicode"),
+    ("documents=: int", QUESTION, {"documents": 5}, InvalidRequestError, "documents must be a list .* got int"),
+    ("documents=: empty list", QUESTION, {"documents": []}, InvalidRequestError, "documents=\\[\\] is empty"),
+    ("documents=: mapping text None", QUESTION, {"documents": [{"text": None}]}, InvalidRequestError,
+     "document 0's text must be a str"),
+    ("documents=: bytes not UTF-8", QUESTION, {"documents": [b"\xff"]}, InvalidRequestError, "not valid UTF-8"),
+    ("documents=: lone surrogate", QUESTION, {"documents": [SURROGATE]}, InvalidRequestError,
+     "document 0's text is not valid Unicode"),
+    ("query=: int", QUESTION, {"query": 5}, InvalidRequestError, "question must be a str"),
+    ("query=: whitespace only", QUESTION, {"query": "  "}, InvalidRequestError, "question is empty"),
+    ("keep_rate: str", QUESTION, {"documents": DOCUMENTS, "keep_rate": "half"}, InvalidRequestError,
+     "keep_rate must be a number, got str"),
+    ("keep_rate: NaN", QUESTION, {"documents": DOCUMENTS, "keep_rate": float("nan")}, InvalidRequestError,
+     "keep_rate must be finite"),
+    ("keep_rate: 0", QUESTION, {"documents": DOCUMENTS, "keep_rate": 0}, InvalidRequestError, "keep_rate must be in"),
+    ("unknown option", QUESTION, {"temperature": 0.5}, InvalidRequestError,
+     "unknown call options \\['temperature'\\]; use the supported ones"),
+    ("huge: prompt over the context", QUESTION, {"documents": LONG}, ContextLengthError,
+     "the prompt has \\d{4} tokens but the main model's context is 1024 tokens"),
+]
+
+CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
+    ("messages: empty list", [], {}, InvalidRequestError, "no messages given"),
+    ("message: lone surrogate", [ChatMessage(role="user", content=SURROGATE)], {}, InvalidRequestError,
+     "message 0 is not valid Unicode"),
+    ("message: whitespace only", [ChatMessage(role="user", content=" ")], {}, InvalidRequestError,
+     "last user message is empty"),
+    ("message: last from the assistant", [ChatMessage(role="assistant", content="hi")], {}, InvalidRequestError,
+     "last message is from 'assistant'"),
+    ("message: tool role", [ChatMessage(role=MessageRole.TOOL, content="x")], {}, InvalidRequestError,
+     "chat role 'tool' is not supported; use system, user or assistant"),
+    ("message: image block", [ChatMessage(role="user", blocks=[ImageBlock(url="http://127.0.0.1/x.png")])], {},
+     InvalidRequestError, "ImageBlock is not supported; pass text blocks only"),
+    ("documents=: one str", [ChatMessage(role="user", content=QUESTION)], {"documents": "text"}, InvalidRequestError,
+     "documents must be a list .* got str"),
+    ("keep_rate: +inf", [ChatMessage(role="user", content=QUESTION)], {"documents": DOCUMENTS, "keep_rate": float("inf")},
+     InvalidRequestError, "keep_rate must be finite"),
+    # LlamaIndex's own instrumentation validates the messages' type before this package sees them
+    ("messages: a str", QUESTION, {}, ValidationError, "messages\n.*valid list"),
+]
+
+CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
+    ("keep_rate: NaN", {"keep_rate": float("nan")}, "keep_rate\n.*finite number"),
+    ("keep_rate: 1.5", {"keep_rate": 1.5}, "keep_rate\n.*less than or equal to 1"),
+    ("temperature: +inf", {"temperature": float("inf")}, "temperature\n.*finite number"),
+    ("max_new_tokens: 0", {"max_new_tokens": 0}, "max_new_tokens\n.*greater than or equal to 1"),
+    ("seed: negative", {"seed": -1}, "seed\n.*greater than or equal to 0"),
+    ("timeout: NaN", {"timeout": float("nan")}, "timeout\n.*finite number"),
+    ("timeout: 0", {"timeout": 0}, "timeout\n.*greater than 0"),
+    ("backend: not a URL", {"backend": "ftp://x"}, "neither 'transformers'"),
+    ("device: not a device", {"device": "gpu0"}, "device 'gpu0' is not a torch device"),
+    ("unknown setting", {"max_tokens": 8}, "max_tokens\n.*Extra inputs are not permitted"),
+]
+
+
+async def _acollect(responses):
+    return [response async for response in await responses]
+
+
+def _call(style: str, argument: Any, options: dict) -> Callable[[Any], Any]:
+    def call(llm):
+        method = getattr(llm, style)
+        if style.startswith("astream"):
+            return asyncio.run(_acollect(method(argument, **options)))
+        if style.startswith("a"):
+            return asyncio.run(method(argument, **options))
+        result = method(argument, **options)
+        return list(result) if style.startswith("stream") else result
+
+    return call
+
+
+ROWS = [
+    Row(f"SpecPrefillLLM.{style}", case, _call(style, prompt, options), error, message)
+    for case, prompt, options, error, message in COMPLETE_CASES
+    for style in ("complete", "stream_complete", "acomplete", "astream_complete")
+] + [
+    Row(f"SpecPrefillLLM.{style}", case, _call(style, messages, options), error, message)
+    for case, messages, options, error, message in CHAT_CASES
+    for style in ("chat", "stream_chat", "achat", "astream_chat")
+] + [
+    Row("SpecPrefillLLM(...)", case, lambda llm, settings=settings: SpecPrefillLLM(**settings), ValidationError, message)
+    for case, settings, message in CONSTRUCTOR_CASES
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_engine):
+    return SpecPrefillLLM.from_engine(tiny_engine, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(row, llm):
+    with pytest.raises(row.error) as raised:
+        row.call(llm)
+    message = str(raised.value)
+    assert re.search(row.message, message, re.S), message
+    if isinstance(raised.value, SpecPrefillError):
+        assert FIX.search(message), f"the message names no fix: {message}"
+    response = llm.complete(QUESTION, documents=DOCUMENTS)
+    assert response.raw["spec_prefill"]["prompt_tokens"] > 0
+
+
+def test_matrix_size():
+    assert len({row.case for row in ROWS}) >= 30
