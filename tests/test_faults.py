@@ -7,9 +7,7 @@ client behind, and the next request on the same engine succeeds. The servers are
 """
 
 import asyncio
-import gc
 import json
-import os
 import select
 import signal
 import socket
@@ -28,6 +26,7 @@ from specprefill_rag import DraftOutOfMemoryError, SpecPrefillEngine
 from specprefill_rag.backends.vllm import VLLMServerError
 from specprefill_rag.draft import decoder_layers
 from specprefill_rag.testing import build_model, random_documents
+from tests.leaks import nothing_left_behind
 from tests.test_vllm_client import StandIn, handler_class
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,37 +104,6 @@ def faulty_server(faults, port=0):
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
-
-
-def client_threads():
-    return {t for t in threading.enumerate() if "process_request_thread" not in t.name and "serve_forever" not in t.name}
-
-
-def open_sockets():
-    sockets = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                sockets.add(fd)
-        except OSError:
-            pass
-    return sockets
-
-
-@contextmanager
-def nothing_left_behind():
-    """No client thread and no socket opened inside the block may outlive it (waits up to 10 s)."""
-    threads, sockets = client_threads(), open_sockets()
-    yield
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        gc.collect()
-        extra_threads, extra_sockets = client_threads() - threads, open_sockets() - sockets
-        if not extra_threads and not extra_sockets:
-            return
-        time.sleep(0.05)
-    assert not extra_threads, f"threads left running: {extra_threads}"
-    assert not extra_sockets, f"{len(extra_sockets)} sockets left open"
 
 
 def request(engine, mode, **params):

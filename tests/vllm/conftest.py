@@ -38,3 +38,15 @@ def tiny_folder(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def llm(tiny_folder):
+    """An in-process vLLM engine on the tiny model: chunked prefill forced with 16-token steps, prefix
+    caching on (shared by the end-to-end tests and the plugin's bad-input rows)."""
+    from vllm import LLM
+
+    engine = LLM(model=str(tiny_folder), max_model_len=1024, dtype="float32", max_num_batched_tokens=16,
+                 enable_prefix_caching=True, enforce_eager=True, gpu_memory_utilization=0.2)
+    yield engine
+    del engine

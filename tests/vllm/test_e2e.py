@@ -35,16 +35,6 @@ def hf_model(tiny_folder):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_folder):
-    from vllm import LLM
-
-    engine = LLM(model=str(tiny_folder), max_model_len=1024, dtype="float32", max_num_batched_tokens=16,
-                 enable_prefix_caching=True, enforce_eager=True, gpu_memory_utilization=0.2)
-    yield engine
-    del engine
-
-
-@pytest.fixture(scope="module")
 def prompt_ids():
     return torch.randint(3, 400, (PROMPT_LENGTH,), generator=torch.Generator().manual_seed(1))
 

@@ -1,0 +1,133 @@
+"""Soak: 500 in-process requests on one engine, resident memory every 50 (BENCHMARKS.md, "Soak").
+
+The embedded SmolLM2-135M is draft and main; prompts are small (three ~100-word documents) and always
+compressed (``min_prompt_tokens=0``), so every good request runs the draft, the sparse prefill and a
+short decode. One request in five is bad, cycling through the typed errors (lone surrogate, NaN keep
+rate, unknown option, bytes that are not UTF-8, a prompt over ``max_draft_tokens``, ``max_new_tokens``
+over the context); good requests rotate between ``generate``, ``stream`` and ``agenerate``. After every
+50 requests the script collects garbage and reads the process's resident memory (VmRSS). The slope is a
+least-squares line over the samples after the first (which includes the warm-up's allocator growth).
+
+    nice -n 10 python benchmarks/soak.py                   # writes benchmarks/results/soak.{json,md}
+    python benchmarks/soak.py --requests 100 --every 25    # a short run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+from specprefill_rag import SpecPrefillEngine, SpecPrefillError
+from ttft import machine
+
+ROOT = Path(__file__).resolve().parents[1]
+HAYSTACK = sorted((ROOT / "tests" / "fixtures" / "haystack").glob("*.txt"))
+QUESTION = "What do the documents say about how the work is done?"
+MAX_DRAFT_TOKENS = 1024
+HAYSTACK_WORDS = " ".join(path.read_text() for path in HAYSTACK).split() * 2  # ~3,700 tokens
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def documents(index: int) -> list[str]:
+    """Three ~100-word passages of the haystack prose, a different window for each request."""
+    words = " ".join(path.read_text() for path in HAYSTACK).split()
+    start = (index * 37) % (len(words) - 300)
+    return [" ".join(words[start + 100 * i : start + 100 * (i + 1)]) for i in range(3)]
+
+
+def bad_request(engine: SpecPrefillEngine, kind: int) -> None:
+    """One of six bad requests; each must raise a typed error."""
+    good = documents(kind)
+    calls = [
+        lambda: engine.generate("When\udce9?", good),
+        lambda: engine.generate(QUESTION, good, keep_rate=float("nan")),
+        lambda: engine.generate(QUESTION, good, max_tokens=8),
+        lambda: engine.generate(QUESTION, [b"caf\xe9"]),
+        lambda: engine.generate(QUESTION, [" ".join(HAYSTACK_WORDS[:1200])], max_new_tokens=4),
+        lambda: engine.generate(QUESTION, good, max_new_tokens=10**6),
+    ]
+    try:
+        calls[kind % len(calls)]()
+    except SpecPrefillError:
+        return
+    raise AssertionError(f"bad request {kind % len(calls)} was served")
+
+
+def good_request(engine: SpecPrefillEngine, index: int, max_new_tokens: int) -> int:
+    """One good request through generate, stream or agenerate; its completion tokens."""
+    prompt = documents(index)
+    style = index % 3
+    if style == 0:
+        return engine.generate(QUESTION, prompt, max_new_tokens=max_new_tokens).stats.completion_tokens
+    if style == 1:
+        chunks = list(engine.stream(QUESTION, prompt, max_new_tokens=max_new_tokens))
+        return chunks[-1].stats.completion_tokens
+    result = asyncio.run(engine.agenerate(QUESTION, prompt, max_new_tokens=max_new_tokens))
+    return result.stats.completion_tokens
+
+
+def soak(args) -> dict:
+    engine = SpecPrefillEngine(keep_rate=0.3, min_prompt_tokens=0, max_draft_tokens=MAX_DRAFT_TOKENS)
+    samples, counts, started = [], {"good": 0, "bad": 0, "tokens": 0}, time.perf_counter()
+    gc.collect()
+    samples.append({"requests": 0, "rss_bytes": rss_bytes(), "elapsed_s": 0.0})
+    for index in range(1, args.requests + 1):
+        if index % 5 == 0:
+            bad_request(engine, index // 5)
+            counts["bad"] += 1
+        else:
+            counts["tokens"] += good_request(engine, index, args.max_new_tokens)
+            counts["good"] += 1
+        if index % args.every == 0:
+            gc.collect()
+            samples.append({"requests": index, "rss_bytes": rss_bytes(), "elapsed_s": time.perf_counter() - started})
+            print(f"{index:>4} requests: RSS {samples[-1]['rss_bytes'] / 2**20:.1f} MiB", flush=True)
+    steady = samples[2:]  # from the second sample after start: the first includes warm-up growth
+    slope = _slope([s["requests"] for s in steady], [s["rss_bytes"] for s in steady]) if len(steady) > 1 else 0.0
+    return {"machine": machine(), "requests": args.requests, "every": args.every, "counts": counts,
+            "max_new_tokens": args.max_new_tokens, "samples": samples, "slope_bytes_per_request": slope,
+            "steady_from_request": steady[0]["requests"] if steady else None}
+
+
+def _slope(xs: list[int], ys: list[int]) -> float:
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+
+
+def markdown(report: dict) -> str:
+    counts = report["counts"]
+    lines = [f"{report['requests']} requests ({counts['good']} good, {counts['bad']} bad, {counts['tokens']} tokens "
+             f"generated), embedded SmolLM2-135M as draft and main; {report['machine']}.", "",
+             "| requests | RSS (MiB) | elapsed (s) |", "|---:|---:|---:|"]
+    for sample in report["samples"]:
+        lines.append(f"| {sample['requests']} | {sample['rss_bytes'] / 2**20:.1f} | {sample['elapsed_s']:.0f} |")
+    lines += ["", f"Slope from request {report['steady_from_request']} on: "
+              f"{report['slope_bytes_per_request'] * 100 / 2**20:+.2f} MiB per 100 requests."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("--requests", type=int, default=500)
+    options.add_argument("--every", type=int, default=50)
+    options.add_argument("--max-new-tokens", type=int, default=8)
+    options.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak")
+    args = options.parse_args()
+    report = soak(args)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

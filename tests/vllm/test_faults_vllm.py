@@ -1,0 +1,135 @@
+"""Faults against vLLM's real OpenAI server on CPU (the stand-in versions are tests/test_faults.py).
+
+A dedicated server process, in its own process group so the test can stop and kill all of it:
+frozen (SIGSTOP) before answering and mid-stream, the client's timeout fires; killed (SIGKILL)
+mid-stream, the stream ends in a typed error, and a request to the dead server is refused; restarted on
+the same port, the same engine serves again. No client thread or socket outlives a failed request.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+
+from specprefill_rag import GenerationParams, SpecPrefillEngine
+from specprefill_rag.backends.vllm import VLLMServerError
+from specprefill_rag.testing import random_documents
+from tests.leaks import nothing_left_behind
+
+TIMEOUT = 5.0  # the client's timeout
+LONG = GenerationParams(max_new_tokens=600)  # the tiny random model does not stop early (checked below)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def vllm_server(folder, port):
+    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` in a new session; killed with
+    its whole process group on exit."""
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
+               "--port", str(port), "--max-model-len", "1024", "--dtype", "float32", "--enforce-eager",
+               "--gpu-memory-utilization", "0.2"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_until_serving(process, f"http://127.0.0.1:{port}")
+        yield process
+    finally:
+        _signal_group(process, signal.SIGCONT)
+        _signal_group(process, signal.SIGKILL)
+        process.wait(timeout=60)
+
+
+def _wait_until_serving(process, url, limit_s=600):
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM server exited with {process.returncode}")
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+            return
+        except OSError:
+            time.sleep(2)
+    raise RuntimeError(f"vLLM server did not start within {limit_s} s")
+
+
+def _signal_group(process, sig):
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _stream_until_first_chunk_then(engine, layout, mode, act):
+    """Stream ``layout``; after the first chunk, ``act()``; return the number of chunks received."""
+    received = []
+    if mode == "sync":
+        for chunk in engine.stream_layout(layout, LONG):
+            received.append(chunk)
+            if len(received) == 1:
+                act()
+        return len(received)
+
+    async def consume():
+        async for chunk in engine.astream_layout(layout, LONG):
+            received.append(chunk)
+            if len(received) == 1:
+                act()
+
+    asyncio.run(asyncio.wait_for(consume(), timeout=120))
+    return len(received)
+
+
+def _request(engine, layout, mode, params=GenerationParams(max_new_tokens=4)):
+    if mode == "sync":
+        return engine.generate_layout(layout, params)
+    return asyncio.run(asyncio.wait_for(engine.agenerate_layout(layout, params), timeout=120))
+
+
+def test_frozen_killed_and_restarted_server(tiny_folder):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with vllm_server(tiny_folder, port) as process:
+        engine = SpecPrefillEngine.for_vllm(url, draft=str(tiny_folder), timeout=TIMEOUT, keep_rate=0.3,
+                                            min_prompt_tokens=0, look_ahead=2)
+        layout = engine.layout("When did the bridge open?", random_documents(3, 30))
+        whole = _request(engine, layout, "sync", LONG)
+        assert whole.finish_reason == "length", "the stream must outlast the faults below"
+
+        for mode in ("sync", "async"):  # frozen before answering: no bytes at all
+            _signal_group(process, signal.SIGSTOP)
+            try:
+                with nothing_left_behind(), pytest.raises(VLLMServerError, match=f"within {TIMEOUT:g} s"):
+                    _request(engine, layout, mode)
+            finally:
+                _signal_group(process, signal.SIGCONT)
+            assert len(_request(engine, layout, mode).token_ids) == 4
+
+        for mode in ("sync", "async"):  # frozen mid-stream
+            try:
+                with nothing_left_behind(), pytest.raises(VLLMServerError, match="failed mid-stream after \\d+ tokens"):
+                    _stream_until_first_chunk_then(engine, layout, mode, lambda: _signal_group(process, signal.SIGSTOP))
+            finally:
+                _signal_group(process, signal.SIGCONT)
+            assert len(_request(engine, layout, mode).token_ids) == 4
+
+        with nothing_left_behind(), pytest.raises(VLLMServerError, match="(failed mid-stream|closed the stream) after"):
+            _stream_until_first_chunk_then(engine, layout, "sync", lambda: _signal_group(process, signal.SIGKILL))
+        process.wait(timeout=60)
+        for mode in ("sync", "async"):  # nothing listens any more
+            with nothing_left_behind(), pytest.raises(VLLMServerError, match=f"cannot reach a vLLM server at {url}"):
+                _request(engine, layout, mode)
+
+    with vllm_server(tiny_folder, port):  # restarted on the same port: the same engine serves again
+        for mode in ("sync", "async"):
+            assert _request(engine, layout, mode).token_ids == whole.token_ids[:4]
