@@ -12,7 +12,6 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-from tests.conftest import SHARED_DATA  # noqa: E402
 
 
 @torch.inference_mode()
@@ -51,33 +50,60 @@ def test_longllmlingua_compresses_with_the_real_package(tiny_model_dir):
     assert 0 < len(compressed) < 0.8 * sum(len(d) for d in documents)
 
 
-needs_data = pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"evaluation data not found at {SHARED_DATA}")
+@pytest.fixture
+def task_data(tmp_path, monkeypatch):
+    """Small files in the formats of ../shared/data (SQuAD, HotpotQA, NQ-open, LongBench), written here so
+    the task loaders are tested without reading outside the repository."""
+    import gzip
+    import json
 
-
-@needs_data
-def test_squad_and_nq_put_the_answer_in_the_gold_document():
     import tasks
 
-    for sample in tasks.squad(5, 4, seed=0) + tasks.nq(5, 4, seed=0):
+    facts = [(f"Topic{i}", f"What is the colour of object {i}?", f"colour{i}") for i in range(8)]
+    squad = {"data": [{"paragraphs": [{"context": f"{topic} facts. Object {i} is {answer} all year round.",
+                                       "qas": [{"question": question, "answers": [{"text": answer}]}]}]}
+                      for i, (topic, question, answer) in enumerate(facts)]}
+    (tmp_path / "squad").mkdir()
+    (tmp_path / "squad" / "dev-v1.1.reconstructed.json").write_text(json.dumps(squad))
+    rows = [{"question": f"Which two topics mention object {i}?", "answer": f"colour{i}",
+             "context": [[f"Title{i}-{j}", [f"Sentence {j} about object {i}. ", "More text."]] for j in range(10)],
+             "supporting_facts": [[f"Title{i}-2", 0], [f"Title{i}-7", 1]]} for i in range(6)]
+    (tmp_path / "hotpotqa").mkdir()
+    (tmp_path / "hotpotqa" / "hotpotqa_train_distractor_100.json").write_text(json.dumps(rows))
+    (tmp_path / "lost_in_the_middle").mkdir()
+    with gzip.open(tmp_path / "lost_in_the_middle" / "nq-open-oracle.jsonl.gz", "wt") as lines:
+        for topic, question, answer in facts:
+            lines.write(json.dumps({"question": question, "answers": [answer],
+                                    "ctxs": [{"title": topic, "text": f"The object is {answer}."}]}) + "\n")
+    prompts = tmp_path / "longbench" / "prompt_configs"
+    prompts.mkdir(parents=True)
+    prompts.joinpath("dataset2prompt.json").write_text(
+        json.dumps({task: f"{task}: read {{context}} and answer {{input}}" for task in tasks.LONGBENCH_TASKS}))
+    for task in tasks.LONGBENCH_TASKS:
+        passages = [f"Passage {k}:\nText {k} of {task}.\n" for k in range(1, 4)]
+        context = "".join(passages) if task == "hotpotqa" else f"{task} text."
+        records = [{"context": context, "input": f"Question {i} on {task}?", "answers": ["x"], "dataset": task}
+                   for i in range(6)]
+        (tmp_path / "longbench" / f"{task}.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    monkeypatch.setattr(tasks, "DATA", tmp_path)
+    return tasks
+
+
+def test_squad_and_nq_put_the_answer_in_the_gold_document(task_data):
+    for sample in task_data.squad(5, 4, seed=0) + task_data.nq(5, 4, seed=0):
         assert len(sample["documents"]) == 4
         gold = sample["documents"][sample["gold_documents"][0]].lower()
         assert any(answer.lower() in gold for answer in sample["answers"])
 
 
-@needs_data
-def test_hotpotqa_marks_both_gold_paragraphs():
-    import tasks
-
-    for sample in tasks.hotpotqa(5, seed=0):
-        assert len(sample["documents"]) == 10 and len(sample["gold_documents"]) == 2
+def test_hotpotqa_marks_both_gold_paragraphs(task_data):
+    for sample in task_data.hotpotqa(5, seed=0):
+        assert len(sample["documents"]) == 10 and sample["gold_documents"] == [2, 7]
 
 
-@needs_data
-def test_longbench_keeps_the_official_prompt_and_splits_passages(tokenizer):
-    import tasks
-
-    samples = tasks.longbench(30, tokenizer, max_tokens=4000, seed=0)
-    assert {s["dataset"] for s in samples} == set(tasks.LONGBENCH_TASKS)
+def test_longbench_keeps_the_official_prompt_and_splits_passages(task_data, tokenizer):
+    samples = task_data.longbench(30, tokenizer, max_tokens=4000, seed=0)
+    assert {s["dataset"] for s in samples} == set(task_data.LONGBENCH_TASKS)
     for sample in samples:
         assert "{context}" in sample["prompt"] and sample["question"] in sample["prompt"]
         assert len(tokenizer("".join(sample["documents"]))["input_ids"]) <= 4010  # middle-truncated, re-tokenized
