@@ -37,9 +37,11 @@ ROWS = [
     ("runs: not ending at L - 1", {LENGTH: 10, RUNS: [0, 1, 4, 1, 8, 1]}, "must end at the last prompt position 9"),
     ("runs: past the prompt", {LENGTH: 10, RUNS: [0, 1, 4, 1, 9, 3]}, "must end at the last prompt position 9"),
 ]
-ADMISSION_ROWS = [
+ADMISSION_ROWS = [  # (case, extra_args, max_tokens, message); no row expands its runs (2**40 would need 8 TB)
     ("2**40 positions for 3 tokens", {LENGTH: 2**40, RUNS: [0, 2**40]}, 2,
-     f"{RUNS} cover 1099511627776 positions but the prompt has 3 tokens; send exactly"),
+     "L=1099511627776 \\+ max_tokens=2 = 1099511627778 exceeds max_model_len=1024"),
+    ("4 positions for 3 tokens", {LENGTH: 10, RUNS: [0, 2, 4, 1, 9, 1]}, 2,
+     f"{RUNS} cover 4 positions but the prompt has 3 tokens; send exactly the kept token ids"),
     ("L + max_tokens over max_model_len", GOOD, 1020, "L=10 \\+ max_tokens=1020 = 1030 exceeds max_model_len=1024"),
 ]
 

@@ -24,7 +24,24 @@ from specprefill_rag.testing import random_documents
 from tests.leaks import nothing_left_behind
 
 TIMEOUT = 5.0  # the client's timeout
-LONG = GenerationParams(max_new_tokens=600)  # the tiny random model does not stop early (checked below)
+LONG = GenerationParams(max_new_tokens=600)  # a stream that outlasts the faults (checked below)
+
+
+@pytest.fixture(scope="module")
+def endless_folder(tiny_folder, tmp_path_factory):
+    """The tiny model with its end-of-sequence logit pinned at 0 (its output row zeroed): greedy decoding
+    never ends a stream early, so every fault lands mid-stream."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_folder)
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] = 0.0
+    folder = tmp_path_factory.mktemp("tiny-endless")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def _free_port() -> int:
@@ -96,10 +113,10 @@ def _request(engine, layout, mode, params=GenerationParams(max_new_tokens=4)):
     return asyncio.run(asyncio.wait_for(engine.agenerate_layout(layout, params), timeout=120))
 
 
-def test_frozen_killed_and_restarted_server(tiny_folder):
+def test_frozen_killed_and_restarted_server(tiny_folder, endless_folder):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    with vllm_server(tiny_folder, port) as process:
+    with vllm_server(endless_folder, port) as process:
         engine = SpecPrefillEngine.for_vllm(url, draft=str(tiny_folder), timeout=TIMEOUT, keep_rate=0.3,
                                             min_prompt_tokens=0, look_ahead=2)
         layout = engine.layout("When did the bridge open?", random_documents(3, 30))
@@ -130,6 +147,6 @@ def test_frozen_killed_and_restarted_server(tiny_folder):
             with nothing_left_behind(), pytest.raises(VLLMServerError, match=f"cannot reach a vLLM server at {url}"):
                 _request(engine, layout, mode)
 
-    with vllm_server(tiny_folder, port):  # restarted on the same port: the same engine serves again
+    with vllm_server(endless_folder, port):  # restarted on the same port: the same engine serves again
         for mode in ("sync", "async"):
             assert _request(engine, layout, mode).token_ids == whole.token_ids[:4]
