@@ -92,8 +92,10 @@ def markdown(report: dict) -> str:
     for row in report["rows"]:
         runs = ", ".join(f"{p / 2**20:.0f}" for p in row["peak_bytes"])
         lines.append(f"| {row['prompt_tokens']:,} | {row['median_bytes'] / 2**20:.0f} | {runs} |")
-    lines += ["", f"Fit: {report['bytes_per_token'] / 1024:.0f} KiB per prompt token + {report['intercept_bytes'] / 2**20:.0f} "
-              f"MiB; the KV cache alone is {report['kv_cache_bytes_per_token'] / 1024:.0f} KiB per token."]
+    per_token, fixed = report["bytes_per_token"] / 1024, report["intercept_bytes"] / 2**20
+    kv = report["kv_cache_bytes_per_token"] / 1024
+    lines += ["", f"Fit: {per_token:.0f} KiB per prompt token + {fixed:.0f} MiB; the KV cache alone is "
+              f"{kv:.0f} KiB per token."]
     return "\n".join(lines) + "\n"
 
 

@@ -62,7 +62,9 @@ def check_optional_text(value: Any, name: str, what: str = "text") -> str | None
 def check_flag(value: Any, name: str) -> bool:
     """A real ``bool`` (a string such as ``'no'`` would be true)."""
     if not isinstance(value, bool):
-        raise InvalidRequestError(f"{name} must be True or False, got {type(value).__name__} {shown(value)}; pass a bool")
+        raise InvalidRequestError(
+            f"{name} must be True or False, got {type(value).__name__} {shown(value)}; pass a bool"
+        )
     return value
 
 
@@ -157,7 +159,9 @@ def check_layout(layout: Any, vocab_size: int) -> None:
     ids = layout.input_ids
     lengths = {ids.numel(), layout.roles.numel(), layout.document_index.numel()}
     if ids.dim() != 1 or len(lengths) != 1 or ids.numel() == 0:
-        raise InvalidRequestError("layout is empty or its input_ids, roles and document_index differ in shape; rebuild it")
+        raise InvalidRequestError(
+            "layout is empty or its input_ids, roles and document_index differ in shape; rebuild it"
+        )
     if ids.is_floating_point() or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise InvalidRequestError(
             f"layout has token ids outside this tokenizer's vocabulary of {vocab_size}; build it with this engine"

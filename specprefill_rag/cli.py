@@ -41,7 +41,9 @@ def parser() -> argparse.ArgumentParser:
     ask = commands.add_parser("ask", help="answer a question over document files")
     ask.add_argument("--question", required=True)
     ask.add_argument("--docs", nargs="+", required=True, metavar="FILE", help="one document per UTF-8 text file")
-    ask.add_argument("--instructions", default=DEFAULT_INSTRUCTIONS, help="system instructions (kept whole; '' for none)")
+    ask.add_argument(
+        "--instructions", default=DEFAULT_INSTRUCTIONS, help="system instructions (kept whole; '' for none)"
+    )
     ask.add_argument("--keep-rate", type=float, default=0.3, help="fraction of document tokens to prefill (0, 1]")
     ask.add_argument("--main", default=DEFAULT_MODEL, help="HF id, model folder, .gguf file or 'smollm2-135m'")
     ask.add_argument("--draft", default=DEFAULT_MODEL, help="same forms as --main, or 'self:<n>'")

@@ -43,7 +43,8 @@ def check_runs(runs: Sequence[int]) -> torch.Tensor:
     and each run starting after the previous one ends. Cost is O(R), whatever the lengths claim, so a
     request cannot make the server allocate its claimed positions before they are counted.
     """
-    if not isinstance(runs, (list, tuple)) or len(runs) % 2 or any(not isinstance(v, int) or isinstance(v, bool) for v in runs):
+    integers = isinstance(runs, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in runs)
+    if not integers or len(runs) % 2:
         raise InvalidRequestError(
             f"{RUNS_KEY} must be a flat list of integer (start, length) pairs; send e.g. [0, 8, 40, 16]"
         )

@@ -125,7 +125,8 @@ def _mapping_document(value: Mapping[str, Any], name: str) -> Document:
     unknown = sorted(str(key) for key in value if key not in _DOCUMENT_KEYS)
     if unknown:
         raise InvalidRequestError(
-            f"{name} has unknown keys {unknown}; a document mapping takes 'text' and optionally 'title' and 'id': drop the others"
+            f"{name} has unknown keys {unknown}; a document mapping takes 'text' and optionally 'title' and 'id': "
+            "drop the others"
         )
     return Document(value["text"], value.get("title"), value.get("id"))
 

@@ -88,7 +88,9 @@ def cut_short(base_url: str, received: int) -> VLLMServerError:
 def refused(code: int, detail: str) -> SpecPrefillError:
     """The error for an HTTP error status: the request's fault (4xx) or the server's."""
     if 400 <= code < 500:
-        return InvalidRequestError(f"the vLLM server refused the request ({code}): {detail}; change the request as it says")
+        return InvalidRequestError(
+            f"the vLLM server refused the request ({code}): {detail}; change the request as it says"
+        )
     return VLLMServerError(f"the vLLM server failed ({code}): {detail}; check the server's log")
 
 

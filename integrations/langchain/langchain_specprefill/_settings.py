@@ -40,7 +40,7 @@ class SpecPrefillSettings(BaseModel):
     top_p: float = Field(1.0, description="Nucleus sampling mass.")
     seed: int | None = Field(None, description="Sampling seed.")
     stop: list[str] | None = Field(None, description="Stop strings (merged with per-call stop).")
-    streaming: bool = Field(False, description="invoke() through stream(); the same answer either way (LangChain's flag).")
+    streaming: bool = Field(False, description="LangChain's flag: invoke() runs through stream(); the same answer.")
 
     _config: SpecPrefillConfig = PrivateAttr()
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)

@@ -46,8 +46,8 @@ def documents_argument(value: Any) -> list[Any] | None:
         return None
     if isinstance(value, (str, bytes, dict, LCDocument)) or not isinstance(value, Sequence):
         raise InvalidRequestError(
-            f"documents= must be a list of LangChain Documents, dicts with 'text', or strings; got {type(value).__name__}; "
-            "pass a list"
+            "documents= must be a list of LangChain Documents, dicts with 'text', or strings; "
+            f"got {type(value).__name__}; pass a list"
         )
     return [to_core_document(v, i) for i, v in enumerate(value)]
 

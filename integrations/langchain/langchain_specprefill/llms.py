@@ -38,13 +38,15 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
-        layout, params, keep_rate = self._request([ChatMessage("user", [check_unicode(prompt, "prompt")])], stop, kwargs)
+        message = ChatMessage("user", [check_unicode(prompt, "prompt")])
+        layout, params, keep_rate = self._request([message], stop, kwargs)
         for chunk in self.engine.stream_layout(layout.layout, params, keep_rate):
             yield self._chunk(chunk, layout.document_source)
 
     async def _achunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> AsyncIterator[GenerationChunk]:
         """:meth:`_chunks` on the event loop (the engine's native async path)."""
-        layout, params, keep_rate = self._request([ChatMessage("user", [check_unicode(prompt, "prompt")])], stop, kwargs)
+        message = ChatMessage("user", [check_unicode(prompt, "prompt")])
+        layout, params, keep_rate = self._request([message], stop, kwargs)
         async with aclosing(self.engine.astream_layout(layout.layout, params, keep_rate)) as chunks:
             async for chunk in chunks:
                 yield self._chunk(chunk, layout.document_source)

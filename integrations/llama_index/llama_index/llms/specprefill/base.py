@@ -270,7 +270,9 @@ class SpecPrefillLLM(CustomLLM):
 
     def _chat_layout(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatLayout:
         if isinstance(messages, (str, bytes)) or not all(isinstance(m, ChatMessage) for m in messages):
-            raise InvalidRequestError("messages must be a list of llama_index ChatMessage; wrap text as ChatMessage(...)")
+            raise InvalidRequestError(
+                "messages must be a list of llama_index ChatMessage; wrap text as ChatMessage(role='user', content=...)"
+            )
         captured = messages[-1].additional_kwargs.get(_CAPTURE_KEY, {}) if messages else {}
         return self._layout([_core_message(m) for m in messages], captured, kwargs)
 
