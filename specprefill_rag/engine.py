@@ -154,9 +154,8 @@ class SpecPrefillEngine:
 
     def select(self, layout: PromptLayout, keep_rate: float | None = None) -> tuple[torch.Tensor, float]:
         """Sorted kept token indices ``[K]`` and the draft time in ms (0 when nothing is compressed)."""
-        rate = self.config.keep_rate if keep_rate is None else keep_rate
-        if not 0.0 < rate <= 1.0:
-            raise InvalidRequestError(f"keep_rate must be in (0, 1], got {rate}")
+        checked = check_keep_rate(keep_rate)
+        rate = self.config.keep_rate if checked is None else checked
         if not self._uses_draft(layout, rate):
             return torch.arange(len(layout)), 0.0
         check_draft_tokens(len(layout), self.max_draft_tokens)

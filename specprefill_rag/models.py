@@ -125,6 +125,15 @@ def _dtype(name: str, device: str) -> torch.dtype:
     return getattr(torch, name)
 
 
+def check_device(device: str) -> None:
+    """Raise :class:`ModelLoadError` for a device this machine does not have (before any weights load)."""
+    parsed = torch.device(device)
+    cuda = torch.cuda.is_available() and (parsed.index is None or parsed.index < torch.cuda.device_count())
+    available = {"cpu": True, "cuda": cuda, "mps": torch.backends.mps.is_available()}
+    if not available.get(parsed.type, True):
+        raise ModelLoadError(f"device {device!r} is not available on this machine; pass device='cpu' or a device it has")
+
+
 def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
     """Load a causal LM and its fast tokenizer from a spec (HF id, folder, .gguf or embedded name).
 
@@ -133,6 +142,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_device(device)
     source = resolve(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

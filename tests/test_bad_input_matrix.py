@@ -231,6 +231,7 @@ CLI_CASES = [
     ("--docs: prompt over the context", lambda s: ["--docs", s.file("long.txt", " ".join(random_documents(1, 1400)).encode())],
      "the prompt has \\d{4} tokens but the main model's context is 1024 tokens"),
     ("--device: not a device", ["--device", "gpu0"], "device 'gpu0' is not a torch device"),
+    ("--device: not on this machine", ["--device", "cuda:99"], "device 'cuda:99' is not available on this machine"),
     ("--main: no such model", ["--main", "./no/such/model"], "model path './no/such/model' does not exist"),
     ("unknown option", ["--top-k", "5"], "unrecognized arguments: --top-k 5"),
 ]
