@@ -1,6 +1,6 @@
 """Soak: 500 in-process requests on one engine, resident memory every 50 (BENCHMARKS.md, "Soak").
 
-The embedded SmolLM2-135M is draft and main; prompts are small (three ~100-word documents) and always
+The embedded SmolLM2-135M is draft and main; prompts are small (three 40-word documents) and always
 compressed (``min_prompt_tokens=0``), so every good request runs the draft, the sparse prefill and a
 short decode. One request in five is bad, cycling through the typed errors (lone surrogate, NaN keep
 rate, unknown option, bytes that are not UTF-8, a prompt over ``max_draft_tokens``, ``max_new_tokens``
@@ -38,11 +38,10 @@ def rss_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
-def documents(index: int) -> list[str]:
-    """Three ~100-word passages of the haystack prose, a different window for each request."""
-    words = " ".join(path.read_text() for path in HAYSTACK).split()
-    start = (index * 37) % (len(words) - 300)
-    return [" ".join(words[start + 100 * i : start + 100 * (i + 1)]) for i in range(3)]
+def documents(index: int, words: int = 40) -> list[str]:
+    """Three ``words``-word passages of the haystack prose, a different window for each request."""
+    start = (index * 37) % (len(HAYSTACK_WORDS) // 2)
+    return [" ".join(HAYSTACK_WORDS[start + words * i : start + words * (i + 1)]) for i in range(3)]
 
 
 def bad_request(engine: SpecPrefillEngine, kind: int) -> None:
@@ -120,7 +119,7 @@ def main() -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     options.add_argument("--requests", type=int, default=500)
     options.add_argument("--every", type=int, default=50)
-    options.add_argument("--max-new-tokens", type=int, default=8)
+    options.add_argument("--max-new-tokens", type=int, default=4)
     options.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak")
     args = options.parse_args()
     report = soak(args)

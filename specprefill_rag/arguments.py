@@ -9,6 +9,7 @@ the fix, not with a ``TypeError`` from inside the tokenizer. Nothing is coerced,
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,8 +70,8 @@ def check_flag(value: Any, name: str) -> bool:
 
 
 def check_number(value: Any, name: str, fix: str) -> float:
-    """A finite real number (not a bool, not a string)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A finite real number (int, float, NumPy scalars; not a bool, not a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__} {shown(value)}; {fix}")
     if not math.isfinite(value):
         raise InvalidRequestError(f"{name} must be finite, got {value}; {fix}")
