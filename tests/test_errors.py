@@ -166,5 +166,4 @@ def test_auto_dtype_is_float16_on_a_gpu_without_bfloat16(monkeypatch):
     assert _dtype("auto", "cuda:0") == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert _dtype("auto", "cuda") == torch.bfloat16
-    assert _dtype("auto", "cpu") == torch.float32
     assert _dtype("float16", "cpu") == torch.float16

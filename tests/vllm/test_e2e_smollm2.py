@@ -19,7 +19,7 @@ DOCUMENT = (
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", dtype="float32")  # as the vLLM engine below
 
 
 @pytest.fixture(scope="module")
