@@ -17,7 +17,7 @@ VLLM_V2_DEPS := regex cachetools psutil msgspec cloudpickle pyzmq py-cpuinfo pyy
 	prometheus_client pillow requests aiohttp partial-json-parser "openai>=2.25" "oss-harmony>=0.0.11" \
 	"fastapi>=0.133,<0.137" "xgrammar==0.2.8" "llguidance>=1.7,<1.8"
 
-.PHONY: install install-vllm install-vllm-v2 models demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench clean
+.PHONY: install install-vllm install-vllm-v2 models bench-pair demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench clean
 
 $(CORE_STAMP): pyproject.toml constraints/cpu.txt integrations/langchain/pyproject.toml integrations/llama_index/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -96,6 +96,19 @@ bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md 
 	$(QUALITY) --task hotpotqa --samples 40
 	$(QUALITY) --task nq --samples 40
 	$(QUALITY) --task longbench --samples 20
+
+# The real pair (make models): quality of every method at keep 0.1 and 0.3, saved after every sample and
+# resumable (--resume). Many CPU hours on 2 cores; BENCHMARKS.md says what each run took.
+PAIR := --main qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+PAIR_QUALITY := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rates 0.1 0.3 --resume \
+	--methods specprefill self contiguous longllmlingua random
+bench-pair: install
+	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 --out benchmarks/results/pair-quality-niah-4k
+	$(PAIR_QUALITY) --task squad --samples 30 --out benchmarks/results/pair-quality-squad
+	$(PAIR_QUALITY) --task hotpotqa --samples 15 --out benchmarks/results/pair-quality-hotpotqa
+	$(PAIR_QUALITY) --task nq --samples 15 --out benchmarks/results/pair-quality-nq
+	$(PAIR_QUALITY) --task niah --length 8000 --samples 11 --out benchmarks/results/pair-quality-niah-8k
+	$(PAIR_QUALITY) --task longbench --length 4000 --samples 10 --out benchmarks/results/pair-quality-longbench
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_V2_VENV) *.egg-info .pytest_cache

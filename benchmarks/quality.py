@@ -298,14 +298,29 @@ def bootstrap_ratio_interval(values: list[float], references: list[float], seed:
     return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios))]
 
 
-def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
-    """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped)."""
+def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
+    """Records of an earlier run of the same study at ``out`` (``--resume``); a run with other settings is refused."""
+    path = Path(f"{out}.json")
+    if not args.resume or not path.is_file():
+        return []
+    earlier = json.loads(path.read_text())
+    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods", "max_new_tokens")
+    differing = [k for k in study if earlier["settings"].get(k) != vars(args).get(k)]
+    if differing:
+        raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out")
+    return earlier["records"]
+
+
+def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[dict] | None = None) -> dict:
+    """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped).
+    ``records``: an earlier run's, whose samples are not evaluated again."""
     engine = SpecPrefillEngine(main=args.main, draft=args.draft, dtype=args.dtype, min_prompt_tokens=0)
     samples = load_samples(args, engine.tokenizer)
     methods = make_methods(engine, args)
-    records = []
+    records = list(records or [])
+    done = {r["sample"] for r in records}
     for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
-        if args.only_samples and index not in args.only_samples:
+        if (args.only_samples and index not in args.only_samples) or index in done:
             continue
         layout = sample_layout(engine, sample)
         document_tokens = layout.n_document_tokens
@@ -454,6 +469,7 @@ def main() -> None:
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--only-samples", type=int, nargs="*", help="evaluate these sample indices only (re-checks)")
     options.add_argument("--out", type=Path)
+    options.add_argument("--resume", action="store_true", help="keep the samples an earlier run of this study saved at --out")
     args = options.parse_args()
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     if unknown:
@@ -461,7 +477,7 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
     out.parent.mkdir(parents=True, exist_ok=True)
     metrics = table_metrics(args.task, args.max_new_tokens)
-    final = run(args, lambda partial: write_tables(partial, out, metrics))
+    final = run(args, lambda partial: write_tables(partial, out, metrics), resumed_records(args, out))
     plot(final, metrics, Path(f"{out}.png"))
     print(markdown(final, metrics[0]))
 
