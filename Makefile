@@ -88,14 +88,14 @@ bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md 
 	$(BIN)/python benchmarks/ttft.py
 	$(BIN)/python benchmarks/ttft_lengths.py --lengths 1024 2048 4096 8192
 	$(BIN)/python benchmarks/ttft_lengths.py --main smollm2-135m --lengths 1024 2048 4096 8192
-	$(QUALITY) --task niah --length 1500 --samples 40
-	$(QUALITY) --task niah --length 4000 --samples 33 --keep-rates 0.1 0.3 --out benchmarks/results/quality-niah-4k
+	$(QUALITY) --task niah --length 1500 --samples 40 --out benchmarks/results/smollm2-quality-niah
+	$(QUALITY) --task niah --length 4000 --samples 33 --keep-rates 0.1 0.3 --out benchmarks/results/smollm2-quality-niah-4k
 	$(QUALITY) --task niah --length 8000 --samples 11 --keep-rates 0.1 0.3 --methods specprefill self-12-w16 contiguous longllmlingua \
-		--out benchmarks/results/quality-niah-8k
-	$(QUALITY) --task squad --samples 40
-	$(QUALITY) --task hotpotqa --samples 40
-	$(QUALITY) --task nq --samples 40
-	$(QUALITY) --task longbench --samples 20
+		--out benchmarks/results/smollm2-quality-niah-8k
+	$(QUALITY) --task squad --samples 40 --out benchmarks/results/smollm2-quality-squad
+	$(QUALITY) --task hotpotqa --samples 40 --out benchmarks/results/smollm2-quality-hotpotqa
+	$(QUALITY) --task nq --samples 40 --out benchmarks/results/smollm2-quality-nq
+	$(QUALITY) --task longbench --samples 20 --out benchmarks/results/smollm2-quality-longbench
 
 # The real pair (make models): quality of every method at keep 0.1 and 0.3, saved after every sample and
 # resumable (--resume). Many CPU hours on 2 cores; BENCHMARKS.md says what each run took.
