@@ -49,6 +49,11 @@ class SpecPrefillConfig(BaseModel):
     protect_tail_tokens: int = Field(
         64, ge=1, description="For raw prompts without roles: the last tokens that are always kept."
     )
+    tokenizer: str | None = Field(
+        None,
+        description="Main model on vLLM only: the served model's tokenizer (HF id, folder, .gguf or 'smollm2-135m'); "
+        "default the draft's. Needed for a draft of another vocabulary than the served model.",
+    )
     device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto' = float32 on CPU, bfloat16 on CUDA (float16 where the GPU lacks bfloat16)."

@@ -17,7 +17,7 @@ import torch
 from .config import GenerationParams
 from .detokenize import IncrementalText
 from .prompt import PromptLayout
-from .results import GenerationResult, SpecPrefillStats, StreamChunk
+from .results import DraftPath, GenerationResult, SpecPrefillStats, StreamChunk
 
 
 class Decoding:
@@ -30,15 +30,17 @@ class Decoding:
         kept: ``[K]`` sorted kept prompt indices.
         draft_ms: draft scoring time.
         started: ``time.perf_counter()`` when the request arrived (for ``ttft_ms``).
+        draft_path: which draft path scored the prompt (None: no draft ran).
 
     Create it right before asking the backend for tokens: that instant is the start of the main prefill.
     """
 
     def __init__(
         self, tokenizer: Any, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float,
-        started: float,
+        started: float, draft_path: DraftPath | None = None,
     ) -> None:
         self.layout = layout
+        self.draft_path = draft_path
         self.params = params
         self.kept = kept
         self.draft_ms = draft_ms
@@ -91,6 +93,7 @@ class Decoding:
             ttft_ms=(first_token_at - self.started) * 1000.0,
             completion_tokens=len(tokens),
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
+            draft_path=self.draft_path,
         )
 
 

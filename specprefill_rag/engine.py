@@ -24,9 +24,10 @@ from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfi
 from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
 from .errors import ContextLengthError, InvalidRequestError
-from .models import LoadedModel, check_same_vocabulary, model_lock, shared_model
+from .layout_scoring import DirectScoring, MappedScoring, draft_scoring
+from .models import LoadedModel, load_tokenizer, model_lock, shared_model
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
-from .results import GenerationResult, StreamChunk
+from .results import DraftPath, GenerationResult, StreamChunk
 from .selection import select_kept
 
 
@@ -50,6 +51,10 @@ class SpecPrefillEngine:
 
     def __init__(self, config: SpecPrefillConfig | None = None, **settings: Any) -> None:
         config = _make_config(config, settings)
+        if config.tokenizer is not None:
+            raise InvalidRequestError(
+                "tokenizer= names the tokenizer of a main model on vLLM; in-process the main model's own is used"
+            )
         main = shared_model(config.main, config.device, config.dtype)
         draft = None
         if not config.is_self_draft and config.draft != config.main:
@@ -74,13 +79,15 @@ class SpecPrefillEngine:
         tokenizer: Any,
         draft_model: Any | None = None,
         config: SpecPrefillConfig | None = None,
+        draft_tokenizer: Any | None = None,
         **settings: Any,
     ) -> SpecPrefillEngine:
         """An engine over models already loaded; ``draft_model=None`` means the main model drafts for
-        itself (whole, or its first n layers with ``draft='self:<n>'``)."""
+        itself (whole, or its first n layers with ``draft='self:<n>'``). ``draft_tokenizer``: the draft's
+        own, when it differs from the main model's (the mapped path); default ``tokenizer``."""
         engine = cls.__new__(cls)
         config = _make_config(config, settings)
-        draft = LoadedModel(draft_model, tokenizer, "draft") if draft_model is not None else None
+        draft = LoadedModel(draft_model, draft_tokenizer or tokenizer, "draft") if draft_model is not None else None
         engine._setup(config, LoadedModel(main_model, tokenizer, "main"), draft)
         return engine
 
@@ -92,21 +99,29 @@ class SpecPrefillEngine:
             if n_layers > available:
                 raise InvalidRequestError(f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})")
             scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, config.self_draft_window)
+            scoring: DirectScoring | MappedScoring = DirectScoring(scorer, main.context_length, 1, path="self")
         else:
-            if draft is not None:
-                check_same_vocabulary(main.tokenizer, draft.tokenizer)
-            draft_model = draft.model if draft is not None else main.model
-            scorer = ModelDraft(draft_model, config.look_ahead, config.pool_kernel, eos)
-        self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scorer, main)
+            drafting = draft if draft is not None else main
+            draft_eos = eos_token_ids(drafting.model, drafting.tokenizer)
+            scorer = ModelDraft(drafting.model, config.look_ahead, config.pool_kernel, draft_eos)
+            scoring = draft_scoring(scorer, drafting.tokenizer, main.tokenizer, config.look_ahead)
+        self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scoring, main)
 
     def _assemble(
-        self, config: SpecPrefillConfig, tokenizer: Any, backend: MainBackend, scorer: Any, main: LoadedModel | None
+        self, config: SpecPrefillConfig, tokenizer: Any, backend: MainBackend, scoring: DirectScoring | MappedScoring,
+        main: LoadedModel | None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.backend = backend
-        self.draft = scorer
+        self.draft_scoring = scoring
+        self.draft = scoring.draft  # scores token ids of its own vocabulary
         self.main = main  # None when the main model runs elsewhere (vLLM)
+
+    @property
+    def draft_path(self) -> DraftPath:
+        """How the draft scores: ``direct`` (main's vocabulary), ``mapped`` (its own) or ``self``."""
+        return self.draft_scoring.path
 
     @classmethod
     def for_vllm(
@@ -119,7 +134,9 @@ class SpecPrefillEngine:
     ) -> SpecPrefillEngine:
         """An engine whose main model runs on vLLM: ``server`` is the URL of an OpenAI-compatible vLLM
         server, or an in-process ``vllm.LLM``; both need this package installed next to vLLM (plugin).
-        The draft (``config.draft``) runs here and provides the tokenizer."""
+        The draft (``config.draft``) runs here. The main model's tokenizer is ``config.tokenizer`` (the
+        served model's name or folder), by default the draft's; the server's ``/tokenize`` checks it.
+        A draft of another vocabulary than that tokenizer scores through the mapped path."""
         from .backends.vllm import connect
 
         config = _make_config(config, settings)
@@ -127,11 +144,14 @@ class SpecPrefillEngine:
             raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
         backend = connect(server, timeout, on_missing_plugin)  # type: ignore[arg-type]
         draft = shared_model(config.draft, config.device, config.dtype)
-        eos = eos_token_ids(draft.model, draft.tokenizer)
-        backend.adopt_tokenizer(draft.tokenizer, eos)
+        draft_eos = eos_token_ids(draft.model, draft.tokenizer)
+        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else draft.tokenizer
+        main_eos = draft_eos if tokenizer is draft.tokenizer else eos_token_ids(None, tokenizer)
+        backend.adopt_tokenizer(tokenizer, main_eos)
         engine = cls.__new__(cls)
-        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, eos)
-        engine._assemble(config, draft.tokenizer, backend, scorer, None)
+        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos)
+        scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead)
+        engine._assemble(config, tokenizer, backend, scoring, None)
         return engine
 
     # -- prompts ---------------------------------------------------------------------------------
@@ -158,9 +178,7 @@ class SpecPrefillEngine:
         if whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0:
             return torch.arange(len(layout)), 0.0
         started = time.perf_counter()
-        device = next(self.draft.model.parameters()).device
-        with model_lock(self.draft.model):
-            importance = self.draft.score(layout.input_ids.to(device)).cpu()
+        importance = self.draft_scoring.importance(layout)
         draft_ms = _milliseconds(started)
         kept = select_kept(
             importance,
@@ -222,6 +240,10 @@ class SpecPrefillEngine:
         layout = self.text_layout(prompt, parse_special_tokens)
         return last_result(self._stream(layout, generation, keep_rate, started))
 
+    def _ran(self, draft_ms: float) -> DraftPath | None:
+        """The draft path for the stats: None when :meth:`select` ran no draft (it then reports 0 ms)."""
+        return self.draft_path if draft_ms > 0 else None
+
     def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         context = self.backend.context_length
         if prompt_tokens + max_new_tokens > context:
@@ -237,7 +259,7 @@ class SpecPrefillEngine:
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> Iterator[StreamChunk]:
         kept, draft_ms = self.select(layout, keep_rate)
-        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started)
+        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started, self._ran(draft_ms))
         generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, kept), params)
         try:
             for token in generated:
@@ -298,7 +320,7 @@ class SpecPrefillEngine:
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
         kept, draft_ms = await asyncio.to_thread(self.select, layout, keep_rate)
-        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started)
+        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started, self._ran(draft_ms))
         async with aclosing(self.backend.agenerate(SparsePrompt.kept(layout.input_ids, kept), params)) as generated:
             async for token in generated:
                 if chunk := decoding.push(token):

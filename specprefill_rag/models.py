@@ -213,11 +213,30 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     return LoadedModel(model.to(device).eval(), tokenizer, spec)
 
 
+def same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> bool:
+    """Whether both tokenizers map every token to the same id (the draft can then read the main ids)."""
+    return main_tokenizer is draft_tokenizer or main_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The fast tokenizer of a model spec (HF id, folder, .gguf or embedded name), without its weights:
+    the main model's tokenizer when the main model runs elsewhere (vLLM)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve(spec))
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {spec!r}: {error}. Pass the served model's HF id or a local folder "
+            "(this machine may have no access to the Hugging Face hub)"
+        ) from error
+
+
 def check_same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> None:
     """Raise :class:`TokenizerMismatchError` unless both tokenizers map every token to the same id."""
-    main_vocab, draft_vocab = main_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-    if main_vocab == draft_vocab:
+    if same_vocabulary(main_tokenizer, draft_tokenizer):
         return
+    main_vocab, draft_vocab = main_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     differing = sorted(set(main_vocab.items()) ^ set(draft_vocab.items()))[:3]
     raise TokenizerMismatchError(
         f"draft and main tokenizers differ ({len(main_vocab)} vs {len(draft_vocab)} tokens; e.g. {differing}); "

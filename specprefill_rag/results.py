@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 
 FinishReason = Literal["stop", "length"]
+DraftPath = Literal["direct", "mapped", "self"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class SpecPrefillStats:
         ttft_ms: request start to first token: layout, draft, selection and main prefill.
         completion_tokens: tokens generated.
         decode_tokens_per_s: generation speed after the first token (0 with fewer than 2 tokens).
+        draft_path: how the draft scored: ``direct`` (a draft of the main model's vocabulary reads its
+            ids), ``mapped`` (a draft of another vocabulary, through characters), ``self`` (the main
+            model's first layers); None when no draft ran (not compressed).
     """
 
     prompt_tokens: int
@@ -39,8 +43,9 @@ class SpecPrefillStats:
     ttft_ms: float
     completion_tokens: int
     decode_tokens_per_s: float
+    draft_path: DraftPath | None = None
 
-    def as_dict(self) -> dict[str, float | int | bool]:
+    def as_dict(self) -> dict[str, float | int | bool | str | None]:
         return asdict(self)
 
 

@@ -111,7 +111,7 @@ class VLLMOfflineBackend:
         return int(self.llm.llm_engine.model_config.max_model_len)
 
     def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
-        """Use the draft's end-of-sequence ids (the engine's vocabulary is the draft's)."""
+        """Use the end-of-sequence ids of the engine's tokenizer (the main model's)."""
         self.eos_ids = eos_ids
 
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
@@ -171,7 +171,7 @@ class VLLMServerBackend:
         return self._context_length
 
     def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
-        """Use the draft's end-of-sequence ids, after checking the server tokenizes as ``tokenizer`` does."""
+        """Use the main model's tokenizer's end-of-sequence ids, after checking the server tokenizes as it does."""
         check_server_tokenizer(self, tokenizer)
         self.eos_ids = eos_ids
 
@@ -290,6 +290,6 @@ def check_server_tokenizer(backend: VLLMServerBackend, tokenizer: Any, sample: s
         from ..errors import TokenizerMismatchError
 
         raise TokenizerMismatchError(
-            f"the server's model tokenizes differently from the local draft's tokenizer ({served.get('tokens')} vs "
-            f"{local}); use a draft of the served model's family"
+            f"the server's model tokenizes differently from the local tokenizer ({served.get('tokens')} vs {local}); "
+            "pass tokenizer= with the served model's HF id or folder (a draft of another vocabulary is then mapped)"
         )

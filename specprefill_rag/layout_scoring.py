@@ -1,0 +1,143 @@
+"""Draft importance of a main-model prompt layout, by one of three paths.
+
+``direct``  a separate draft of the main model's vocabulary reads the layout's token ids (the paper).
+``self``    the main model's own first layers read them (``draft='self'``).
+``mapped``  a draft of another vocabulary reads the same content rendered with its own tokenizer and
+            chat template (the layout's ``source``); its importance reaches the main tokens through
+            the documents' characters (:mod:`.token_mapping`). Chunks and the budget are then formed
+            on the main tokens as on the other paths.
+
+Every path refuses a prompt longer than the draft's context (:class:`DraftContextLengthError`)
+rather than scoring it with positions the draft was never trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
+from .models import model_lock, same_vocabulary
+from .prompt import PromptLayout
+from .prompt_sources import PromptSource
+from .results import DraftPath
+from .token_mapping import Reduce, map_importance
+
+# Measured on NIAH and SQuAD prompts, SmolLM2-135M drafting for the Qwen2.5 tokenizer (BENCHMARKS.md,
+# "Cross-tokenizer drafts"): see there for max against mean.
+DEFAULT_REDUCE: Reduce = "max"
+
+
+class TokenScorer(Protocol):
+    """A draft that scores token ids of its own vocabulary (:class:`~specprefill_rag.draft.ModelDraft`,
+    :class:`~specprefill_rag.draft.LayerPrefixDraft`)."""
+
+    model: Any
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[L]`` long ids -> ``[L]`` float32 importance."""
+        ...
+
+
+def score_tokens(draft: TokenScorer, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[L]`` importance on the CPU, the draft run on its own device under its model's lock."""
+    device = next(draft.model.parameters()).device
+    with model_lock(draft.model):
+        return draft.score(input_ids.to(device)).cpu()
+
+
+def check_draft_context(draft_tokens: int, look_ahead: int, context_length: int | None) -> None:
+    """Raise unless ``draft_tokens`` prompt tokens and ``look_ahead - 1`` decoded ones fit the draft."""
+    if context_length is not None and draft_tokens + look_ahead - 1 > context_length:
+        raise DraftContextLengthError(draft_tokens, look_ahead, context_length)
+
+
+@dataclass(frozen=True)
+class DirectScoring:
+    """The draft reads the layout's own token ids (``direct``, or ``self`` for the main model's layers).
+
+    Attributes:
+        draft: scores ids of the main model's vocabulary.
+        context_length: positions the draft supports (None: unchecked).
+        look_ahead: tokens the draft decodes after the prompt, the last prompt token included.
+    """
+
+    draft: TokenScorer
+    context_length: int | None
+    look_ahead: int
+    path: DraftPath = "direct"
+
+    def importance(self, layout: PromptLayout) -> torch.Tensor:
+        """``[L]`` float32 importance of the layout's tokens."""
+        check_draft_context(len(layout), self.look_ahead, self.context_length)
+        return score_tokens(self.draft, layout.input_ids)
+
+
+@dataclass(frozen=True)
+class MappedScoring:
+    """A draft of another vocabulary reads the layout's content rendered its own way (``mapped``).
+
+    Attributes:
+        draft: scores ids of the draft's vocabulary.
+        tokenizer: the draft's tokenizer (and chat template).
+        context_length: positions the draft supports (None: unchecked).
+        look_ahead: tokens the draft decodes after the prompt, the last prompt token included.
+        reduce: how a main token combines the draft tokens that overlap it (``max`` or ``mean``).
+    """
+
+    draft: TokenScorer
+    tokenizer: Any
+    context_length: int | None
+    look_ahead: int
+    reduce: Reduce = DEFAULT_REDUCE
+    path: DraftPath = "mapped"
+
+    def importance(self, layout: PromptLayout) -> torch.Tensor:
+        """``[L]`` float32 importance of the layout's tokens (0 outside documents)."""
+        draft_layout = self.draft_layout(layout)
+        check_draft_context(len(draft_layout), self.look_ahead, self.context_length)
+        scores = score_tokens(self.draft, draft_layout.input_ids)
+        _, draft_offsets, draft_spans = _characters(draft_layout)
+        _, main_offsets, main_spans = _characters(layout)
+        return map_importance(
+            scores, draft_offsets, draft_spans, main_offsets, layout.document_index, main_spans, self.reduce
+        )
+
+    def draft_layout(self, layout: PromptLayout) -> PromptLayout:
+        """The same content laid out for the draft; its documents' text must equal the main layout's."""
+        source, _, _ = _characters(layout)
+        draft_layout = source.render(self.tokenizer)
+        if _document_texts(draft_layout) != _document_texts(layout):
+            raise DraftScoringError(
+                "the draft's rendering of the prompt holds the documents' text differently from the main model's "
+                "(its chat template changes them); pass use_chat_template=False or pick a draft of the main "
+                "model's vocabulary"
+            )
+        return draft_layout
+
+
+def _characters(layout: PromptLayout) -> tuple[PromptSource, torch.Tensor, torch.Tensor]:
+    """``(source, [L, 2] token offsets, [S, 2] document spans)`` of a layout built from a source."""
+    source, offsets, spans = layout.source, layout.offsets, layout.document_spans
+    if source is None or offsets is None or spans is None:
+        raise InvalidRequestError(
+            "this layout has no source to render for the draft's tokenizer (it was built by hand); a draft of "
+            "another vocabulary needs layouts from engine.layout(), engine.text_layout() or chat_layout()"
+        )
+    return source, offsets, spans
+
+
+def _document_texts(layout: PromptLayout) -> list[str]:
+    return [layout.text[start:end] for start, end in _characters(layout)[2].tolist()]
+
+
+def draft_scoring(
+    draft: TokenScorer, draft_tokenizer: Any, main_tokenizer: Any, look_ahead: int, reduce: Reduce = DEFAULT_REDUCE
+) -> DirectScoring | MappedScoring:
+    """The direct path when the draft shares the main model's vocabulary, else the mapped one."""
+    context = getattr(draft.model.config, "max_position_embeddings", None)
+    if same_vocabulary(main_tokenizer, draft_tokenizer):
+        return DirectScoring(draft, context, look_ahead)
+    return MappedScoring(draft, draft_tokenizer, context, look_ahead, reduce)
