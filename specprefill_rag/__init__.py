@@ -7,6 +7,7 @@ from .config import GenerationParams, SpecPrefillConfig
 from .engine import SpecPrefillEngine
 from .errors import (
     ContextLengthError,
+    DraftContextLengthError,
     DraftScoringError,
     InvalidRequestError,
     ModelLoadError,
@@ -23,6 +24,7 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "ContextLengthError",
+    "DraftContextLengthError",
     "DraftScoringError",
     "Document",
     "GenerationParams",
