@@ -176,3 +176,16 @@ def test_failed_samples_are_left_out_of_the_rows_and_listed():
     row = {r["method"]: r for r in summarise(report, "contains")}["longllmlingua"]
     assert row["n"] == 2 and row["score"] == 0.0  # samples 0 and 2
     assert "longllmlingua at keep 0.1 on sample(s) 1: llmlingua: AssertionError." in markdown(report, "contains")
+
+
+def test_mapping_study_counts_the_document_characters_kept_tokens_cover(tokenizer):
+    from mapping import kept_characters
+
+    from specprefill_rag.prompt import build_rag_layout
+
+    layout = build_rag_layout(tokenizer, "When?", ["the quick brown fox", "Paris is the capital of France"])
+    documents = torch.nonzero(layout.document_index >= 0).flatten()
+    assert kept_characters(layout, torch.arange(len(layout))).all()
+    first_document = documents[layout.document_index[documents] == 0]
+    covered = kept_characters(layout, first_document)
+    assert covered.tolist() == [True] * len("the quick brown fox") + [False] * len("Paris is the capital of France")
