@@ -125,14 +125,14 @@ def main() -> None:
     scoring = MappedScoring(drafting, draft.tokenizer, context_length=None, look_ahead=8)
     samples = (tasks.niah(args.samples, draft.tokenizer, args.length, args.seed) if args.task == "niah"
                else tasks.squad(args.samples, args.documents, args.seed))
-    records = []
-    for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
-        records += [{"sample": index, **r} for r in evaluate_sample(scoring, main_tokenizer, sample, args)]
     out = args.out or tasks.ROOT / "benchmarks" / "results" / f"mapping-{args.task}"
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    Path(f"{out}.json").write_text(json.dumps({"settings": settings, "records": records}, indent=1))
-    Path(f"{out}.md").write_text(markdown(records) + "\n")
+    records = []
+    for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
+        records += [{"sample": index, **r} for r in evaluate_sample(scoring, main_tokenizer, sample, args)]
+        Path(f"{out}.json").write_text(json.dumps({"settings": settings, "records": records}, indent=1))
+        Path(f"{out}.md").write_text(markdown(records) + "\n")  # after every sample: a long run can be stopped
     print(markdown(records))
 
 

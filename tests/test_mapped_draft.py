@@ -164,3 +164,21 @@ def test_vllm_client_refuses_a_draft_tokenizer_the_server_does_not_use(served, d
         SpecPrefillEngine.for_vllm(served, draft=draft_dir, **SETTINGS)
     with pytest.raises(TokenizerMismatchError, match="tokenizes differently"):  # the named tokenizer is checked too
         SpecPrefillEngine.for_vllm(served, draft=str(tiny_model_dir), tokenizer=draft_dir, **SETTINGS)
+
+
+class FakeLLM:
+    """What ``VLLMOfflineBackend`` reads of an in-process ``vllm.LLM`` at engine start."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.llm_engine = type("Engine", (), {"model_config": type("Config", (), {"max_model_len": 1024})})()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+
+def test_in_process_vllm_checks_the_tokenizer_against_the_served_models(tokenizer, draft_dir, tiny_model_dir):
+    with pytest.raises(TokenizerMismatchError, match="vLLM model's tokenizer differs from the local one"):
+        SpecPrefillEngine.for_vllm(FakeLLM(tokenizer), draft=draft_dir, **SETTINGS)
+    engine = SpecPrefillEngine.for_vllm(FakeLLM(tokenizer), draft=draft_dir, tokenizer=str(tiny_model_dir), **SETTINGS)
+    assert engine.draft_path == "mapped" and engine.tokenizer.get_vocab() == tokenizer.get_vocab()

@@ -111,7 +111,16 @@ class VLLMOfflineBackend:
         return int(self.llm.llm_engine.model_config.max_model_len)
 
     def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
-        """Use the end-of-sequence ids of the engine's tokenizer (the main model's)."""
+        """Use the end-of-sequence ids of the engine's tokenizer, after checking it is the served model's
+        (skipped when the engine runs without a tokenizer)."""
+        served = self.llm.get_tokenizer() if hasattr(self.llm, "get_tokenizer") else None
+        if hasattr(served, "get_vocab") and served.get_vocab() != tokenizer.get_vocab():
+            from ..errors import TokenizerMismatchError
+
+            raise TokenizerMismatchError(
+                "the vLLM model's tokenizer differs from the local one; pass tokenizer= with the served model's HF "
+                "id or folder (a draft of another vocabulary is then mapped)"
+            )
         self.eos_ids = eos_ids
 
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
