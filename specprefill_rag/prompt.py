@@ -300,6 +300,8 @@ def _run_segments(
     for run in pseudo_document[~special].unique().tolist():
         members = offsets[(pseudo_document == run) & ~special]
         start, end = int(members[:, 0].min()), int(members[:, 1].max())
+        if end <= start:  # only zero-width tokens (added by the tokenizer): no text to render
+            continue
         segments.append(Segment(prompt[cursor:start], Role.TEMPLATE, scaffold=scaffold))
         segments.append(Segment(prompt[start:end], Role.DOCUMENT, run))
         cursor = end
