@@ -8,6 +8,9 @@ budget are formed (``specprefill_rag.token_mapping``). This study needs only the
   direct       the draft's selection on its own tokens (what the draft keeps with no mapping)
   mapped-max   mapped onto the main tokens, each taking the max of the draft tokens it overlaps
   mapped-mean  the same with the mean (weighted by shared characters)
+  projected    direct's kept characters carried onto the main tokens (each scores the share of its
+               characters direct kept), then selected at the same budget: the best any mapping can
+               agree with direct once chunks are formed on the main tokens (the ceiling)
   random       random chunks of main tokens at the same budget (the floor)
 
 Metrics: whether a gold answer string survives in the kept document text (normalised as SQuAD's),
@@ -35,9 +38,9 @@ from specprefill_rag.layout_scoring import MappedScoring, score_tokens
 from specprefill_rag.models import load_model, load_tokenizer
 from specprefill_rag.prompt import PromptLayout, build_rag_layout
 from specprefill_rag.selection import select_kept
-from specprefill_rag.token_mapping import content_index, map_importance, ranges
+from specprefill_rag.token_mapping import content_index, map_importance, ranges, token_scores
 
-METHODS = ["direct", "mapped-max", "mapped-mean", "random"]
+METHODS = ["direct", "projected", "mapped-max", "mapped-mean", "random"]
 
 
 def kept_metrics(layout: PromptLayout, tokenizer, kept: torch.Tensor, sample: dict) -> dict[str, float]:
@@ -72,14 +75,16 @@ def evaluate_sample(scoring: MappedScoring, main_tokenizer, sample: dict, args) 
            for reduce in ("max", "mean")},
         "random": (main, torch.rand(len(main), generator=torch.Generator().manual_seed(args.seed + len(main)))),
     }
+    main_content = content_index(main.document_spans, len(main.text))
     records = []
     for keep_rate in args.keep_rates:
-        reference = None
-        for method, (layout, values) in importance.items():  # direct first: the reference
+        direct = select_kept(scores, draft.document_index, keep_rate=keep_rate, chunk_size=32)
+        reference = kept_characters(draft, direct)
+        projected = token_scores(reference.float(), main.offsets, main.document_index, main_content, "mean")
+        for method, (layout, values) in {**importance, "projected": (main, projected)}.items():
             tokenizer = scoring.tokenizer if layout is draft else main_tokenizer
             kept = select_kept(values, layout.document_index, keep_rate=keep_rate, chunk_size=32)
             characters = kept_characters(layout, kept)
-            reference = characters if reference is None else reference
             agreement = float((characters & reference).sum()) / max(int((characters | reference).sum()), 1)
             records.append({"method": method, "keep_rate": keep_rate, "prompt_tokens": len(layout),
                             "agreement": agreement, **kept_metrics(layout, tokenizer, kept, sample)})
