@@ -223,8 +223,8 @@ def load_tokenizer(spec: str) -> Any:
     the main model's tokenizer when the main model runs elsewhere (vLLM)."""
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(resolve(spec))
+    try:  # a named or GGUF model: the conversion a default load makes (or made) holds the tokenizer
+        return AutoTokenizer.from_pretrained(resolve(spec, _dtype("auto", "cpu")))
     except OSError as error:
         raise ModelLoadError(
             f"cannot load the tokenizer of {spec!r}: {error}. Pass the served model's HF id or a local folder "
