@@ -179,7 +179,8 @@ def main() -> None:
     options.add_argument("--out", type=Path)
     args = options.parse_args()
     engine = load_engine(args)
-    compressor = None if args.no_longllmlingua else LongLLMLingua(resolve("smollm2-135m"))
+    dtype = engine.draft.model.dtype  # LongLLMLingua's compressor in the draft's dtype: the same cost per token
+    compressor = None if args.no_longllmlingua else LongLLMLingua(resolve("smollm2-135m", dtype), dtype)
     report = {"machine": machine(), "main": args.main, "draft": args.draft, "draft_path": engine.draft_path,
               "dtype": args.dtype, "keep_rate": args.keep_rate, "repeats": args.repeats,
               "results": [run_length(engine, compressor, length, args) for length in args.lengths]}
