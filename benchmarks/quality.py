@@ -38,7 +38,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -49,7 +49,10 @@ from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.chat import ChatMessage, chat_layout
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
 from specprefill_rag.detokenize import IncrementalText
+from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
+from specprefill_rag.layout_scoring import draft_scoring
+from specprefill_rag.models import shared_model
 from specprefill_rag.prompt import PromptLayout
 from specprefill_rag.selection import select_kept
 
@@ -144,15 +147,29 @@ def default_self_layers(model) -> int:
     return max(1, round(DEFAULT_SELF_LAYER_SHARE * model.config.num_hidden_layers))
 
 
+def extra_draft(engine: SpecPrefillEngine, spec: str, look_ahead: int = 8) -> Callable[[PromptLayout], torch.Tensor]:
+    """Importance from another draft model (``--extra-drafts``): direct when it shares the main model's
+    vocabulary, mapped through the documents' characters when not (e.g. SmolLM2-135M for a Qwen main)."""
+    draft = shared_model(spec, engine.config.device, engine.config.dtype)
+    scorer = ModelDraft(draft.model, look_ahead, 13, eos_token_ids(draft.model, draft.tokenizer))
+    return draft_scoring(scorer, draft.tokenizer, engine.tokenizer, look_ahead).importance
+
+
 def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[str, Callable]:
     """The methods named in ``args.methods``; each call takes (sample, layout, keep_rate)."""
     model = engine.main.model
+
+    def token_scorer(draft) -> Callable[[PromptLayout], torch.Tensor]:
+        return lambda layout: draft.score(layout.input_ids)
+
+    one_step = ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13)
     drafts = {
-        "specprefill": lambda: ModelDraft(engine.draft.model, look_ahead=8, pool_kernel=13, eos_token_ids=engine.backend.eos_ids),
-        "specprefill-la1": lambda: ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13),
-        "self": lambda: LayerPrefixDraft(model, default_self_layers(model), 13, 16),
-        **{self_name(n, w): (lambda n=n, w=w: LayerPrefixDraft(model, n, 13, w))
+        "specprefill": lambda: engine.draft_scoring.importance,  # direct or mapped, as the engine chose
+        "specprefill-la1": lambda: replace(engine.draft_scoring, draft=one_step, look_ahead=1).importance,
+        "self": lambda: token_scorer(LayerPrefixDraft(model, default_self_layers(model), 13, 16)),
+        **{self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, 13, w)))
            for n in args.self_layers for w in args.self_windows},
+        **{f"specprefill-{spec}": (lambda spec=spec: extra_draft(engine, spec)) for spec in args.extra_drafts},
     }
     drafts = {name: make() for name, make in drafts.items() if name in args.methods or
               (name == "specprefill" and "contiguous" in args.methods)}
@@ -161,7 +178,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
 
     def importance(name: str, layout: PromptLayout) -> torch.Tensor:
         if name not in scored or scored[name][0] is not layout:
-            scored[name] = (layout, drafts[name].score(layout.input_ids))
+            scored[name] = (layout, drafts[name](layout))
         return scored[name][1]
 
     def draft_method(name: str, renumber: bool = False) -> Callable:
@@ -457,6 +474,8 @@ def main() -> None:
     options.add_argument("--main", default="smollm2-135m", help="main model spec, e.g. qwen2.5-coder-1.5b")
     options.add_argument("--draft", default="smollm2-135m", help="draft of the specprefill methods, e.g. qwen2.5-coder-0.5b")
     options.add_argument("--compressor", help="LongLLMLingua's compressor model (default: the draft)")
+    options.add_argument("--extra-drafts", nargs="*", default=[], metavar="SPEC",
+                         help="more drafts, run as methods specprefill-<SPEC> (another vocabulary goes through the mapped path)")
     options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     options.add_argument("--samples", type=int, default=40)
     options.add_argument("--documents", type=int, default=5, help="squad, nq: passages per prompt")
@@ -472,6 +491,7 @@ def main() -> None:
     options.add_argument("--resume", action="store_true", help="keep the samples an earlier run of this study saved at --out")
     args = options.parse_args()
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
+    unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts}
     if unknown:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
