@@ -215,7 +215,8 @@ class SpecPrefillEngine:
         generation = GenerationParams(**params)
         return last_result(self._stream(self.text_layout(prompt), generation, keep_rate, started))
 
-    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise :class:`ContextLengthError` unless the prompt and the tokens to generate fit the main model."""
         context = self.backend.context_length
         if prompt_tokens + max_new_tokens > context:
             raise ContextLengthError(prompt_tokens, max_new_tokens, context)
@@ -223,7 +224,7 @@ class SpecPrefillEngine:
     def _stream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> Iterator[StreamChunk]:
-        self._check_length(len(layout), params.max_new_tokens)
+        self.check_length(len(layout), params.max_new_tokens)
         return self._decode(layout, params, keep_rate, started)
 
     def _decode(
@@ -284,13 +285,28 @@ class SpecPrefillEngine:
     def _astream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        self._check_length(len(layout), params.max_new_tokens)
+        self.check_length(len(layout), params.max_new_tokens)
         return self._adecode(layout, params, keep_rate, started)
 
     async def _adecode(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
         kept, draft_ms = await asyncio.to_thread(self.select, layout, keep_rate)
+        async with aclosing(self._astream_kept(layout, params, kept, draft_ms, started)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def astream_selected(
+        self, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float, started: float
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """:meth:`astream_layout` with the kept indices ``[K]`` (sorted) chosen elsewhere: the gateway scores
+        the drafts of concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival."""
+        self.check_length(len(layout), params.max_new_tokens)
+        return self._astream_kept(layout, params, kept, draft_ms, started)
+
+    async def _astream_kept(
+        self, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float, started: float
+    ) -> AsyncGenerator[StreamChunk, None]:
         decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started)
         async with aclosing(self.backend.agenerate(SparsePrompt.kept(layout.input_ids, kept), params)) as generated:
             async for token in generated:
