@@ -148,14 +148,19 @@ class SpecPrefillEngine:
 
     # -- selection -------------------------------------------------------------------------------
 
+    def compresses(self, layout: PromptLayout, keep_rate: float, max_document_tokens: int | None) -> bool:
+        """Whether this request is worth a draft: something to drop, a long enough prompt, a backend that
+        prefills sparse prompts."""
+        whole = keep_rate >= 1.0 and max_document_tokens is None
+        unsupported = not self.backend.supports_sparse_prefill
+        return not (whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0)
+
     def select(self, layout: PromptLayout, keep_rate: float | None = None) -> tuple[torch.Tensor, float]:
         """Sorted kept token indices ``[K]`` and the draft time in ms (0 when nothing is compressed)."""
         rate = self.config.keep_rate if keep_rate is None else keep_rate
         if not 0.0 < rate <= 1.0:
             raise InvalidRequestError(f"keep_rate must be in (0, 1], got {rate}")
-        whole = rate >= 1.0 and self.config.max_document_tokens is None
-        unsupported = not self.backend.supports_sparse_prefill
-        if whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0:
+        if not self.compresses(layout, rate, self.config.max_document_tokens):
             return torch.arange(len(layout)), 0.0
         started = time.perf_counter()
         device = next(self.draft.model.parameters()).device
