@@ -32,7 +32,7 @@ class SpecPrefillOptions(_Strict):
     keep_rate: float | None = Field(None, gt=0.0, le=1.0, description="Share of document tokens kept.")
     max_document_tokens: int | None = Field(None, ge=0, description="Cap on kept document tokens.")
     documents: list[Union[str, DocumentOption]] | None = Field(
-        None, description="The retrieved documents: located verbatim in the messages, else inserted before the "
+        None, min_length=1, description="The retrieved documents: located verbatim in the messages, else inserted before the "
         "last user message's text. Without them, documents come from document content parts or the fallback rule.",
     )
     question: str | None = Field(None, description="The question when it is not simply the last user message.")
@@ -154,11 +154,19 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
+def _is_branch_label(part: object) -> bool:
+    """pydantic names the union member it tried in an error's location (``str``, ``list[...]``...)."""
+    text = str(part)
+    return text in ("str", "int", "float", "bool", "none") or "[" in text or text.startswith("function-") \
+        or text[:1].isupper()
+
+
 def first_problem(error: ValidationError) -> tuple[str, str]:
-    """The first validation problem as (field path, message), e.g. ``("spec_prefill.keep_rate", ...)``."""
-    problem = error.errors()[0]
-    location = [str(part) for part in problem["loc"] if not str(part).startswith(("function-", "tagged-union"))]
-    field = ".".join(location) or "body"
+    """The most specific validation problem as (field path, message), e.g. ``("spec_prefill.keep_rate", ...)``.
+
+    A value no member of a union accepts fails once per member; the deepest failure says the most."""
+    problem = max(error.errors(), key=lambda e: len(e["loc"]))
+    field = ".".join(str(part) for part in problem["loc"] if not _is_branch_label(part)) or "body"
     if problem["type"] == "extra_forbidden":
         return field, f"unsupported field '{field}': the SpecPrefill gateway does not support it; remove it"
     if problem["type"] == "missing":
