@@ -19,12 +19,24 @@ def tiny_engine(tokenizer, main, draft) -> SpecPrefillEngine:
     return SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=0.3, min_prompt_tokens=0, look_ahead=2)
 
 
+_APPS = {}
+
+
 @contextmanager
 def running_gateway(engine, **settings):
     """A gateway over ``engine`` on 127.0.0.1; yields its base URL."""
     app = create_app(GatewaySettings(**{**SETTINGS, **settings}), engine)
     with BackgroundServer(app) as url:
-        yield url
+        _APPS[url] = app
+        try:
+            yield url
+        finally:
+            del _APPS[url]
+
+
+def gateway_of(url):
+    """The Gateway object behind a gateway :func:`running_gateway` runs in this process."""
+    return _APPS[url].state.gateway
 
 
 def reference_text(engine, documents, max_tokens=8, question=QUESTION, keep_rate=None) -> str:

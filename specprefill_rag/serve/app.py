@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -248,5 +249,6 @@ async def _events(gateway: Gateway, plan: Plan, stream: RequestStream, first: An
         yield sse(failure.body())
         yield sse("[DONE]")
     finally:
-        await stream.close()
         gateway.metrics.finished(endpoint, outcome, stats if outcome == "ok" else None)
+        with anyio.CancelScope(shield=True):  # Starlette cancels this task when the client disconnects
+            await stream.close()

@@ -39,7 +39,7 @@ class Scored:
     draft_ms: float
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a job is found in the queue by itself, never by comparing tensors
 class _Job:
     input_ids: torch.Tensor
     future: asyncio.Future[Scored]

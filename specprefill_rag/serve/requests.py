@@ -42,12 +42,13 @@ class RequestStream:
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         self._watch = asyncio.ensure_future(_disconnect(request))
+        self._step: asyncio.Future[Answer] | None = None
         self._started = False
 
     async def next(self) -> Answer | None:
         """The next answer chunk, or None at the end. Raises :class:`ClientGone`, a 504
         :class:`GatewayError` past the deadline, or the request's own error."""
-        step = asyncio.ensure_future(self._answers.__anext__())
+        step = self._step = asyncio.ensure_future(self._answers.__anext__())
         remaining = max(self._deadline - time.monotonic(), 0.0)
         done, _ = await asyncio.wait({step, self._watch}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         if step in done:
@@ -65,7 +66,10 @@ class RequestStream:
         raise deadline_exceeded(self._timeout_s, phase)
 
     async def close(self) -> None:
-        """Stop watching and end the answer stream (closes the main model's request)."""
-        self._watch.cancel()
-        await asyncio.gather(self._watch, return_exceptions=True)
+        """Stop watching and end the answer stream (closes the main model's request). Call it shielded
+        from cancellation: it runs when the response task is being cancelled (client gone)."""
+        pending = [task for task in (self._watch, self._step) if task is not None and not task.done()]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await self._answers.aclose()
