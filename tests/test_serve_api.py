@@ -114,6 +114,7 @@ def test_text_completion_locates_documents_in_the_prompt(client, engine):
         ({"spec_prefill": {"documents": []}}, "spec_prefill.documents", "at least 1 item"),
         ({"messages": [{"role": "assistant", "content": "Hi"}]}, "messages", "end with one"),
         ({"stop": [""]}, "stop", "non-empty"),
+        ({"max_tokens": 5000}, "max_tokens", "exceeds the main model's context of 1024"),
     ],
 )
 def test_bad_requests_get_a_400_naming_the_field(client, extra, field, says):
@@ -154,3 +155,19 @@ def test_api_key_is_required_on_v1_but_not_on_health(engine):
         assert httpx.get(url + "/health", timeout=10).status_code == 200
         keyed = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0, timeout=30)
         assert ask(keyed).choices[0].message.content
+
+
+def test_an_open_gateway_on_a_public_address_warns_at_start(engine, caplog):
+    from fastapi.testclient import TestClient
+
+    from specprefill_rag.serve import GatewaySettings, create_app
+
+    with caplog.at_level("WARNING", logger="specprefill_rag.serve"):
+        with TestClient(create_app(GatewaySettings(host="0.0.0.0", served_model_name=MODEL), engine)) as local:
+            assert local.get("/health").status_code == 200
+    assert "no --api-key" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specprefill_rag.serve"):
+        with TestClient(create_app(GatewaySettings(host="127.0.0.1", served_model_name=MODEL), engine)):
+            pass
+    assert "no --api-key" not in caplog.text

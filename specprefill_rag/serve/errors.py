@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..backends.vllm import VLLMServerError, VLLMServerTimeout
-from ..errors import InvalidRequestError, SpecPrefillError
+from ..errors import ContextLengthError, InvalidRequestError, SpecPrefillError
 
 OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "queue_full", "draft_failed", "upstream_error",
             "timeout", "disconnected", "error")
@@ -71,6 +71,9 @@ def as_gateway_error(error: BaseException, main_is_remote: bool) -> GatewayError
         return GatewayError(504, f"the main model server timed out: {error}", "GatewayTimeoutError", "timeout")
     if isinstance(error, VLLMServerError):
         return GatewayError(502, f"the main model server failed: {error}", "BadGatewayError", "upstream_error")
+    if isinstance(error, ContextLengthError):
+        too_long = error.prompt_tokens > error.context_length
+        return bad_request(str(error), "messages" if too_long else "max_tokens")
     if isinstance(error, InvalidRequestError):
         return bad_request(str(error))
     if main_is_remote and not isinstance(error, SpecPrefillError):
