@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve-load.json")
     parser.add_argument("--quick", action="store_true", help="1 and 4 streams, 8 requests, 30 for RSS")
     parser.add_argument("--draft-only", action="store_true", help="only the draft batching comparison")
+    parser.add_argument("--draft-prompts", type=int, default=0, help="prompts in the batching comparison (2 x largest batch)")
     args = parser.parse_args(argv)
     if args.quick:
         args.streams, args.requests, args.overhead_requests, args.rss_requests = [1, 4], 8, 4, 30
@@ -175,12 +176,12 @@ def draft_batching(args: argparse.Namespace) -> list[dict]:
 
     loaded = shared_model(args.draft, args.device)
     draft = ModelDraft(loaded.model, 8, 13, eos_token_ids(loaded.model, loaded.tokenizer))
-    count = 2 * max(args.batch_sizes)
+    count = args.draft_prompts or 2 * max(args.batch_sizes)
     prompts = [chat_layout(loaded.tokenizer, [ChatMessage("user", [QUESTION])], documents_for(i, args.words))
                .layout.input_ids.to(args.device) for i in range(count)]
     times: dict[int, list[float]] = {size: [] for size in args.batch_sizes}
     draft.score_batch(prompts[:1])  # warm-up
-    for _ in range(3):
+    for repeat in range(3):
         for size in args.batch_sizes:
             started = time.perf_counter()
             for first in range(0, count, size):
@@ -188,6 +189,7 @@ def draft_batching(args: argparse.Namespace) -> list[dict]:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             times[size].append((time.perf_counter() - started) * 1000 / count)
+            print(f"  repeat {repeat}: batch {size}: {times[size][-1]:.0f} ms per prompt", flush=True)
     tokens = statistics.mean(p.numel() for p in prompts)
     return [{"batch_size": size, "prompts": count, "mean_prompt_tokens": tokens, "ms_per_prompt_median":
              statistics.median(t), "ms_per_prompt_min": min(t), "ms_per_prompt_max": max(t)} for size, t in times.items()]

@@ -9,11 +9,13 @@ the last one with the gateway's stats.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 from .config import GenerationParams
 from .errors import InvalidRequestError, SpecPrefillError
@@ -51,6 +53,12 @@ def gateway_card(base_url: str, timeout: float, api_key: str | None = None) -> d
         raise GatewayClientError(f"{base_url}/v1/models is not an OpenAI model list ({response.status_code})") from None
     marker = card.get("spec_prefill") if isinstance(card, dict) else None
     return card if isinstance(marker, dict) and marker.get("gateway") is True else None
+
+
+def api_key_from_environment() -> SecretStr | None:
+    """``$SPECPREFILL_API_KEY``, the default API key of the adapters' gateway backend."""
+    key = os.environ.get("SPECPREFILL_API_KEY")
+    return SecretStr(key) if key else None
 
 
 def _headers(api_key: str | None) -> dict[str, str]:

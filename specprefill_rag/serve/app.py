@@ -41,7 +41,8 @@ def build_engine(settings: GatewaySettings) -> SpecPrefillEngine:
     """The engine the settings describe: a vLLM server's client, or the main model in-process."""
     config = settings.engine_config()
     if settings.main_is_remote:
-        return SpecPrefillEngine.for_vllm(settings.main, config, settings.on_missing_plugin, settings.upstream_timeout_s)
+        timeout = settings.upstream_timeout_s
+        return SpecPrefillEngine.for_vllm(settings.main, config, settings.on_missing_plugin, timeout)
     return SpecPrefillEngine(config)
 
 
@@ -102,7 +103,8 @@ def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, serv
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         _authorize(settings, request)
-        gateway_card = {"gateway": True, "version": __version__, "draft": settings.draft, "keep_rate": settings.keep_rate}
+        gateway_card = {"gateway": True, "version": __version__, "draft": settings.draft,
+                        "keep_rate": settings.keep_rate}
         card = {"id": served, "object": "model", "created": int(time.time()), "owned_by": "specprefill-rag",
                 "root": settings.main, "max_model_len": engine.backend.context_length, "spec_prefill": gateway_card}
         return {"object": "list", "data": [card]}

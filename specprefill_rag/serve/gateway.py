@@ -101,8 +101,9 @@ class Gateway:
 
     async def _select(self, plan: Plan) -> Selection:
         layout, options = plan.layout.layout, plan.options
-        rate = options.keep_rate if options.keep_rate is not None else self.settings.keep_rate
-        cap = options.max_document_tokens if options.max_document_tokens is not None else self.settings.max_document_tokens
+        defaults = self.settings
+        rate = options.keep_rate if options.keep_rate is not None else defaults.keep_rate
+        cap = options.max_document_tokens if options.max_document_tokens is not None else defaults.max_document_tokens
         whole = torch.arange(len(layout))
         if not options.enabled or not self.engine.compresses(layout, rate, cap):
             return Selection(whole)

@@ -32,8 +32,9 @@ class SpecPrefillOptions(_Strict):
     keep_rate: float | None = Field(None, gt=0.0, le=1.0, description="Share of document tokens kept.")
     max_document_tokens: int | None = Field(None, ge=0, description="Cap on kept document tokens.")
     documents: list[Union[str, DocumentOption]] | None = Field(
-        None, min_length=1, description="The retrieved documents: located verbatim in the messages, else inserted before the "
-        "last user message's text. Without them, documents come from document content parts or the fallback rule.",
+        None, min_length=1,
+        description="The retrieved documents: located verbatim in the messages, else inserted before the last user "
+        "message's text. Without them, documents come from document content parts or the fallback rule.",
     )
     question: str | None = Field(None, description="The question when it is not simply the last user message.")
     insert_documents: bool = Field(

@@ -57,7 +57,9 @@ class BackgroundServer:
             time.sleep(0.02)
         return self.url
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
         self._socket.close()

@@ -45,7 +45,8 @@ class LocalSession:
         self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]
     ) -> AsyncIterator[Reply]:
         layout = self._layout(messages, options)
-        async with aclosing(self.settings.engine.astream_layout(layout.layout, params, options.get("keep_rate"))) as chunks:
+        chunks = self.settings.engine.astream_layout(layout.layout, params, options.get("keep_rate"))
+        async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk, {"document_source": layout.document_source}
 

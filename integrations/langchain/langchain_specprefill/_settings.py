@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +9,7 @@ from langchain_core.messages import BaseMessage
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, SpecPrefillConfig, adapter_config
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.gateway_client import GatewayClient, gateway_card
+from specprefill_rag.gateway_client import GatewayClient, api_key_from_environment, gateway_card
 from specprefill_rag.results import GenerationResult
 
 from langchain_specprefill._sessions import GatewaySession, LocalSession, Reply
@@ -33,7 +32,7 @@ class SpecPrefillSettings(BaseModel):
     )
     timeout: float = Field(60.0, description="Seconds to wait for a server (connect and each read).")
     api_key: SecretStr | None = Field(
-        default_factory=lambda: SecretStr(os.environ["SPECPREFILL_API_KEY"]) if os.environ.get("SPECPREFILL_API_KEY") else None,
+        default_factory=api_key_from_environment,
         description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
     keep_rate: float = Field(0.3, description="Fraction of document tokens the main model prefills, in (0, 1].")

@@ -65,7 +65,9 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         """Token ids from the main model's own tokenizer (the gateway's, through a gateway)."""
         return self.session.token_ids(text)
 
-    def _chunks(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[ChatGenerationChunk]:
+    def _chunks(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> Iterator[ChatGenerationChunk]:
         for chunk, extras in self._replies(messages, stop, kwargs):
             yield self._chunk(chunk, extras)
 

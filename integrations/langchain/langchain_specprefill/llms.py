@@ -37,7 +37,9 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         for chunk, extras in self._replies([HumanMessage(prompt)], stop, kwargs):
             yield self._chunk(chunk, extras)
 
-    async def _achunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> AsyncIterator[GenerationChunk]:
+    async def _achunks(
+        self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> AsyncIterator[GenerationChunk]:
         """:meth:`_chunks` on the event loop (the engine's native async path, or the gateway's)."""
         async with aclosing(self._areplies([HumanMessage(prompt)], stop, kwargs)) as replies:
             async for chunk, extras in replies:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import aclosing
-import os
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +40,7 @@ from llama_index.core.schema import MetadataMode
 from pydantic import SecretStr
 from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, SpecPrefillConfig, adapter_config
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.gateway_client import GatewayClient, gateway_card
+from specprefill_rag.gateway_client import GatewayClient, api_key_from_environment, gateway_card
 from specprefill_rag.results import StreamChunk
 
 from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Reply, Request
@@ -146,7 +145,7 @@ class SpecPrefillLLM(CustomLLM):
     )
     timeout: float = Field(default=60.0, description="Seconds to wait for a server.")
     api_key: SecretStr | None = Field(
-        default_factory=lambda: SecretStr(os.environ["SPECPREFILL_API_KEY"]) if os.environ.get("SPECPREFILL_API_KEY") else None,
+        default_factory=api_key_from_environment,
         description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
     keep_rate: float = Field(default=0.3, description="Fraction of context tokens prefilled, in (0, 1].")
