@@ -45,12 +45,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rss-requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve-load.json")
     parser.add_argument("--quick", action="store_true", help="1 and 4 streams, 8 requests, 30 for RSS")
+    parser.add_argument("--tiny", action="store_true",
+                        help="main and draft = a tiny random Llama saved to a temporary folder: the model work is "
+                        "near zero, so what is left is the gateway's own cost (answers are meaningless)")
     parser.add_argument("--draft-only", action="store_true", help="only the draft batching comparison")
     parser.add_argument("--draft-prompts", type=int, default=0, help="prompts in the batching comparison (2 x largest batch)")
     args = parser.parse_args(argv)
+    if args.tiny:
+        args.main = args.draft = tiny_model_folder()
     if args.quick:
         args.streams, args.requests, args.overhead_requests, args.rss_requests = [1, 4], 8, 4, 30
     return args
+
+
+def tiny_model_folder() -> str:
+    """The test suite's tiny random Llama (2 layers, hidden 64) and tokenizer, saved as a model folder."""
+    import tempfile
+
+    from specprefill_rag.testing import build_model, build_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="specprefill-tiny-"))
+    tokenizer = build_tokenizer()
+    build_model(tokenizer, max_positions=4096).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
 
 
 def documents_for(index: int, words: int) -> list[str]:
@@ -123,30 +141,40 @@ async def load_level(url: str, args: argparse.Namespace, streams: int, offset: i
 
 
 def overhead(url: str, args: argparse.Namespace) -> dict:
-    """The gateway's time per request beyond the same work in-process: sequential, interleaved requests
-    (non-streamed); the engine is built here with the gateway's settings."""
+    """The gateway's time per request beyond the same work in-process, blocking (``generate_layout``) and
+    on an event loop (``agenerate_layout``, the path the gateway takes): sequential non-streamed requests,
+    the three interleaved; the engine is built here with the gateway's settings."""
     from specprefill_rag import GenerationParams, SpecPrefillEngine
     from specprefill_rag.chat import ChatMessage, chat_layout
 
     engine = SpecPrefillEngine(main=args.main, draft=args.draft, device=args.device, min_prompt_tokens=0)
     params = GenerationParams(max_new_tokens=args.max_tokens)
-    gateway_ms, engine_ms = [], []
+    times: dict[str, list[float]] = {"gateway": [], "engine": [], "engine_async": []}
+
+    def layout(payload: dict):
+        documents = payload["spec_prefill"]["documents"]
+        return chat_layout(engine.tokenizer, [ChatMessage("user", [QUESTION])], documents).layout
+
+    def timed(name: str, work, keep: bool) -> None:
+        started = time.perf_counter()
+        work()
+        if keep:
+            times[name].append((time.perf_counter() - started) * 1000)
+
     with httpx.Client(timeout=600) as client:
-        for index in range(args.overhead_requests + 1):  # the first of each is a warm-up
+        for index in range(args.overhead_requests + 1):  # the first round is a warm-up
             payload = body(10_000 + index, args, stream=False)
-            started = time.perf_counter()
-            client.post(url + "/v1/chat/completions", json=payload).raise_for_status()
-            gateway = (time.perf_counter() - started) * 1000
-            started = time.perf_counter()
-            layout = chat_layout(engine.tokenizer, [ChatMessage("user", [QUESTION])], payload["spec_prefill"]["documents"])
-            engine.generate_layout(layout.layout, params)
-            if index:
-                gateway_ms.append(gateway)
-                engine_ms.append((time.perf_counter() - started) * 1000)
-    differences = [g - e for g, e in zip(gateway_ms, engine_ms)]
-    return {"requests": len(differences), "gateway_ms_median": statistics.median(gateway_ms),
-            "engine_ms_median": statistics.median(engine_ms), "overhead_ms_median": statistics.median(differences),
-            "overhead_ms_min": min(differences), "overhead_ms_max": max(differences)}
+            timed("gateway", lambda: client.post(url + "/v1/chat/completions", json=payload).raise_for_status(), index > 0)
+            timed("engine", lambda: engine.generate_layout(layout(payload), params), index > 0)
+            timed("engine_async", lambda: asyncio.run(engine.agenerate_layout(layout(payload), params)), index > 0)
+    result = {"requests": args.overhead_requests}
+    for name, values in times.items():
+        result[f"{name}_ms_median"] = statistics.median(values)
+    for name in ("engine", "engine_async"):
+        differences = [g - e for g, e in zip(times["gateway"], times[name])]
+        result[f"overhead_vs_{name}_ms"] = {"median": statistics.median(differences), "min": min(differences),
+                                            "max": max(differences)}
+    return result
 
 
 def resident_memory(url: str, pid: int, args: argparse.Namespace) -> dict:
@@ -237,8 +265,10 @@ def main(argv: list[str] | None = None) -> None:
             print(f"batch {run['draft_batch_size']}: {level['streams']:>3} streams  {level['requests_per_s']:.2f} req/s  "
                   f"TTFT p50 {level['ttft_p50_ms']:.0f} ms  p99 {level['ttft_p99_ms']:.0f} ms")
     extras = report["runs"][-1]
-    print(f"overhead: median {extras['overhead']['overhead_ms_median']:.1f} ms per request "
-          f"(gateway {extras['overhead']['gateway_ms_median']:.0f} ms, engine {extras['overhead']['engine_ms_median']:.0f} ms)")
+    cost = extras["overhead"]
+    print(f"overhead per request: {cost['overhead_vs_engine_ms']['median']:.1f} ms against the blocking engine, "
+          f"{cost['overhead_vs_engine_async_ms']['median']:.1f} ms against its async path (gateway "
+          f"{cost['gateway_ms_median']:.0f} ms, engine {cost['engine_ms_median']:.0f} / {cost['engine_async_ms_median']:.0f} ms)")
     print(f"RSS: {[round(s['rss_mb']) for s in extras['rss']['samples']]} MB")
     print(f"wrote {args.out}")
 

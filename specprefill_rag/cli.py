@@ -74,7 +74,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
                        help="a failed draft: send the request whole (default) or answer 500")
     serve.add_argument("--on-missing-plugin", dest="on_missing_plugin", choices=["error", "full_prompt"])
     serve.add_argument("--queue-size", dest="queue_size", type=int, help="requests waiting at most (more: 429)")
-    serve.add_argument("--draft-batch-size", dest="draft_batch_size", type=int, help="prompts per draft forward")
+    serve.add_argument("--draft-batch-size", dest="draft_batch_size", type=int,
+                       help="prompts per draft forward (default: 1 on CPU, 8 on a GPU)")
     serve.add_argument("--draft-batch-tokens", dest="draft_batch_tokens", type=int, help="rows x longest prompt cap")
     serve.add_argument("--batch-window-ms", dest="batch_window_ms", type=float, help="wait for more requests to batch")
     serve.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="deadline of a request, s")

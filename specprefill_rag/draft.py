@@ -159,6 +159,8 @@ class ModelDraft:
     def score_batch(self, prompts: list[torch.Tensor]) -> list[torch.Tensor | DraftScoringError]:
         """Several ``[L_i]`` prompts in one batched forward (:mod:`specprefill_rag.batch_draft`); per prompt
         its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error."""
+        if len(prompts) == 1:  # alone: the unpadded path (no explicit mask, so SDPA's causal kernel)
+            return [_score_or_error(self.score, prompts[0])]
         from .batch_draft import score_model_batch
 
         return score_model_batch(self, prompts)

@@ -67,3 +67,11 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
 def test_serve_reports_bad_settings_without_traceback(capsys):
     assert main(["serve", "--keep-rate", "0", "--port", "1"]) == 2
     assert "keep_rate" in capsys.readouterr().err
+
+
+def test_draft_batch_size_defaults_to_the_measured_choice_per_device():
+    from specprefill_rag.serve.settings import GatewaySettings
+
+    assert GatewaySettings(device="cpu").resolved_draft_batch_size() == 1
+    assert GatewaySettings(device="cuda:1").resolved_draft_batch_size() == 8
+    assert GatewaySettings(device="cpu", draft_batch_size=3).resolved_draft_batch_size() == 3

@@ -76,7 +76,7 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, engine: SpecPrefillEngine) -> None:
         self.settings = settings
         self.engine = engine
-        self.queue = DraftQueue(self._score_batch, settings.queue_size, settings.draft_batch_size,
+        self.queue = DraftQueue(self._score_batch, settings.queue_size, settings.resolved_draft_batch_size(),
                                 settings.draft_batch_tokens, settings.batch_window_ms / 1000.0)
         self.metrics = GatewayMetrics(lambda: self.queue.depth)
         self.queue.on_batch = self.metrics.batch

@@ -9,9 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from ..config import DEFAULT_MODEL, SpecPrefillConfig
 
-# Measured on the project's 2-core CPU (BENCHMARKS.md, "Gateway"): see there before changing it. On a
-# GPU a batch of drafts costs little more than one, so raise it there (--draft-batch-size 8).
-DEFAULT_DRAFT_BATCH_SIZE = 4
+# Prompts per batched draft forward when --draft-batch-size is not given. CPU: 1, measured (BENCHMARKS.md,
+# "Gateway"): batching 4 SmolLM2-135M drafts saves 16% at 284 tokens but costs 9% at 1,012, and
+# prompts under min_prompt_tokens (1,024) are never drafted. GPU: 8, as a batch of short forwards
+# normally costs little more than one there (not measured yet: no GPU lent).
+DEFAULT_DRAFT_BATCH_SIZE = {"cpu": 1, "cuda": 8}
 
 
 class GatewaySettings(BaseModel):
@@ -43,7 +45,9 @@ class GatewaySettings(BaseModel):
         "error", description="A vLLM main without the plugin: refuse to start, or send every prompt whole."
     )
     queue_size: int = Field(256, ge=1, description="Requests waiting for the draft at most; more get 429.")
-    draft_batch_size: int = Field(DEFAULT_DRAFT_BATCH_SIZE, ge=1, description="Prompts per batched draft forward.")
+    draft_batch_size: int | None = Field(
+        None, ge=1, description="Prompts per batched draft forward; None: 1 on CPU, 8 on a GPU (see above)."
+    )
     draft_batch_tokens: int = Field(
         32768, ge=1, description="Cap on batch rows x longest prompt in one draft forward (padding memory)."
     )
@@ -71,6 +75,12 @@ class GatewaySettings(BaseModel):
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_draft_batch_size(self) -> int:
+        """``draft_batch_size``, or the default for the draft's device."""
+        if self.draft_batch_size is not None:
+            return self.draft_batch_size
+        return DEFAULT_DRAFT_BATCH_SIZE["cuda" if self.resolved_device().startswith("cuda") else "cpu"]
 
     def engine_config(self) -> SpecPrefillConfig:
         """The core engine's config (draft, budget and scoring settings)."""
