@@ -242,22 +242,26 @@ class VLLMServerBackend:
 
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
         self._check_prompt(prompt)
+        done = False
         with self._open("POST", "/v1/completions", self._body(prompt, params)) as response:
             try:
                 for line in response:
                     tokens, ended = sse_tokens(line, self.eos_ids)
                     yield from tokens
-                    if ended or _is_done(line):
+                    if ended:
                         return
+                    done = done or _is_done(line)  # read on to the end of the body: the connection is reused
             except OSError as error:  # a read timed out or the connection dropped mid-stream
                 raise _unreachable(self.base_url, self.timeout, error) from None
-        raise _truncated(self.base_url)
+        if not done:
+            raise _truncated(self.base_url)
 
     async def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
         """:meth:`generate` on the event loop (``httpx``): same request, tokens, errors and early close;
         closing this generator closes the HTTP response."""
         self._check_prompt(prompt)
         url = self.base_url + "/v1/completions"
+        done = False
         try:
             async with self._async_client().stream("POST", url, json=self._body(prompt, params)) as response:
                 if response.status_code >= 400:
@@ -267,11 +271,13 @@ class VLLMServerBackend:
                     tokens, ended = sse_tokens(line, self.eos_ids)
                     for token in tokens:
                         yield token
-                    if ended or _is_done(line):
+                    if ended:
                         return
+                    done = done or _is_done(line)  # read on to the end of the body: the connection is reused
         except httpx.TransportError as error:
             raise _unreachable(self.base_url, self.timeout, error) from None
-        raise _truncated(self.base_url)
+        if not done:
+            raise _truncated(self.base_url)
 
     def _async_client(self) -> httpx.AsyncClient:
         """One pooled client per event loop: requests on a loop reuse its connections (no new TCP or TLS
