@@ -8,6 +8,7 @@ need ``Authorization: Bearer <key>`` (compared in constant time); ``/health`` an
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -29,7 +30,7 @@ from ..errors import InvalidRequestError
 from .errors import GatewayError, as_gateway_error, bad_request
 from .gateway import Answer, Gateway, Plan
 from .layouts import chat_request_layout, completion_request_layout
-from .requests import ClientGone, RequestStream
+from .request_stream import ClientGone, RequestStream
 from .responses import CHAT, TEXT, ApiFormat, ResponseWriter, sse
 from .schema import ChatCompletionRequest, CompletionRequest, first_problem
 from .settings import GatewaySettings
@@ -162,7 +163,7 @@ async def _plan(gateway: Gateway, request: Request, schema: type[BaseModel],
         raise GatewayError(404, f"The model `{body.model}` does not exist; this gateway serves `{served}`",
                            "NotFoundError", "not_found", "model")
     try:
-        layout = make_layout(body)
+        layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
     except InvalidRequestError as error:
         raise bad_request(str(error), "messages" if hasattr(body, "messages") else "prompt") from None
     limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
