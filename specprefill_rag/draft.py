@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import DraftScoringError
 from .importance import ImportanceAccumulator, query_importance
 
 _capture_ids = itertools.count()
@@ -35,6 +36,30 @@ def _attention_configs(model: nn.Module) -> list[Any]:
 
 
 @contextmanager
+def attention_dispatch(model: nn.Module, attention: Any) -> Iterator[str]:
+    """Route every attention call of ``model`` through ``attention`` (the signature of transformers'
+    SDPA function), for the ``with`` body only; the models' previous settings come back in ``finally``.
+    Yields the private attention-implementation name in use (tests check it is gone afterwards)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"specprefill_capture_{next(_capture_ids)}"
+    configs = _attention_configs(model)
+    previous = [config._attn_implementation for config in configs]
+    ALL_ATTENTION_FUNCTIONS[name] = attention
+    ALL_MASK_ATTENTION_FUNCTIONS[name] = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        for config in configs:
+            config._attn_implementation = name
+        yield name
+    finally:
+        for config, implementation in zip(configs, previous):
+            config._attn_implementation = implementation
+        del ALL_ATTENTION_FUNCTIONS[name]
+        del ALL_MASK_ATTENTION_FUNCTIONS[name]
+
+
+@contextmanager
 def capture_attention(
     model: nn.Module, accumulator: ImportanceAccumulator, pool_kernel: int, query_window: int = 1
 ) -> Iterator[str]:
@@ -45,8 +70,6 @@ def capture_attention(
     Yields the private attention-implementation name in use (tests check it is gone afterwards).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     prompt_length = accumulator.prompt_length
 
@@ -60,20 +83,8 @@ def capture_attention(
             accumulator.add_window(query_importance(window, key[0, :, :prompt_length], scale, pool_kernel))
         return output
 
-    name = f"specprefill_capture_{next(_capture_ids)}"
-    configs = _attention_configs(model)
-    previous = [config._attn_implementation for config in configs]
-    ALL_ATTENTION_FUNCTIONS[name] = scoring_sdpa
-    ALL_MASK_ATTENTION_FUNCTIONS[name] = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
-    try:
-        for config in configs:
-            config._attn_implementation = name
+    with attention_dispatch(model, scoring_sdpa) as name:
         yield name
-    finally:
-        for config, implementation in zip(configs, previous):
-            config._attn_implementation = implementation
-        del ALL_ATTENTION_FUNCTIONS[name]
-        del ALL_MASK_ATTENTION_FUNCTIONS[name]
 
 
 class _StopForward(Exception):
@@ -145,6 +156,15 @@ class ModelDraft:
                 output = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return accumulator.result()
 
+    def score_batch(self, prompts: list[torch.Tensor]) -> list[torch.Tensor | DraftScoringError]:
+        """Several ``[L_i]`` prompts in one batched forward (:mod:`specprefill_rag.batch_draft`); per prompt
+        its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error."""
+        if len(prompts) == 1:  # alone: the unpadded path (no explicit mask, so SDPA's causal kernel)
+            return [_score_or_error(self.score, prompts[0])]
+        from .batch_draft import score_model_batch
+
+        return score_model_batch(self, prompts)
+
 
 @dataclass
 class LayerPrefixDraft:
@@ -172,3 +192,14 @@ class LayerPrefixDraft:
             except _StopForward:
                 pass
         return accumulator.result()
+
+    def score_batch(self, prompts: list[torch.Tensor]) -> list[torch.Tensor | DraftScoringError]:
+        """One prompt after another (a layer-prefix draft is not batched); each its importance or its error."""
+        return [_score_or_error(self.score, prompt) for prompt in prompts]
+
+
+def _score_or_error(score: Any, input_ids: torch.Tensor) -> torch.Tensor | DraftScoringError:
+    try:
+        return score(input_ids)
+    except DraftScoringError as error:
+        return error

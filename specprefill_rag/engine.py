@@ -168,14 +168,19 @@ class SpecPrefillEngine:
 
     # -- selection -------------------------------------------------------------------------------
 
+    def compresses(self, layout: PromptLayout, keep_rate: float, max_document_tokens: int | None) -> bool:
+        """Whether this request is worth a draft: something to drop, a long enough prompt, a backend that
+        prefills sparse prompts."""
+        whole = keep_rate >= 1.0 and max_document_tokens is None
+        unsupported = not self.backend.supports_sparse_prefill
+        return not (whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0)
+
     def select(self, layout: PromptLayout, keep_rate: float | None = None) -> tuple[torch.Tensor, float]:
         """Sorted kept token indices ``[K]`` and the draft time in ms (0 when nothing is compressed)."""
         rate = self.config.keep_rate if keep_rate is None else keep_rate
         if not 0.0 < rate <= 1.0:
             raise InvalidRequestError(f"keep_rate must be in (0, 1], got {rate}")
-        whole = rate >= 1.0 and self.config.max_document_tokens is None
-        unsupported = not self.backend.supports_sparse_prefill
-        if whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0:
+        if not self.compresses(layout, rate, self.config.max_document_tokens):
             return torch.arange(len(layout)), 0.0
         started = time.perf_counter()
         importance = self.draft_scoring.importance(layout)
@@ -244,7 +249,8 @@ class SpecPrefillEngine:
         """The draft path for the stats: None when :meth:`select` ran no draft (it then reports 0 ms)."""
         return self.draft_path if draft_ms > 0 else None
 
-    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise :class:`ContextLengthError` unless the prompt and the tokens to generate fit the main model."""
         context = self.backend.context_length
         if prompt_tokens + max_new_tokens > context:
             raise ContextLengthError(prompt_tokens, max_new_tokens, context)
@@ -252,7 +258,7 @@ class SpecPrefillEngine:
     def _stream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> Iterator[StreamChunk]:
-        self._check_length(len(layout), params.max_new_tokens)
+        self.check_length(len(layout), params.max_new_tokens)
         return self._decode(layout, params, keep_rate, started)
 
     def _decode(
@@ -313,13 +319,28 @@ class SpecPrefillEngine:
     def _astream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        self._check_length(len(layout), params.max_new_tokens)
+        self.check_length(len(layout), params.max_new_tokens)
         return self._adecode(layout, params, keep_rate, started)
 
     async def _adecode(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
         kept, draft_ms = await asyncio.to_thread(self.select, layout, keep_rate)
+        async with aclosing(self._astream_kept(layout, params, kept, draft_ms, started)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def astream_selected(
+        self, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float, started: float
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """:meth:`astream_layout` with the kept indices ``[K]`` (sorted) chosen elsewhere: the gateway scores
+        the drafts of concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival."""
+        self.check_length(len(layout), params.max_new_tokens)
+        return self._astream_kept(layout, params, kept, draft_ms, started)
+
+    async def _astream_kept(
+        self, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float, started: float
+    ) -> AsyncGenerator[StreamChunk, None]:
         decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started, self._ran(draft_ms))
         async with aclosing(self.backend.agenerate(SparsePrompt.kept(layout.input_ids, kept), params)) as generated:
             async for token in generated:

@@ -55,6 +55,19 @@ def check_draft_context(draft_tokens: int, look_ahead: int, context_length: int 
 
 
 @dataclass(frozen=True)
+class DraftInput:
+    """What the draft reads for one main layout: ``token_ids`` ``[L_d]`` of its own vocabulary, and the
+    layout it was rendered as (``draft_layout``; the main layout itself on the direct path)."""
+
+    layout: PromptLayout
+    draft_layout: PromptLayout
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self.draft_layout.input_ids
+
+
+@dataclass(frozen=True)
 class DirectScoring:
     """The draft reads the layout's own token ids (``direct``, or ``self`` for the main model's layers).
 
@@ -71,8 +84,17 @@ class DirectScoring:
 
     def importance(self, layout: PromptLayout) -> torch.Tensor:
         """``[L]`` float32 importance of the layout's tokens."""
+        prepared = self.prepare(layout)
+        return self.finish(prepared, score_tokens(self.draft, prepared.token_ids))
+
+    def prepare(self, layout: PromptLayout) -> DraftInput:
+        """What the draft reads (the layout's own ids); raises if they do not fit the draft's context."""
         check_draft_context(len(layout), self.look_ahead, self.context_length)
-        return score_tokens(self.draft, layout.input_ids)
+        return DraftInput(layout, layout)
+
+    def finish(self, prepared: DraftInput, scores: torch.Tensor) -> torch.Tensor:
+        """The draft's ``[L]`` scores are already the layout's importance."""
+        return scores
 
 
 @dataclass(frozen=True)
@@ -96,13 +118,21 @@ class MappedScoring:
 
     def importance(self, layout: PromptLayout) -> torch.Tensor:
         """``[L]`` float32 importance of the layout's tokens (0 outside documents)."""
+        prepared = self.prepare(layout)
+        return self.finish(prepared, score_tokens(self.draft, prepared.token_ids))
+
+    def prepare(self, layout: PromptLayout) -> DraftInput:
+        """The layout rendered for the draft; raises if it does not fit the draft's context."""
         draft_layout = self.draft_layout(layout)
         check_draft_context(len(draft_layout), self.look_ahead, self.context_length)
-        scores = score_tokens(self.draft, draft_layout.input_ids)
-        _, draft_offsets, draft_spans = _characters(draft_layout)
-        _, main_offsets, main_spans = _characters(layout)
+        return DraftInput(layout, draft_layout)
+
+    def finish(self, prepared: DraftInput, scores: torch.Tensor) -> torch.Tensor:
+        """The draft's ``[L_d]`` scores carried onto the main layout's ``[L]`` tokens through the documents' characters."""
+        _, draft_offsets, draft_spans = _characters(prepared.draft_layout)
+        _, main_offsets, main_spans = _characters(prepared.layout)
         return map_importance(
-            scores, draft_offsets, draft_spans, main_offsets, layout.document_index, main_spans, self.reduce
+            scores, draft_offsets, draft_spans, main_offsets, prepared.layout.document_index, main_spans, self.reduce
         )
 
     def draft_layout(self, layout: PromptLayout) -> PromptLayout:

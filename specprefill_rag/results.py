@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # results also travel through the torch-free gateway client
+    import torch
 
 FinishReason = Literal["stop", "length"]
 DraftPath = Literal["direct", "mapped", "self"]
@@ -57,7 +58,8 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: FinishReason
     stats: SpecPrefillStats
-    kept_positions: torch.Tensor = field(repr=False)
+    kept_positions: torch.Tensor | None = field(repr=False)
+    """``[K]`` sorted kept prompt indices; None when the answer came from a gateway."""
 
 
 @dataclass(frozen=True)

@@ -87,10 +87,33 @@ def _refused(code: int, detail: str) -> SpecPrefillError:
     return VLLMServerError(f"the vLLM server failed ({code}): {detail}")
 
 
+class VLLMServerTimeout(VLLMServerError):
+    """The vLLM server accepted the connection but did not answer (or went on answering) within the timeout."""
+
+
+def _is_timeout(error: BaseException) -> bool:
+    reason = getattr(error, "reason", None)  # urllib wraps a socket timeout in URLError.reason
+    return isinstance(error, (TimeoutError, httpx.TimeoutException)) or isinstance(reason, TimeoutError)
+
+
 def _unreachable(base_url: str, timeout: float, error: BaseException) -> VLLMServerError:
-    return VLLMServerError(
+    kind = VLLMServerTimeout if _is_timeout(error) else VLLMServerError
+    return kind(
         f"cannot reach a vLLM server at {base_url} within {timeout:g} s ({error or type(error).__name__}); "
         "check the URL and that the server is running"
+    )
+
+
+def _is_done(line: str | bytes) -> bool:
+    """The ``[DONE]`` event that ends every complete vLLM stream."""
+    text = line.decode(errors="replace") if isinstance(line, bytes) else line
+    return text.strip() == "data: [DONE]"
+
+
+def _truncated(base_url: str) -> VLLMServerError:
+    return VLLMServerError(
+        f"the vLLM server at {base_url} ended the stream without its [DONE] event (the server stopped or the "
+        "connection broke mid-answer)"
     )
 
 
@@ -228,6 +251,7 @@ class VLLMServerBackend:
 
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
         self._check_prompt(prompt)
+        done = False
         with self._open("POST", "/v1/completions", self._body(prompt, params)) as response:
             try:
                 for line in response:
@@ -235,14 +259,18 @@ class VLLMServerBackend:
                     yield from tokens
                     if ended:
                         return
+                    done = done or _is_done(line)  # read on to the end of the body: the connection is reused
             except OSError as error:  # a read timed out or the connection dropped mid-stream
                 raise _unreachable(self.base_url, self.timeout, error) from None
+        if not done:
+            raise _truncated(self.base_url)
 
     async def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
         """:meth:`generate` on the event loop (``httpx``): same request, tokens, errors and early close;
         closing this generator closes the HTTP response."""
         self._check_prompt(prompt)
         url = self.base_url + "/v1/completions"
+        done = False
         try:
             async with self._async_client().stream("POST", url, json=self._body(prompt, params)) as response:
                 if response.status_code >= 400:
@@ -254,8 +282,11 @@ class VLLMServerBackend:
                         yield token
                     if ended:
                         return
+                    done = done or _is_done(line)  # read on to the end of the body: the connection is reused
         except httpx.TransportError as error:
             raise _unreachable(self.base_url, self.timeout, error) from None
+        if not done:
+            raise _truncated(self.base_url)
 
     def _async_client(self) -> httpx.AsyncClient:
         """One pooled client per event loop: requests on a loop reuse its connections (no new TCP or TLS
