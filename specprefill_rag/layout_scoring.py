@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .draft import DraftScore
 from .errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
 from .models import model_lock, same_vocabulary
 from .prompt import PromptLayout
@@ -40,12 +41,22 @@ class TokenScorer(Protocol):
         """``[L]`` long ids -> ``[L]`` float32 importance."""
         ...
 
+    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
+        """``[L]`` long ids -> importance and the leading tokens the draft's prefix cache supplied."""
+        ...
+
 
 def score_tokens(draft: TokenScorer, input_ids: torch.Tensor) -> torch.Tensor:
     """``[L]`` importance on the CPU, the draft run on its own device under its model's lock."""
+    return draft_score(draft, input_ids).importance
+
+
+def draft_score(draft: TokenScorer, input_ids: torch.Tensor) -> DraftScore:
+    """:func:`score_tokens`, with the tokens the draft's prefix cache supplied."""
     device = next(draft.model.parameters()).device
     with model_lock(draft.model):
-        return draft.score(input_ids.to(device)).cpu()
+        scored = draft.score_prompt(input_ids.to(device))
+    return DraftScore(scored.importance.cpu(), scored.cached_tokens)
 
 
 def check_draft_context(draft_tokens: int, look_ahead: int, context_length: int | None) -> None:
@@ -71,8 +82,12 @@ class DirectScoring:
 
     def importance(self, layout: PromptLayout) -> torch.Tensor:
         """``[L]`` float32 importance of the layout's tokens."""
+        return self.score(layout).importance
+
+    def score(self, layout: PromptLayout) -> DraftScore:
+        """:meth:`importance`, with the layout's leading tokens the draft's prefix cache supplied."""
         check_draft_context(len(layout), self.look_ahead, self.context_length)
-        return score_tokens(self.draft, layout.input_ids)
+        return draft_score(self.draft, layout.input_ids)
 
 
 @dataclass(frozen=True)
@@ -96,14 +111,19 @@ class MappedScoring:
 
     def importance(self, layout: PromptLayout) -> torch.Tensor:
         """``[L]`` float32 importance of the layout's tokens (0 outside documents)."""
+        return self.score(layout).importance
+
+    def score(self, layout: PromptLayout) -> DraftScore:
+        """:meth:`importance`, with the leading tokens of the draft's rendering its prefix cache supplied."""
         draft_layout = self.draft_layout(layout)
         check_draft_context(len(draft_layout), self.look_ahead, self.context_length)
-        scores = score_tokens(self.draft, draft_layout.input_ids)
+        scored = draft_score(self.draft, draft_layout.input_ids)
         _, draft_offsets, draft_spans = _characters(draft_layout)
         _, main_offsets, main_spans = _characters(layout)
-        return map_importance(
-            scores, draft_offsets, draft_spans, main_offsets, layout.document_index, main_spans, self.reduce
+        importance = map_importance(
+            scored.importance, draft_offsets, draft_spans, main_offsets, layout.document_index, main_spans, self.reduce
         )
+        return DraftScore(importance, scored.cached_tokens)
 
     def draft_layout(self, layout: PromptLayout) -> PromptLayout:
         """The same content laid out for the draft; its documents' text must equal the main layout's."""
