@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from specprefill_rag import SpecPrefillEngine
+from specprefill_rag.draft import ModelDraft
+from specprefill_rag.draft_cache import DraftPrefixCache, common_prefix_length
 from specprefill_rag.models import embedded_gguf, gguf_folder
 
 from .conftest import SHARED_DATA
@@ -88,3 +90,17 @@ def test_self_draft_on_real_model(engine):
     result = self_engine.generate(question, haystack(engine.tokenizer, needle, document, depth), INSTRUCTIONS)
     assert result.stats.compressed
     assert result.stats.draft_ms > 0
+
+
+def test_draft_prefix_cache_hit_scores_as_a_cold_draft(engine):
+    """A second question over the same ~2,000 tokens of essays: the draft prefills only the question."""
+    needle, question, _, document, depth = NEEDLES[0]
+    documents = haystack(engine.tokenizer, needle, document, depth)
+    first, second = (engine.layout(q, documents, INSTRUCTIONS).input_ids for q in (question, NEEDLES[1][1]))
+    model, eos = engine.draft.model, engine.draft.eos_token_ids
+    cold = ModelDraft(model, look_ahead=8, eos_token_ids=eos)
+    cached = ModelDraft(model, look_ahead=8, eos_token_ids=eos, prefix_cache=DraftPrefixCache(2**31))
+    cached.score_prompt(first)
+    hit = cached.score_prompt(second)
+    assert hit.cached_tokens == common_prefix_length(first, second) > 0.95 * second.numel()
+    torch.testing.assert_close(hit.importance, cold.score(second), rtol=1e-4, atol=1e-7)
