@@ -16,9 +16,10 @@ SELF_DRAFT_PREFIX = "self:"
 # draft="self": the first 40% of the main model's layers (12 of SmolLM2-135M's 30), scoring with the
 # last 16 prompt tokens as queries; both chosen on a SQuAD tuning split (BENCHMARKS.md).
 DEFAULT_SELF_LAYER_SHARE = 0.4
-# 1 GiB of draft KV: five 4k-token prompts of SmolLM2-135M in float32 (45 KiB a token), forty of
-# Qwen2.5-0.5B in bfloat16 (12 KiB), one 32k-token prompt of Llama-3.2-1B in bfloat16 (32 KiB).
-DEFAULT_DRAFT_CACHE_MB = 1024
+# 2 GiB of draft KV: one 32k-token prompt of Llama-3.2-1B in bfloat16 (32 KiB a token; the draft of the
+# GPU study), forty 4k-token prompts of Qwen2.5-0.5B in bfloat16 (12 KiB), eleven of SmolLM2-135M in
+# float32 (45 KiB). It fills only with use, and only with prompts that were drafted.
+DEFAULT_DRAFT_CACHE_MB = 2048
 
 
 class SpecPrefillConfig(BaseModel):
