@@ -15,7 +15,7 @@ from .errors import (
     TokenizerMismatchError,
 )
 from .prompt import Document, PromptLayout, Role
-from .results import GenerationResult, SpecPrefillStats, StreamChunk
+from .results import GenerationResult, Selection, SpecPrefillStats, StreamChunk
 
 try:
     __version__ = version("specprefill-rag")
@@ -33,6 +33,7 @@ __all__ = [
     "ModelLoadError",
     "PromptLayout",
     "Role",
+    "Selection",
     "SpecPrefillConfig",
     "SpecPrefillEngine",
     "SpecPrefillError",

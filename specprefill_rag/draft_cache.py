@@ -232,7 +232,7 @@ class PrefixReuse:
 
         past = DynamicCache(config=model.config) if cache is not None or needs_past else None
         if cache is None or not _dynamic_layers_only(past, layers):
-            return cls(past)
+            return cls(past if needs_past else None)
         draft = DraftIdentity.of(model, layers)
         hit = cache.lookup(draft, token_ids, max_reuse)
         if hit is not None:
