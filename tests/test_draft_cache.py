@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
 from specprefill_rag.draft_cache import DraftIdentity, DraftPrefixCache, PrefixReuse, common_prefix_length
-from specprefill_rag.testing import build_model, random_documents
+from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
 QUESTIONS = ["When did the bridge open?", "What is the capital of France?", "Who wrote the documents?"]
 
@@ -255,6 +255,21 @@ def test_self_draft_engine_uses_the_cache(tiny_model, tokenizer):
     documents = random_documents(3, 80, seed=13)
     engine.generate(QUESTIONS[0], documents, max_new_tokens=2)
     assert engine.generate(QUESTIONS[1], documents, max_new_tokens=2).stats.draft_cached_tokens > 0
+
+
+def test_a_mapped_draft_caches_its_own_rendering(tiny_model, tokenizer):
+    draft_tokenizer = build_tokenizer(vocab_size=300)  # another vocabulary: the draft reads its own rendering
+    other = build_model(draft_tokenizer, layers=1, max_positions=4096, seed=1)
+    settings = dict(keep_rate=0.2, min_prompt_tokens=0, look_ahead=3, draft_tokenizer=draft_tokenizer)
+    cached = SpecPrefillEngine.from_models(tiny_model, tokenizer, other, draft_cache_mb=9, **settings)
+    cold = SpecPrefillEngine.from_models(tiny_model, tokenizer, other, draft_cache_mb=0, **settings)
+    documents = random_documents(3, 80, seed=14)
+    first, second = (cached.layout(question, documents) for question in QUESTIONS[:2])
+    assert cached.draft_path == "mapped" and cached.select(first).draft_cached_tokens == 0
+    draft_first, draft_second = (cached.draft_scoring.draft_layout(layout).input_ids for layout in (first, second))
+    chosen = cached.select(second)
+    assert chosen.draft_cached_tokens == common_prefix_length(draft_first, draft_second) > len(second) // 2
+    assert torch.equal(chosen.kept, cold.select(second).kept)
 
 
 def test_draft_cache_size_is_validated():
