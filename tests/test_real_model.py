@@ -101,14 +101,14 @@ def cold_and_hit(model, first, second):
 
 
 def test_draft_prefix_cache_hit_scores_as_a_cold_draft(engine):
-    """A second question over the same ~2,000 tokens of essays: the draft prefills only the question.
+    """A second question over the same ~1,200 tokens of essays: the draft prefills only the question.
 
     In float32 the hit's importance is the cold one's to float tolerance. In bfloat16 (the default on
     CPUs that compute it natively) the masked and causal SDPA kernels round differently: importance
     moves by a few percent, less than bfloat16 itself moves it from float32, and the kept tokens agree.
     """
     needle, question, _, document, depth = NEEDLES[0]
-    documents = haystack(engine.tokenizer, needle, document, depth)
+    documents = haystack(engine.tokenizer, needle, document, depth, total_tokens=1200)
     first, second = (engine.layout(q, documents, INSTRUCTIONS) for q in (question, NEEDLES[1][1]))
     cold, hit = cold_and_hit(shared_model("smollm2-135m", "cpu", "float32").model, first.input_ids, second.input_ids)
     assert hit.cached_tokens == common_prefix_length(first.input_ids, second.input_ids) > 0.95 * len(second)
