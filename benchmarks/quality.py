@@ -331,7 +331,11 @@ def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
 def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[dict] | None = None) -> dict:
     """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped).
     ``records``: an earlier run's, whose samples are not evaluated again."""
-    engine = SpecPrefillEngine(main=args.main, draft=args.draft, dtype=args.dtype, min_prompt_tokens=0)
+    # draft_cache_mb=0: every sample is scored cold, as in the earlier runs these tables merge with (samples that
+    # share a haystack prefix would otherwise start from each other's draft KV)
+    engine = SpecPrefillEngine(
+        main=args.main, draft=args.draft, dtype=args.dtype, min_prompt_tokens=0, draft_cache_mb=0
+    )
     samples = load_samples(args, engine.tokenizer)
     methods = make_methods(engine, args)
     records = list(records or [])

@@ -15,7 +15,7 @@ from .errors import (
     SpecPrefillError,
     TokenizerMismatchError,
 )
-from .results import GenerationResult, SpecPrefillStats, StreamChunk
+from .results import GenerationResult, Selection, SpecPrefillStats, StreamChunk
 
 try:
     __version__ = version("specprefill-rag")
@@ -43,6 +43,7 @@ __all__ = [
     "ModelLoadError",
     "PromptLayout",
     "Role",
+    "Selection",
     "SpecPrefillConfig",
     "SpecPrefillEngine",
     "SpecPrefillError",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .draft import ModelDraft, attention_dispatch
+from .draft import DraftScore, ModelDraft, attention_dispatch
 from .errors import DraftScoringError
 from .importance import ImportanceAccumulator, query_importance
 
@@ -114,9 +114,10 @@ def _stop_rows_at_eos(batch: _Batch, tokens: torch.Tensor, eos_ids: frozenset[in
 
 
 @torch.inference_mode()
-def score_model_batch(draft: ModelDraft, prompts: Sequence[torch.Tensor]) -> list[torch.Tensor | DraftScoringError]:
+def score_model_batch(draft: ModelDraft, prompts: Sequence[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
     """``B`` prompts ``[L_b]`` -> per prompt its ``[L_b]`` float32 importance, or the
-    :class:`DraftScoringError` of that prompt alone (e.g. non-finite scores); the others are unaffected."""
+    :class:`DraftScoringError` of that prompt alone (e.g. non-finite scores); the others are unaffected.
+    Batched rows neither read nor fill the prefix cache (their KV is padded)."""
     from transformers import DynamicCache
 
     model = draft.model
@@ -137,8 +138,8 @@ def score_model_batch(draft: ModelDraft, prompts: Sequence[torch.Tensor]) -> lis
     return [_row_result(accumulator) for accumulator in batch.accumulators]
 
 
-def _row_result(accumulator: ImportanceAccumulator) -> torch.Tensor | DraftScoringError:
+def _row_result(accumulator: ImportanceAccumulator) -> DraftScore | DraftScoringError:
     try:
-        return accumulator.result()
+        return DraftScore(accumulator.result())
     except DraftScoringError as error:
         return error

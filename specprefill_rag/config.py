@@ -16,6 +16,10 @@ SELF_DRAFT_PREFIX = "self:"
 # draft="self": the first 40% of the main model's layers (12 of SmolLM2-135M's 30), scoring with the
 # last 16 prompt tokens as queries; both chosen on a SQuAD tuning split (BENCHMARKS.md).
 DEFAULT_SELF_LAYER_SHARE = 0.4
+# 2 GiB of draft KV: one 32k-token prompt of Llama-3.2-1B in bfloat16 (32 KiB a token; the draft of the
+# GPU study), forty 4k-token prompts of Qwen2.5-0.5B in bfloat16 (12 KiB), eleven of SmolLM2-135M in
+# float32 (45 KiB). It fills only with use, and only with prompts that were drafted.
+DEFAULT_DRAFT_CACHE_MB = 2048
 
 
 class SpecPrefillConfig(BaseModel):
@@ -53,6 +57,11 @@ class SpecPrefillConfig(BaseModel):
         None,
         description="Main model on vLLM only: the served model's tokenizer (HF id, folder, .gguf or 'smollm2-135m'); "
         "default the draft's. Needed for a draft of another vocabulary than the served model.",
+    )
+    draft_cache_mb: int = Field(
+        DEFAULT_DRAFT_CACHE_MB, ge=0,
+        description="Draft prefix KV cache per device, in MiB (0 = off): a prompt that starts like one scored before "
+        "(same documents, another question) has the draft prefill only the rest.",
     )
     device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -23,11 +23,12 @@ from .backends.hf import HFBackend, eos_token_ids
 from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
+from .draft_cache import DraftPrefixCache, shared_prefix_cache
 from .errors import ContextLengthError, InvalidRequestError
 from .layout_scoring import DirectScoring, MappedScoring, draft_scoring
 from .models import LoadedModel, load_tokenizer, model_lock, shared_model
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
-from .results import DraftPath, GenerationResult, StreamChunk
+from .results import DraftPath, GenerationResult, Selection, StreamChunk
 from .selection import select_kept
 
 
@@ -98,12 +99,14 @@ class SpecPrefillEngine:
             n_layers = config.self_draft_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * available))
             if n_layers > available:
                 raise InvalidRequestError(f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})")
-            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, config.self_draft_window)
+            window, cache = config.self_draft_window, _prefix_cache(config, main.model)
+            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, window, cache)
             scoring: DirectScoring | MappedScoring = DirectScoring(scorer, main.context_length, 1, path="self")
         else:
             drafting = draft if draft is not None else main
             draft_eos = eos_token_ids(drafting.model, drafting.tokenizer)
-            scorer = ModelDraft(drafting.model, config.look_ahead, config.pool_kernel, draft_eos)
+            cache = _prefix_cache(config, drafting.model)
+            scorer = ModelDraft(drafting.model, config.look_ahead, config.pool_kernel, draft_eos, cache)
             scoring = draft_scoring(scorer, drafting.tokenizer, main.tokenizer, config.look_ahead)
         self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scoring, main)
 
@@ -149,7 +152,8 @@ class SpecPrefillEngine:
         main_eos = draft_eos if tokenizer is draft.tokenizer else eos_token_ids(None, tokenizer)
         backend.adopt_tokenizer(tokenizer, main_eos)
         engine = cls.__new__(cls)
-        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos)
+        cache = _prefix_cache(config, draft.model)
+        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache)
         scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead)
         engine._assemble(config, tokenizer, backend, scoring, None)
         return engine
@@ -175,24 +179,25 @@ class SpecPrefillEngine:
         unsupported = not self.backend.supports_sparse_prefill
         return not (whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0)
 
-    def select(self, layout: PromptLayout, keep_rate: float | None = None) -> tuple[torch.Tensor, float]:
-        """Sorted kept token indices ``[K]`` and the draft time in ms (0 when nothing is compressed)."""
+    def select(self, layout: PromptLayout, keep_rate: float | None = None) -> Selection:
+        """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed) and the
+        prompt tokens the draft took from its prefix cache."""
         rate = self.config.keep_rate if keep_rate is None else keep_rate
         if not 0.0 < rate <= 1.0:
             raise InvalidRequestError(f"keep_rate must be in (0, 1], got {rate}")
         if not self.compresses(layout, rate, self.config.max_document_tokens):
-            return torch.arange(len(layout)), 0.0
+            return Selection(torch.arange(len(layout)))
         started = time.perf_counter()
-        importance = self.draft_scoring.importance(layout)
+        scored = self.draft_scoring.score(layout)
         draft_ms = _milliseconds(started)
         kept = select_kept(
-            importance,
+            scored.importance,
             layout.document_index,
             keep_rate=rate,
             chunk_size=self.config.chunk_size,
             max_document_tokens=self.config.max_document_tokens,
         )
-        return kept, draft_ms
+        return Selection(kept, draft_ms, scored.cached_tokens)
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -261,12 +266,16 @@ class SpecPrefillEngine:
         self.check_length(len(layout), params.max_new_tokens)
         return self._decode(layout, params, keep_rate, started)
 
+    def _decoding(self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float) -> Decoding:
+        kept, draft_ms, cached = chosen.kept, chosen.draft_ms, chosen.draft_cached_tokens
+        return Decoding(self.tokenizer, layout, params, kept, draft_ms, started, self._ran(draft_ms), cached)
+
     def _decode(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> Iterator[StreamChunk]:
-        kept, draft_ms = self.select(layout, keep_rate)
-        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started, self._ran(draft_ms))
-        generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, kept), params)
+        chosen = self.select(layout, keep_rate)
+        decoding = self._decoding(layout, params, chosen, started)
+        generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, chosen.kept), params)
         try:
             for token in generated:
                 if chunk := decoding.push(token):
@@ -325,30 +334,36 @@ class SpecPrefillEngine:
     async def _adecode(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        kept, draft_ms = await asyncio.to_thread(self.select, layout, keep_rate)
-        async with aclosing(self._astream_kept(layout, params, kept, draft_ms, started)) as chunks:
+        chosen = await asyncio.to_thread(self.select, layout, keep_rate)
+        async with aclosing(self._astream_kept(layout, params, chosen, started)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     def astream_selected(
-        self, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float, started: float
+        self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        """:meth:`astream_layout` with the kept indices ``[K]`` (sorted) chosen elsewhere: the gateway scores
-        the drafts of concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival."""
+        """:meth:`astream_layout` with the kept indices chosen elsewhere: the gateway scores the drafts of
+        concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival."""
         self.check_length(len(layout), params.max_new_tokens)
-        return self._astream_kept(layout, params, kept, draft_ms, started)
+        return self._astream_kept(layout, params, chosen, started)
 
     async def _astream_kept(
-        self, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float, started: float
+        self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started, self._ran(draft_ms))
-        async with aclosing(self.backend.agenerate(SparsePrompt.kept(layout.input_ids, kept), params)) as generated:
+        decoding = self._decoding(layout, params, chosen, started)
+        prompt = SparsePrompt.kept(layout.input_ids, chosen.kept)
+        async with aclosing(self.backend.agenerate(prompt, params)) as generated:
             async for token in generated:
                 if chunk := decoding.push(token):
                     yield chunk
                 if decoding.stopped:
                     break
         yield decoding.finish()
+
+
+def _prefix_cache(config: SpecPrefillConfig, draft_model: Any) -> DraftPrefixCache | None:
+    """The shared draft prefix cache for ``draft_model``'s device, or ``None`` when ``config`` turns it off."""
+    return shared_prefix_cache(next(draft_model.parameters()).device, config.draft_cache_mb * 2**20)
 
 
 def _make_config(config: SpecPrefillConfig | None, settings: dict[str, Any]) -> SpecPrefillConfig:

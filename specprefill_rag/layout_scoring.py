@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .draft import DraftScore
 from .errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
 from .models import model_lock, same_vocabulary
 from .prompt import PromptLayout
@@ -40,12 +41,29 @@ class TokenScorer(Protocol):
         """``[L]`` long ids -> ``[L]`` float32 importance."""
         ...
 
+    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
+        """``[L]`` long ids -> importance and the leading tokens the draft's prefix cache supplied."""
+        ...
+
 
 def score_tokens(draft: TokenScorer, input_ids: torch.Tensor) -> torch.Tensor:
     """``[L]`` importance on the CPU, the draft run on its own device under its model's lock."""
+    return draft_score(draft, input_ids).importance
+
+
+def draft_score(draft: TokenScorer, input_ids: torch.Tensor) -> DraftScore:
+    """:func:`score_tokens`, with the tokens the draft's prefix cache supplied."""
     device = next(draft.model.parameters()).device
     with model_lock(draft.model):
-        return draft.score(input_ids.to(device)).cpu()
+        scored = draft.score_prompt(input_ids.to(device))
+    return DraftScore(scored.importance.cpu(), scored.cached_tokens)
+
+
+def score_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) -> DraftScore:
+    """Prepare what the draft reads, score it (under the draft's lock), and carry it onto ``layout``."""
+    prepared = scoring.prepare(layout)
+    scored = draft_score(scoring.draft, prepared.token_ids)
+    return DraftScore(scoring.finish(prepared, scored.importance), scored.cached_tokens)
 
 
 def check_draft_context(draft_tokens: int, look_ahead: int, context_length: int | None) -> None:
@@ -84,8 +102,11 @@ class DirectScoring:
 
     def importance(self, layout: PromptLayout) -> torch.Tensor:
         """``[L]`` float32 importance of the layout's tokens."""
-        prepared = self.prepare(layout)
-        return self.finish(prepared, score_tokens(self.draft, prepared.token_ids))
+        return self.score(layout).importance
+
+    def score(self, layout: PromptLayout) -> DraftScore:
+        """:meth:`importance`, with the leading draft tokens its prefix cache supplied."""
+        return score_layout(self, layout)
 
     def prepare(self, layout: PromptLayout) -> DraftInput:
         """What the draft reads (the layout's own ids); raises if they do not fit the draft's context."""
@@ -118,8 +139,11 @@ class MappedScoring:
 
     def importance(self, layout: PromptLayout) -> torch.Tensor:
         """``[L]`` float32 importance of the layout's tokens (0 outside documents)."""
-        prepared = self.prepare(layout)
-        return self.finish(prepared, score_tokens(self.draft, prepared.token_ids))
+        return self.score(layout).importance
+
+    def score(self, layout: PromptLayout) -> DraftScore:
+        """:meth:`importance`, with the leading draft tokens its prefix cache supplied."""
+        return score_layout(self, layout)
 
     def prepare(self, layout: PromptLayout) -> DraftInput:
         """The layout rendered for the draft; raises if it does not fit the draft's context."""

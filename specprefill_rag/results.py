@@ -31,6 +31,10 @@ class SpecPrefillStats:
         draft_path: how the draft scored: ``direct`` (a draft of the main model's vocabulary reads its
             ids), ``mapped`` (a draft of another vocabulary, through characters), ``self`` (the main
             model's first layers); None when no draft ran (not compressed).
+        draft_cached_tokens: leading tokens of the draft's prompt whose KV came from the draft prefix
+            cache (0: a cold draft, or no draft call). The draft's prompt is this prompt on the direct and
+            self paths (the draft prefilled ``prompt_tokens - draft_cached_tokens``), its own rendering on
+            the mapped path.
     """
 
     prompt_tokens: int
@@ -45,9 +49,25 @@ class SpecPrefillStats:
     completion_tokens: int
     decode_tokens_per_s: float
     draft_path: DraftPath | None = None
+    draft_cached_tokens: int = 0
 
     def as_dict(self) -> dict[str, float | int | bool | str | None]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The prompt tokens the main model prefills, and what choosing them cost.
+
+    Attributes:
+        kept: ``[K]`` sorted kept prompt indices.
+        draft_ms: draft scoring time (0 when nothing is compressed).
+        draft_cached_tokens: leading prompt tokens the draft took from its prefix cache.
+    """
+
+    kept: torch.Tensor
+    draft_ms: float = 0.0
+    draft_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -189,3 +189,19 @@ def test_mapping_study_counts_the_document_characters_kept_tokens_cover(tokenize
     first_document = documents[layout.document_index[documents] == 0]
     covered = kept_characters(layout, first_document)
     assert covered.tolist() == [True] * len("the quick brown fox") + [False] * len("Paris is the capital of France")
+
+
+def test_draft_cache_summary_reads_the_hits_against_the_bound():
+    from draft_cache import summarize
+
+    def question(cold_draft, warm_draft, warm_ttft):
+        return {"prompt_tokens": 1000, "cache_bytes": 2**20,
+                "cold": {"draft_ms": cold_draft, "ttft_ms": 2 * cold_draft, "kept_tokens": 100},
+                "warm": {"draft_ms": warm_draft, "ttft_ms": warm_ttft, "kept_tokens": 100}}
+
+    rows = [question(1000, 1000, 2000), question(1000, 50, 1000), question(1000, 100, 1200), question(1000, 80, 1100)]
+    summary = summarize(rows, full_ms=10_000)
+    assert summary["warm_over_cold_draft"] == {"median": 0.08, "min": 0.05, "max": 0.1, "n": 3}  # the miss left out
+    assert summary["warm_bound"] == pytest.approx(1 / (0.1 + 80 / 10_000))
+    assert summary["warm_speedup"] == pytest.approx(10_000 / 1100)
+    assert summary["cache_mb"] == 1.0

@@ -20,7 +20,9 @@ import torch
 from ..chat import ChatLayout
 from ..config import GenerationParams
 from ..engine import SpecPrefillEngine
+from ..draft import DraftScore
 from ..models import model_lock
+from ..results import Selection as Chosen
 from ..results import StreamChunk
 from ..selection import select_kept
 from .errors import draft_failed, queue_full
@@ -41,6 +43,7 @@ class Selection:
     queue_ms: float = 0.0
     batch_size: int = 0
     draft_error: str | None = None
+    draft_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,20 +84,21 @@ class Gateway:
         self.metrics = GatewayMetrics(lambda: self.queue.depth)
         self.queue.on_batch = self.metrics.batch
 
-    def _score_batch(self, prompts: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+    def _score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | Exception]:
         """Blocking: one batched draft forward (in the queue's worker thread), results on the CPU."""
         draft = self.engine.draft
         device = next(draft.model.parameters()).device
         with model_lock(draft.model):
             results = draft.score_batch([p.to(device) for p in prompts])
-        return [r.cpu() if isinstance(r, torch.Tensor) else r for r in results]
+        return [replace(r, importance=r.importance.cpu()) if isinstance(r, DraftScore) else r for r in results]
 
     async def answer(self, plan: Plan) -> AsyncGenerator[Answer, None]:
         """Stream one request; raises :class:`GatewayError` or the engine's errors before the first chunk."""
         layout = plan.layout.layout
         self.engine.check_length(len(layout), plan.params.max_new_tokens)
         selection = await self._select(plan)
-        chunks = self.engine.astream_selected(layout, plan.params, selection.kept, selection.draft_ms, plan.started)
+        chosen = Chosen(selection.kept, selection.draft_ms, selection.draft_cached_tokens)
+        chunks = self.engine.astream_selected(layout, plan.params, chosen, plan.started)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield Answer(chunk, selection)
@@ -120,7 +124,8 @@ class Gateway:
         queue_ms = (time.perf_counter() - queued) * 1000.0 - scored.draft_ms
         kept = select_kept(importance, layout.document_index, keep_rate=rate,
                            chunk_size=self.engine.config.chunk_size, max_document_tokens=cap)
-        return Selection(kept, scored.draft_ms, max(queue_ms, 0.0), scored.batch_size)
+        return Selection(kept, scored.draft_ms, max(queue_ms, 0.0), scored.batch_size,
+                         draft_cached_tokens=scored.cached_tokens)
 
     def _after_draft_error(self, whole: torch.Tensor, error: Exception) -> Selection:
         policy = self.settings.on_draft_error

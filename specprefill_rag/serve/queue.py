@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-ScoreBatch = Callable[[list[torch.Tensor]], list["torch.Tensor | Exception"]]
+from ..draft import DraftScore
+
+ScoreBatch = Callable[[list[torch.Tensor]], list["DraftScore | Exception"]]
 
 
 class QueueFull(Exception):
@@ -32,11 +34,13 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class Scored:
-    """One prompt's draft result: ``[L]`` importance, the batch it was scored in and that batch's time."""
+    """One prompt's draft result: ``[L]`` importance, the batch it was scored in and that batch's time,
+    and the leading tokens the draft's prefix cache supplied."""
 
     importance: torch.Tensor
     batch_size: int
     draft_ms: float
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False)  # identity: a job is found in the queue by itself, never by comparing tensors
@@ -139,9 +143,9 @@ class DraftQueue:
             if isinstance(result, Exception):
                 job.future.set_exception(result)
             else:
-                job.future.set_result(Scored(result, len(batch), seconds * 1000.0))
+                job.future.set_result(Scored(result.importance, len(batch), seconds * 1000.0, result.cached_tokens))
 
-    def _score_all(self, prompts: list[torch.Tensor]) -> list[torch.Tensor | Exception]:
+    def _score_all(self, prompts: list[torch.Tensor]) -> list[DraftScore | Exception]:
         """Score in one batch; when the batch fails as a whole, one prompt at a time (each its own outcome)."""
         try:
             return self._score_batch(prompts)
@@ -150,7 +154,7 @@ class DraftQueue:
                 return [error]
         return [self._score_one(prompt) for prompt in prompts]
 
-    def _score_one(self, prompt: torch.Tensor) -> torch.Tensor | Exception:
+    def _score_one(self, prompt: torch.Tensor) -> DraftScore | Exception:
         try:
             return self._score_batch([prompt])[0]
         except Exception as error:
