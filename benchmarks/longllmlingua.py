@@ -77,13 +77,15 @@ def offline_tiktoken() -> Iterator[None]:
 class LongLLMLingua:
     """``compress(documents, question, rate) -> compressed context text`` with ``llmlingua``."""
 
-    def __init__(self, model_folder: str | Path) -> None:
+    def __init__(self, model_folder: str | Path, dtype: torch.dtype = torch.float32) -> None:
         try:
             from llmlingua import PromptCompressor
         except ImportError as error:  # pragma: no cover - depends on the environment
             raise RuntimeError("LongLLMLingua needs the bench extra: pip install -e '.[bench]'") from error
         with offline_tiktoken():
-            self.compressor = PromptCompressor(model_name=str(model_folder), device_map="cpu")
+            # the same dtype as our draft, so both compressors cost the same per token
+            self.compressor = PromptCompressor(model_name=str(model_folder), device_map="cpu",
+                                               model_config={"torch_dtype": dtype})
         self.compressor.model = LegacyCacheModel(self.compressor.model)
 
     def compress(self, documents: list[str], question: str, rate: float) -> str:

@@ -38,7 +38,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,11 +46,13 @@ from tqdm import tqdm
 
 import tasks
 from specprefill_rag import SpecPrefillEngine
-from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.chat import ChatMessage, chat_layout
-from specprefill_rag.config import GenerationParams
+from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
 from specprefill_rag.detokenize import IncrementalText
+from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
+from specprefill_rag.layout_scoring import draft_scoring
+from specprefill_rag.models import shared_model
 from specprefill_rag.prompt import PromptLayout
 from specprefill_rag.selection import select_kept
 
@@ -140,14 +142,34 @@ def self_name(n_layers: int, window: int) -> str:
     return f"self-{n_layers}" if window == 1 else f"self-{n_layers}-w{window}"
 
 
+def default_self_layers(model) -> int:
+    """What ``draft="self"`` uses for this main model: the first 40% of its layers."""
+    return max(1, round(DEFAULT_SELF_LAYER_SHARE * model.config.num_hidden_layers))
+
+
+def extra_draft(engine: SpecPrefillEngine, spec: str, look_ahead: int = 8) -> Callable[[PromptLayout], torch.Tensor]:
+    """Importance from another draft model (``--extra-drafts``): direct when it shares the main model's
+    vocabulary, mapped through the documents' characters when not (e.g. SmolLM2-135M for a Qwen main)."""
+    draft = shared_model(spec, engine.config.device, engine.config.dtype)
+    scorer = ModelDraft(draft.model, look_ahead, 13, eos_token_ids(draft.model, draft.tokenizer))
+    return draft_scoring(scorer, draft.tokenizer, engine.tokenizer, look_ahead).importance
+
+
 def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[str, Callable]:
     """The methods named in ``args.methods``; each call takes (sample, layout, keep_rate)."""
     model = engine.main.model
+
+    def token_scorer(draft) -> Callable[[PromptLayout], torch.Tensor]:
+        return lambda layout: draft.score(layout.input_ids)
+
+    one_step = ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13)
     drafts = {
-        "specprefill": lambda: ModelDraft(engine.draft.model, look_ahead=8, pool_kernel=13, eos_token_ids=engine.backend.eos_ids),
-        "specprefill-la1": lambda: ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13),
-        **{self_name(n, w): (lambda n=n, w=w: LayerPrefixDraft(model, n, 13, w))
+        "specprefill": lambda: engine.draft_scoring.importance,  # direct or mapped, as the engine chose
+        "specprefill-la1": lambda: replace(engine.draft_scoring, draft=one_step, look_ahead=1).importance,
+        "self": lambda: token_scorer(LayerPrefixDraft(model, default_self_layers(model), 13, 16)),
+        **{self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, 13, w)))
            for n in args.self_layers for w in args.self_windows},
+        **{f"specprefill-{spec}": (lambda spec=spec: extra_draft(engine, spec)) for spec in args.extra_drafts},
     }
     drafts = {name: make() for name, make in drafts.items() if name in args.methods or
               (name == "specprefill" and "contiguous" in args.methods)}
@@ -156,7 +178,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
 
     def importance(name: str, layout: PromptLayout) -> torch.Tensor:
         if name not in scored or scored[name][0] is not layout:
-            scored[name] = (layout, drafts[name].score(layout.input_ids))
+            scored[name] = (layout, drafts[name](layout))
         return scored[name][1]
 
     def draft_method(name: str, renumber: bool = False) -> Callable:
@@ -178,7 +200,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     methods = {name: draft_method(name) for name in drafts}
     methods.update({"contiguous": draft_method("specprefill", renumber=True), "random": random_chunks, "first": first})
     if "longllmlingua" in args.methods:
-        methods["longllmlingua"] = longllmlingua_method(engine)
+        methods["longllmlingua"] = longllmlingua_method(engine, args.compressor or compressor_default(args))
     return {name: methods[name] for name in args.methods}
 
 
@@ -186,11 +208,12 @@ class MethodFailed(Exception):
     """A baseline could not process this sample; recorded as a failure, left out of its rows."""
 
 
-def longllmlingua_method(engine: SpecPrefillEngine) -> Callable:
+def longllmlingua_method(engine: SpecPrefillEngine, compressor_spec: str) -> Callable:
     from longllmlingua import LongLLMLingua
-    from specprefill_rag.models import resolve
+    from specprefill_rag.models import _dtype, resolve
 
-    compressor = LongLLMLingua(resolve(engine.config.main))
+    dtype = _dtype(engine.config.dtype, engine.config.device)
+    compressor = LongLLMLingua(resolve(compressor_spec, dtype), dtype)
 
     def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
         try:
@@ -205,43 +228,54 @@ def longllmlingua_method(engine: SpecPrefillEngine) -> Callable:
 
 # -- one answer -------------------------------------------------------------------------------------
 
-def generate(engine: SpecPrefillEngine, prefill: Prefill, max_new_tokens: int) -> str:
-    prompt = SparsePrompt(prefill.layout.input_ids[prefill.kept], prefill.positions, prefill.prompt_length)
-    text = IncrementalText(engine.tokenizer, ("\n",))
-    for token in engine.backend.generate(prompt, GenerationParams(max_new_tokens=max_new_tokens)):
-        text.push(token)
-        if text.stopped:
-            break
-    text.finish()
-    return text.emitted.strip()
+@torch.inference_mode()
+def _forward(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """``[n]`` tokens at ``positions`` appended to ``cache``; ``[n, V]`` float32 logits."""
+    slots = torch.arange(cache.get_seq_length(), cache.get_seq_length() + ids.numel())
+    output = model(input_ids=ids[None], position_ids=positions[None], cache_position=slots, past_key_values=cache)
+    return output.logits[0].float()
 
 
 @torch.inference_mode()
-def answer_logprob(engine: SpecPrefillEngine, prefill: Prefill, answer: str) -> float:
-    """Mean log-probability per token of ``answer`` right after the prefilled prompt (teacher forced)."""
+def answer_and_logprob(engine: SpecPrefillEngine, prefill: Prefill, answer: str, max_new_tokens: int) -> tuple[str, float]:
+    """Greedy answer (up to a newline) and the mean log-probability per token of the gold ``answer``
+    right after the prefilled prompt (teacher forced), from ONE prefill: the cache is cropped back to the
+    prompt after decoding. An explicit cache and positions: transformers would otherwise read gaps in
+    position_ids as packed sequences."""
     from transformers import DynamicCache
 
+    model, n_kept = engine.main.model, prefill.kept.numel()
+    cache = DynamicCache(config=model.config)
+    logits = _forward(model, prefill.layout.input_ids[prefill.kept], prefill.positions, cache)[-1]
+    first = logits.log_softmax(-1)
+    text = IncrementalText(engine.tokenizer, ("\n",))
+    for step in range(max_new_tokens):
+        token = int(logits.argmax())
+        if token in engine.backend.eos_ids:
+            break
+        text.push(token)
+        if text.stopped or step + 1 == max_new_tokens:
+            break
+        logits = _forward(model, torch.tensor([token]), torch.tensor([prefill.prompt_length + step]), cache)[-1]
+    text.finish()
+    if decoded := cache.get_seq_length() - n_kept:
+        cache.crop(-decoded)  # back to the prompt alone
     answer_ids = torch.tensor(engine.tokenizer(answer, add_special_tokens=False)["input_ids"])
-    ids = torch.cat([prefill.layout.input_ids[prefill.kept], answer_ids])
-    positions = torch.cat([prefill.positions, prefill.prompt_length + torch.arange(answer_ids.numel())])
-    # a fresh cache: without one, transformers reads gaps in position_ids as packed sequences
-    logits = engine.main.model(input_ids=ids[None], position_ids=positions[None], past_key_values=DynamicCache()).logits[0]
-    predicting = logits[prefill.kept.numel() - 1 : -1].float().log_softmax(-1)
-    return float(predicting.gather(1, answer_ids[:, None]).mean())
+    rest = _forward(model, answer_ids[:-1], prefill.prompt_length + torch.arange(answer_ids.numel() - 1), cache)
+    predicted = torch.cat([first[None], rest.log_softmax(-1)])
+    return text.emitted.strip(), float(predicted.gather(1, answer_ids[:, None]).mean())
 
 
 def evaluate(engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_tokens: int, document_tokens: int) -> dict:
     """Scores of one method's prefill on one sample (``document_tokens``: those of the uncompressed prompt)."""
-    generated = {}
-    if max_new_tokens:  # 0: the log-probability study only
-        text = generate(engine, prefill, max_new_tokens)
-        generated = {"answer": text, **scores(text, sample["answers"])}
+    text, logprob = answer_and_logprob(engine, prefill, sample["answers"][0], max_new_tokens)
+    generated = {"answer": text, **scores(text, sample["answers"])} if max_new_tokens else {}  # 0: logprob only
     document_index = prefill.layout.document_index[prefill.kept]
     document_ids = prefill.layout.input_ids[prefill.kept][document_index >= 0]
     kept_text = normalise(engine.tokenizer.decode(document_ids))
     return {
         **generated,
-        "logprob": answer_logprob(engine, prefill, sample["answers"][0]),
+        "logprob": logprob,
         "answer_kept": float(any(normalise(a) in kept_text for a in sample["answers"])),
         "gold_document_kept": float(any(int(d) in sample["gold_documents"] for d in document_index.unique())),
         "kept_share": document_ids.numel() / document_tokens,
@@ -281,14 +315,33 @@ def bootstrap_ratio_interval(values: list[float], references: list[float], seed:
     return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios))]
 
 
-def run(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
-    """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped)."""
-    engine = SpecPrefillEngine(min_prompt_tokens=0)
+def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
+    """Records of an earlier run of the same study at ``out`` (``--resume``); a run with other settings is refused."""
+    path = Path(f"{out}.json")
+    if not args.resume or not path.is_file():
+        return []
+    earlier = json.loads(path.read_text())
+    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods", "max_new_tokens")
+    differing = [k for k in study if earlier["settings"].get(k) != vars(args).get(k)]
+    if differing:
+        raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out")
+    return earlier["records"]
+
+
+def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[dict] | None = None) -> dict:
+    """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped).
+    ``records``: an earlier run's, whose samples are not evaluated again."""
+    # draft_cache_mb=0: every sample is scored cold, as in the earlier runs these tables merge with (samples that
+    # share a haystack prefix would otherwise start from each other's draft KV)
+    engine = SpecPrefillEngine(
+        main=args.main, draft=args.draft, dtype=args.dtype, min_prompt_tokens=0, draft_cache_mb=0
+    )
     samples = load_samples(args, engine.tokenizer)
     methods = make_methods(engine, args)
-    records = []
+    records = list(records or [])
+    done = {r["sample"] for r in records}
     for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
-        if args.only_samples and index not in args.only_samples:
+        if (args.only_samples and index not in args.only_samples) or index in done:
             continue
         layout = sample_layout(engine, sample)
         document_tokens = layout.n_document_tokens
@@ -390,7 +443,7 @@ def plot(report: dict, metrics: list[str], path: Path) -> None:
         axes.axhline(rows[0]["score"], color="black", linestyle="--", label="full prefill")
         axes.set_xlabel("keep rate (share of document tokens)")
         axes.set_ylabel(metric)
-        axes.set_title(f"{report['task']}: {report['samples']} samples, SmolLM2-135M")
+        axes.set_title(f"{report['task']}: {report['samples']} samples, main {report['settings'].get('main', 'smollm2-135m')}")
         axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -409,13 +462,25 @@ def write_tables(report: dict, out: Path, metrics: list[str]) -> None:
     Path(f"{out}.md").write_text(markdown(report, metrics[0]) + "\n")
 
 
-# self-12-w16: what draft="self" means for the 30-layer SmolLM2-135M (chosen on the --seed 1 SQuAD split)
-ALL_METHODS = ["specprefill", "specprefill-la1", "self-12-w16", "contiguous", "longllmlingua", "random", "first"]
+# self: what draft="self" means for the main model (40% of its layers, window 16: chosen on the --seed 1
+# SQuAD split with SmolLM2-135M, where it is self-12-w16, the name earlier tables use)
+ALL_METHODS = ["specprefill", "specprefill-la1", "self", "contiguous", "longllmlingua", "random", "first"]
+
+
+def compressor_default(args: argparse.Namespace) -> str:
+    """LongLLMLingua's compressor: the draft model, so both compressors cost the same."""
+    return args.main if args.draft.startswith("self") else args.draft
 
 
 def main() -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     options.add_argument("--task", choices=["squad", "hotpotqa", "nq", "niah", "longbench"], default="squad")
+    options.add_argument("--main", default="smollm2-135m", help="main model spec, e.g. qwen2.5-coder-1.5b")
+    options.add_argument("--draft", default="smollm2-135m", help="draft of the specprefill methods, e.g. qwen2.5-coder-0.5b")
+    options.add_argument("--compressor", help="LongLLMLingua's compressor model (default: the draft)")
+    options.add_argument("--extra-drafts", nargs="*", default=[], metavar="SPEC",
+                         help="more drafts, run as methods specprefill-<SPEC> (another vocabulary goes through the mapped path)")
+    options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     options.add_argument("--samples", type=int, default=40)
     options.add_argument("--documents", type=int, default=5, help="squad, nq: passages per prompt")
     options.add_argument("--length", type=int, default=2000, help="niah: haystack tokens; longbench: context budget")
@@ -427,14 +492,16 @@ def main() -> None:
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--only-samples", type=int, nargs="*", help="evaluate these sample indices only (re-checks)")
     options.add_argument("--out", type=Path)
+    options.add_argument("--resume", action="store_true", help="keep the samples an earlier run of this study saved at --out")
     args = options.parse_args()
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
+    unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts}
     if unknown:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
     out.parent.mkdir(parents=True, exist_ok=True)
     metrics = table_metrics(args.task, args.max_new_tokens)
-    final = run(args, lambda partial: write_tables(partial, out, metrics))
+    final = run(args, lambda partial: write_tables(partial, out, metrics), resumed_records(args, out))
     plot(final, metrics, Path(f"{out}.png"))
     print(markdown(final, metrics[0]))
 

@@ -2,24 +2,28 @@
 
 For each length, every method runs once per repeat, interleaved, and the table gives medians with
 min-max spread; the plot shows each method's speedup over full prefill next to the bound
-``1 / (keep + draft_cost / main_cost)`` of the SmolLM2-135M draft. After the timed repeats, each
-method runs once more under a memory probe: the peak growth of resident memory during the call
-(sampled every millisecond), after ``malloc_trim`` has handed freed heap back to the system, so
-memory freed by an earlier method is not counted as free for the next one. The models' own
-weights are loaded before and are not part of it.
+``1 / (keep + draft_cost / main_cost)`` of the ``--draft`` model (its whole scoring: for a draft of
+another vocabulary that includes rendering the prompt with its tokenizer and mapping the scores).
+After the timed repeats, each method runs once more under a memory probe: the peak growth of
+resident memory during the call (sampled every millisecond), after ``malloc_trim`` has handed freed
+heap back to the system, so memory freed by an earlier method is not counted as free for the next
+one. The models' own weights are loaded before and are not part of it.
 
   full           the main model prefills the whole prompt to its first token
-  specprefill    SmolLM2-135M draft scores (look-ahead 8), selection, sparse prefill at original positions
+  specprefill    the --draft model scores (look-ahead 8; the engine's direct or mapped path, as the report's
+                 draft_path says), selection, sparse prefill at original positions
   self-<n>       draft='self': the main model's first n layers score (40% of them, the last 16 prompt
                  tokens as queries), then the same sparse prefill
   longllmlingua  ``llmlingua`` compresses the documents' text (SmolLM2-135M as its compressor), then the
                  main model prefills the compressed prompt
 
-Main model: a random model of SmolLM2-1.7B's shape (timing does not depend on weights) or the real
-SmolLM2-135M (``--main smollm2-135m``). The prompt is real text (Paul Graham essays) laid out as a
-RAG prompt: instructions, documents of about 512 tokens, a question.
+Main model: a random model of SmolLM2-1.7B's shape with SmolLM2's tokenizer (timing does not depend
+on weights), or any model spec (``--main smollm2-135m``, ``--main qwen2.5-coder-1.5b``, a folder). The
+prompt is real text (Paul Graham essays) laid out as a RAG prompt with the main model's tokenizer:
+instructions, documents of about 512 tokens, a question.
 
     python benchmarks/ttft_lengths.py --lengths 1024 2048 4096 8192 --repeats 2
+    python benchmarks/ttft_lengths.py --main qwen2.5-coder-1.5b --draft smollm2-135m --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from longllmlingua import LongLLMLingua
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
-from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
-from specprefill_rag.models import load_model, resolve
+from specprefill_rag.draft import LayerPrefixDraft
+from specprefill_rag.layout_scoring import DirectScoring
+from specprefill_rag.models import load_model, load_tokenizer, resolve
 from specprefill_rag.selection import select_kept
 from ttft import ESSAYS, ROOT, clock, first_token, machine, peak_rss_growth_mb, shape_model
 
@@ -51,14 +56,15 @@ def documents_of(tokenizer, length: int) -> list[str]:
     return [tokenizer.decode(ids[start : start + 512]) for start in range(0, len(ids), 512)]
 
 
-def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua, documents: list[str], args) -> dict:
+def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua | None, documents: list[str], args) -> dict:
     layout = engine.layout(QUESTION, documents)
     n_layers = args.self_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * engine.main.model.config.num_hidden_layers))
-    drafts = {"specprefill": ModelDraft(engine.draft.model, look_ahead=8, pool_kernel=13),
-              f"self-{n_layers}": LayerPrefixDraft(engine.main.model, n_layers, 13, SpecPrefillConfig().self_draft_window)}
+    itself = LayerPrefixDraft(engine.main.model, n_layers, 13, SpecPrefillConfig().self_draft_window)
+    drafts = {"specprefill": engine.draft_scoring, f"self-{n_layers}": DirectScoring(itself, None, 1, path="self")}
 
-    def sparse(draft) -> None:
-        kept = select_kept(draft.score(layout.input_ids), layout.document_index, keep_rate=args.keep_rate, chunk_size=32)
+    def sparse(scoring) -> None:
+        importance = scoring.importance(layout)
+        kept = select_kept(importance, layout.document_index, keep_rate=args.keep_rate, chunk_size=32)
         first_token(engine.backend, SparsePrompt.kept(layout.input_ids, kept))
 
     def longllmlingua() -> None:
@@ -66,9 +72,10 @@ def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua, documents: lis
         first_token(engine.backend, SparsePrompt.full(engine.layout(QUESTION, [compressed]).input_ids))
 
     runs = {"full": lambda: first_token(engine.backend, SparsePrompt.full(layout.input_ids)),
-            "draft_scoring": lambda: drafts["specprefill"].score(layout.input_ids)}
+            "draft_scoring": lambda: drafts["specprefill"].importance(layout)}
     runs.update({name: (lambda d=draft: sparse(d)) for name, draft in drafts.items()})
-    runs["longllmlingua"] = longllmlingua
+    if compressor is not None:
+        runs["longllmlingua"] = longllmlingua
     return {"prompt_tokens": len(layout), "document_tokens": layout.n_document_tokens, "runs": runs}
 
 
@@ -128,15 +135,36 @@ def plot(report: dict, path: Path) -> None:
     figure, axes = plt.subplots(figsize=(6, 4))
     for name in rows[0]["speedup"]:
         axes.plot(lengths, [r["speedup"][name] for r in rows], marker="o", label=name)
-    axes.plot(lengths, [r["bound"] for r in rows], color="black", linestyle="--", label="bound (135M draft)")
+    bound = f"bound ({report['draft']} draft)"
+    axes.plot(lengths, [r["bound"] for r in rows], color="black", linestyle="--", label=bound)
     axes.axhline(1.0, color="grey", linewidth=0.8)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("prompt tokens")
     axes.set_ylabel("TTFT speedup over full prefill")
-    axes.set_title(f"main {report['main']}, keep {report['keep_rate']}, {report['machine'][:40]}", fontsize=8)
+    title = f"main {report['main']}, draft {report['draft']} ({report['draft_path']}), keep {report['keep_rate']}"
+    axes.set_title(f"{title}, {report['machine'][:40]}", fontsize=8)
     axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+
+
+SHAPE_MAIN = "smollm2-1.7b-shape"
+
+
+def load_engine(args) -> SpecPrefillEngine:
+    """The main model (a spec, or the random SmolLM2-1.7B shape with SmolLM2's tokenizer) and the draft;
+    the engine picks the direct or mapped path by vocabulary."""
+    draft = load_model(args.draft, "cpu", args.dtype)
+    if args.main == SHAPE_MAIN:
+        main_model, main_tokenizer = shape_model("smollm2-1.7b", torch.float32, "cpu"), load_tokenizer("smollm2-135m")
+    elif args.main == args.draft:
+        main_model, main_tokenizer = draft.model, draft.tokenizer
+    else:
+        main = load_model(args.main, "cpu", args.dtype)
+        main_model, main_tokenizer = main.model, main.tokenizer
+    # draft_cache_mb=0: every repeat times a cold draft (the prefix cache would serve repeats 2+ from repeat 1's KV)
+    return SpecPrefillEngine.from_models(main_model, main_tokenizer, draft.model, draft_tokenizer=draft.tokenizer,
+                                         min_prompt_tokens=0, draft_cache_mb=0)
 
 
 def main() -> None:
@@ -145,16 +173,20 @@ def main() -> None:
     options.add_argument("--repeats", type=int, default=2)
     options.add_argument("--keep-rate", type=float, default=0.1)
     options.add_argument("--self-layers", type=int, help="default: what draft='self' takes (40% of the layers)")
-    options.add_argument("--main", default="smollm2-1.7b-shape", choices=["smollm2-1.7b-shape", "smollm2-135m"])
+    options.add_argument("--main", default=SHAPE_MAIN, help=f"{SHAPE_MAIN} (random weights) or a model spec")
+    options.add_argument("--draft", default="smollm2-135m", help="model spec; another vocabulary: the mapped path")
+    options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="of loaded models")
+    options.add_argument("--no-longllmlingua", action="store_true", help="leave the LongLLMLingua baseline out")
     options.add_argument("--out", type=Path)
     args = options.parse_args()
-    draft = load_model("smollm2-135m", "cpu")
-    main_model = shape_model("smollm2-1.7b", torch.float32, "cpu") if args.main != "smollm2-135m" else draft.model
-    engine = SpecPrefillEngine.from_models(main_model, draft.tokenizer, draft.model, min_prompt_tokens=0)
-    compressor = LongLLMLingua(resolve("smollm2-135m"))
-    report = {"machine": machine(), "main": args.main, "keep_rate": args.keep_rate, "repeats": args.repeats,
+    engine = load_engine(args)
+    dtype = engine.draft.model.dtype  # LongLLMLingua's compressor in the draft's dtype: the same cost per token
+    compressor = None if args.no_longllmlingua else LongLLMLingua(resolve("smollm2-135m", dtype), dtype)
+    report = {"machine": machine(), "main": args.main, "draft": args.draft, "draft_path": engine.draft_path,
+              "dtype": args.dtype, "keep_rate": args.keep_rate, "repeats": args.repeats,
               "results": [run_length(engine, compressor, length, args) for length in args.lengths]}
-    out = args.out or ROOT / "benchmarks" / "results" / f"ttft-lengths-{args.main}"
+    suffix = "" if args.draft == "smollm2-135m" else f"-draft-{Path(args.draft).name}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"ttft-lengths-{Path(args.main).name}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(report, indent=1))
     Path(f"{out}.md").write_text(markdown(report) + "\n")

@@ -13,33 +13,36 @@ from typing import Any
 
 import torch
 
+from .draft import DraftScore
 from .errors import DraftLimitError, DraftOutOfMemoryError
 
 # What allocators raise when memory runs out: CUDA (torch.OutOfMemoryError in torch >= 2.5) and Python.
 _OUT_OF_MEMORY = (torch.cuda.OutOfMemoryError, MemoryError)
 
 
-def draft_token_limit(draft_model: Any, max_draft_tokens: int | None, look_ahead: int) -> int:
+def draft_token_limit(context_length: int | None, max_draft_tokens: int | None, look_ahead: int) -> int | None:
     """Most prompt tokens one request may send through the draft: ``max_draft_tokens``, and never more
-    than the draft's own context less the ``look_ahead - 1`` tokens it decodes after the prompt."""
-    context = int(draft_model.config.max_position_embeddings) - (look_ahead - 1)
-    return context if max_draft_tokens is None else min(context, max_draft_tokens)
+    than the draft's context less the ``look_ahead - 1`` tokens it decodes after the prompt (None: no limit)."""
+    context = None if context_length is None else context_length - (look_ahead - 1)
+    limits = [limit for limit in (context, max_draft_tokens) if limit is not None]
+    return min(limits) if limits else None
 
 
-def check_draft_tokens(prompt_tokens: int, limit: int) -> None:
-    """Raise :class:`DraftLimitError` if a prompt of ``prompt_tokens`` exceeds ``limit``."""
-    if prompt_tokens > limit:
+def check_draft_tokens(prompt_tokens: int, limit: int | None) -> None:
+    """Raise :class:`DraftLimitError` if a prompt of ``prompt_tokens`` draft tokens exceeds ``limit``."""
+    if limit is not None and prompt_tokens > limit:
         raise DraftLimitError(prompt_tokens, limit)
 
 
-def score_or_out_of_memory(draft: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    """``draft.score(input_ids)``: ``[L]`` ids -> ``[L]`` importance, on the CPU.
+def score_or_out_of_memory(draft: Any, input_ids: torch.Tensor) -> DraftScore:
+    """``draft.score_prompt(input_ids)``: ``[L]`` ids -> ``[L]`` importance (on the draft's device) and the
+    tokens its prefix cache supplied.
 
     Out of memory raises :class:`DraftOutOfMemoryError` outside the ``except`` block, so the error
     carries no traceback of the draft's frames and their tensors are freed before it propagates.
     """
     try:
-        return draft.score(input_ids).cpu()
+        return draft.score_prompt(input_ids)
     except _OUT_OF_MEMORY:
         pass
     if input_ids.device.type == "cuda":

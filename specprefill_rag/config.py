@@ -6,10 +6,13 @@ average-pooling kernel 13, chunks of 32 tokens, max over layers x heads, mean ov
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The device types torch runs this package on, with an optional index ("cuda:1").
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu|hpu|npu)(:[0-9]+)?")
 
 DEFAULT_MODEL = "smollm2-135m"
 SELF_DRAFT = "self"
@@ -17,6 +20,10 @@ SELF_DRAFT_PREFIX = "self:"
 # draft="self": the first 40% of the main model's layers (12 of SmolLM2-135M's 30), scoring with the
 # last 16 prompt tokens as queries; both chosen on a SQuAD tuning split (BENCHMARKS.md).
 DEFAULT_SELF_LAYER_SHARE = 0.4
+# 2 GiB of draft KV: one 32k-token prompt of Llama-3.2-1B in bfloat16 (32 KiB a token; the draft of the
+# GPU study), forty 4k-token prompts of Qwen2.5-0.5B in bfloat16 (12 KiB), eleven of SmolLM2-135M in
+# float32 (45 KiB). It fills only with use, and only with prompts that were drafted.
+DEFAULT_DRAFT_CACHE_MB = 2048
 
 
 class SpecPrefillConfig(BaseModel):
@@ -56,6 +63,16 @@ class SpecPrefillConfig(BaseModel):
     protect_tail_tokens: int = Field(
         64, ge=1, description="For raw prompts without roles: the last tokens that are always kept."
     )
+    tokenizer: str | None = Field(
+        None,
+        description="Main model on vLLM only: the served model's tokenizer (HF id, folder, .gguf or 'smollm2-135m'); "
+        "default the draft's. Needed for a draft of another vocabulary than the served model.",
+    )
+    draft_cache_mb: int = Field(
+        DEFAULT_DRAFT_CACHE_MB, ge=0,
+        description="Draft prefix KV cache per device, in MiB (0 = off): a prompt that starts like one scored before "
+        "(same documents, another question) has the draft prefill only the rest.",
+    )
     device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="'auto' = float32 on CPU, bfloat16 on CUDA (float16 where the GPU lacks bfloat16)."
@@ -64,10 +81,9 @@ class SpecPrefillConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _torch_device(cls, value: str) -> str:
-        try:
-            torch.device(value)
-        except (RuntimeError, ValueError):
-            raise ValueError(f"device {value!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1'") from None
+        # Checked by pattern, not torch.device(): a gateway's clients build this config without torch.
+        if not isinstance(value, str) or not _DEVICE.fullmatch(value):
+            raise ValueError(f"device {value!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1'")
         return value
 
     @field_validator("pool_kernel")

@@ -17,7 +17,7 @@ import torch
 from .config import GenerationParams
 from .detokenize import IncrementalText
 from .prompt import PromptLayout
-from .results import GenerationResult, SpecPrefillStats, StreamChunk
+from .results import DraftPath, GenerationResult, SpecPrefillStats, StreamChunk
 
 
 class Decoding:
@@ -30,19 +30,23 @@ class Decoding:
         kept: ``[K]`` sorted kept prompt indices.
         draft_ms: draft scoring time.
         started: ``time.perf_counter()`` when the request arrived (for ``ttft_ms``).
+        draft_path: which draft path scored the prompt (None: no draft ran).
+        draft_cached_tokens: leading prompt tokens the draft took from its prefix cache.
 
     Create it right before asking the backend for tokens: that instant is the start of the main prefill.
     """
 
     def __init__(
         self, tokenizer: Any, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float,
-        started: float,
+        started: float, draft_path: DraftPath | None = None, draft_cached_tokens: int = 0,
     ) -> None:
         self.layout = layout
+        self.draft_path = draft_path
         self.params = params
         self.kept = kept
         self.draft_ms = draft_ms
         self.started = started
+        self.draft_cached_tokens = draft_cached_tokens
         self.text = IncrementalText(tokenizer, params.stop)
         self.tokens: list[int] = []
         self._pending: list[int] = []
@@ -91,6 +95,8 @@ class Decoding:
             ttft_ms=(first_token_at - self.started) * 1000.0,
             completion_tokens=len(tokens),
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
+            draft_path=self.draft_path,
+            draft_cached_tokens=self.draft_cached_tokens,
         )
 
 

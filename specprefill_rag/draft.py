@@ -6,6 +6,11 @@ row of each call (the last prompt token at prefill, the new token at each look-a
 its post-RoPE attention onto the prompt keys into an :class:`ImportanceAccumulator`. The wrapper
 is registered under a private name and removed, with the models' previous settings restored, in
 ``finally``.
+
+With a :class:`~specprefill_rag.draft_cache.DraftPrefixCache`, a prompt that starts like one scored
+before starts from that prefix's cached keys and values: the draft prefills only the remainder, whose
+queries still attend over every prompt key (:func:`attention_after_cached_keys`), so the scores are
+those of a cold run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .draft_cache import DraftIdentity, DraftPrefixCache, PrefixReuse
+from .errors import DraftScoringError
 from .importance import ImportanceAccumulator, query_importance
 
 _capture_ids = itertools.count()
@@ -34,6 +41,65 @@ def _attention_configs(model: nn.Module) -> list[Any]:
     return list(configs.values())
 
 
+QUERY_BLOCK = 256  # queries per SDPA call after prefix-cached keys
+
+
+def attention_after_cached_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal SDPA for queries that are the last ``q`` of ``k`` tokens (a prefill after prefix-cached keys).
+
+    transformers builds no mask for an attention implementation registered only locally (as
+    :func:`capture_attention` registers it), and SDPA's ``is_causal`` aligns queries top-left; so this
+    masks explicitly, one block of :data:`QUERY_BLOCK` queries at a time: block ``[s, e)`` sees keys
+    ``0 .. k - q + e`` through an ``[e - s, k - q + e]`` mask. Masks stay small (never ``[q, k]``) and the
+    fully masked upper-right blocks are never computed.
+
+    Args:
+        query: ``[1, H, q, d]``; key, value: ``[1, H_kv, k, d]`` with ``k > q``.
+
+    Returns:
+        ``([1, q, H, d], None)``, as transformers' ``sdpa_attention_forward``.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    n_queries, n_keys = query.shape[2], key.shape[2]
+    cached = n_keys - n_queries
+    outputs = []
+    for start in range(0, n_queries, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, n_queries)
+        mask = torch.ones(end - start, cached + end, dtype=torch.bool, device=query.device).tril(cached + start)
+        keys, values = key[:, :, : cached + end], value[:, :, : cached + end]
+        output, _ = sdpa_attention_forward(
+            module, query[:, :, start:end], keys, values, mask[None, None], scaling=scaling, **kwargs
+        )
+        outputs.append(output)
+    return torch.cat(outputs, dim=1), None
+
+
+@contextmanager
+def attention_dispatch(model: nn.Module, attention: Any) -> Iterator[str]:
+    """Route every attention call of ``model`` through ``attention`` (the signature of transformers'
+    SDPA function), for the ``with`` body only; the models' previous settings come back in ``finally``.
+    Yields the private attention-implementation name in use (tests check it is gone afterwards)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"specprefill_capture_{next(_capture_ids)}"
+    configs = _attention_configs(model)
+    previous = [config._attn_implementation for config in configs]
+    ALL_ATTENTION_FUNCTIONS[name] = attention
+    ALL_MASK_ATTENTION_FUNCTIONS[name] = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    try:
+        for config in configs:
+            config._attn_implementation = name
+        yield name
+    finally:
+        for config, implementation in zip(configs, previous):
+            config._attn_implementation = implementation
+        del ALL_ATTENTION_FUNCTIONS[name]
+        del ALL_MASK_ATTENTION_FUNCTIONS[name]
+
+
 @contextmanager
 def capture_attention(
     model: nn.Module, accumulator: ImportanceAccumulator, pool_kernel: int, query_window: int = 1
@@ -45,13 +111,14 @@ def capture_attention(
     Yields the private attention-implementation name in use (tests check it is gone afterwards).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     prompt_length = accumulator.prompt_length
 
     def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):  # type: ignore[no-untyped-def]
-        output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
+            output = attention_after_cached_keys(module, query, key, value, scaling, **kwargs)
+        else:
+            output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         if query_window == 1:
             accumulator.add(query_importance(query[0, :, -1], key[0, :, :prompt_length], scale, pool_kernel))
@@ -60,20 +127,8 @@ def capture_attention(
             accumulator.add_window(query_importance(window, key[0, :, :prompt_length], scale, pool_kernel))
         return output
 
-    name = f"specprefill_capture_{next(_capture_ids)}"
-    configs = _attention_configs(model)
-    previous = [config._attn_implementation for config in configs]
-    ALL_ATTENTION_FUNCTIONS[name] = scoring_sdpa
-    ALL_MASK_ATTENTION_FUNCTIONS[name] = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
-    try:
-        for config in configs:
-            config._attn_implementation = name
+    with attention_dispatch(model, scoring_sdpa) as name:
         yield name
-    finally:
-        for config, implementation in zip(configs, previous):
-            config._attn_implementation = implementation
-        del ALL_ATTENTION_FUNCTIONS[name]
-        del ALL_MASK_ATTENTION_FUNCTIONS[name]
 
 
 class _StopForward(Exception):
@@ -112,30 +167,51 @@ def _step_inputs(token_ids: torch.Tensor, first_position: int) -> dict[str, torc
     return {"input_ids": token_ids.view(1, -1), "position_ids": positions.view(1, -1), "cache_position": positions}
 
 
+@dataclass(frozen=True)
+class DraftScore:
+    """What a draft computed for one prompt.
+
+    Attributes:
+        importance: ``[L]`` float32 importance of each prompt token.
+        cached_tokens: leading prompt tokens whose draft KV came from the prefix cache (0 on a miss).
+    """
+
+    importance: torch.Tensor
+    cached_tokens: int = 0
+
+
 @dataclass
 class ModelDraft:
     """A separate small draft model sharing the main model's tokenizer (the paper's setting).
 
     Queries are the last prompt token plus ``look_ahead - 1`` greedily decoded draft tokens; decoding
-    stops early at an end-of-sequence token.
+    stops early at an end-of-sequence token. With a ``prefix_cache``, a prompt that starts like one
+    scored before prefills only its remainder (at least the last token, whose query is scored).
     """
 
     model: nn.Module
     look_ahead: int = 8
     pool_kernel: int = 13
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    prefix_cache: DraftPrefixCache | None = None
 
-    @torch.inference_mode()
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
-        from transformers import DynamicCache
+        return self.score_prompt(input_ids).importance
 
+    @torch.inference_mode()
+    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
+        """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied."""
         prompt_length = input_ids.numel()
         accumulator = ImportanceAccumulator(prompt_length, self.look_ahead, input_ids.device)
-        use_cache = self.look_ahead > 1
-        cache = DynamicCache(config=self.model.config) if use_cache else None
+        layers = self.model.config.num_hidden_layers
+        reuse = PrefixReuse.begin(
+            self.prefix_cache, self.model, layers, input_ids, prompt_length - 1, needs_past=self.look_ahead > 1
+        )
+        cache, start = reuse.past, reuse.cached_tokens
         with capture_attention(self.model, accumulator, self.pool_kernel):
-            output = self.model(**_step_inputs(input_ids, 0), past_key_values=cache, use_cache=use_cache, logits_to_keep=1)
+            inputs = _step_inputs(input_ids[start:], start)
+            output = self.model(**inputs, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
             for step in range(1, self.look_ahead):
                 token = output.logits[0, -1].argmax()
                 if int(token) in self.eos_token_ids:
@@ -143,7 +219,29 @@ class ModelDraft:
                 accumulator.step = step
                 inputs = _step_inputs(token.view(1), prompt_length + step - 1)
                 output = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return accumulator.result()
+        importance = accumulator.result()
+        reuse.remember(input_ids)
+        return DraftScore(importance, start)
+
+    def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
+        """Several ``[L_i]`` prompts in one batched forward (:mod:`specprefill_rag.batch_draft`); per prompt
+        its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error.
+
+        Prompts the prefix cache can serve are scored alone (only their remainder is computed, which is
+        cheaper than a padded row); the rest share one forward."""
+        alone = [self._has_cached_prefix(p) or len(prompts) == 1 for p in prompts]
+        batched = [p for p, single in zip(prompts, alone) if not single]
+        from .batch_draft import score_model_batch
+
+        together = iter(score_model_batch(self, batched) if len(batched) > 1 else [_score_or_error(self.score_prompt, p)
+                                                                                   for p in batched])
+        return [_score_or_error(self.score_prompt, p) if single else next(together) for p, single in zip(prompts, alone)]
+
+    def _has_cached_prefix(self, input_ids: torch.Tensor) -> bool:
+        if self.prefix_cache is None:
+            return False
+        draft = DraftIdentity.of(self.model, self.model.config.num_hidden_layers)
+        return self.prefix_cache.lookup(draft, input_ids, input_ids.numel() - 1) is not None
 
 
 @dataclass
@@ -152,23 +250,47 @@ class LayerPrefixDraft:
 
     For users without a smaller sibling model. The forward pass stops after layer ``n_layers``, so no
     look-ahead token can be decoded; the queries are instead the last ``query_window`` prompt tokens
-    (the question and the template around it), each seeing the prompt up to itself.
+    (the question and the template around it), each seeing the prompt up to itself. With a
+    ``prefix_cache``, at most ``L - query_window`` leading tokens are reused, so every query is computed.
     """
 
     model: nn.Module
     n_layers: int
     pool_kernel: int = 13
     query_window: int = 1
+    prefix_cache: DraftPrefixCache | None = None
 
-    @torch.inference_mode()
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
+        return self.score_prompt(input_ids).importance
+
+    @torch.inference_mode()
+    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
+        """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied."""
         window = min(self.query_window, input_ids.numel())
         accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
+        reuse = PrefixReuse.begin(
+            self.prefix_cache, self.model, self.n_layers, input_ids, input_ids.numel() - window, needs_past=False
+        )
+        cache, start = reuse.past, reuse.cached_tokens
         capture = capture_attention(self.model, accumulator, self.pool_kernel, window)
         with capture, stop_after_layers(self.model, self.n_layers):
             try:
-                self.model(**_step_inputs(input_ids, 0), use_cache=False, logits_to_keep=1)
+                inputs = _step_inputs(input_ids[start:], start)
+                self.model(**inputs, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
             except _StopForward:
                 pass
-        return accumulator.result()
+        importance = accumulator.result()
+        reuse.remember(input_ids)
+        return DraftScore(importance, start)
+
+    def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
+        """One prompt after another (a layer-prefix draft is not batched); each its score or its error."""
+        return [_score_or_error(self.score_prompt, prompt) for prompt in prompts]
+
+
+def _score_or_error(score: Any, input_ids: torch.Tensor) -> DraftScore | DraftScoringError:
+    try:
+        return score(input_ids)
+    except DraftScoringError as error:
+        return error

@@ -21,14 +21,15 @@ import torch
 from .arguments import check_flag, check_keep_rate, check_layout, check_params, generation_params
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
-from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
 from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
+from .draft_cache import DraftPrefixCache, shared_prefix_cache
 from .errors import ContextLengthError, InvalidRequestError
-from .models import LoadedModel, check_same_vocabulary, model_lock, shared_model
+from .layout_scoring import DirectScoring, MappedScoring, draft_scoring
+from .models import LoadedModel, load_tokenizer, model_lock, shared_model
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
-from .results import GenerationResult, StreamChunk
+from .results import DraftPath, GenerationResult, Selection, StreamChunk
 from .selection import select_kept
 
 
@@ -52,6 +53,10 @@ class SpecPrefillEngine:
 
     def __init__(self, config: SpecPrefillConfig | None = None, **settings: Any) -> None:
         config = _make_config(config, settings)
+        if config.tokenizer is not None:
+            raise InvalidRequestError(
+                "tokenizer= names the tokenizer of a main model on vLLM; in-process the main model's own is used"
+            )
         main = shared_model(config.main, config.device, config.dtype)
         draft = None
         if not config.is_self_draft and config.draft != config.main:
@@ -76,13 +81,15 @@ class SpecPrefillEngine:
         tokenizer: Any,
         draft_model: Any | None = None,
         config: SpecPrefillConfig | None = None,
+        draft_tokenizer: Any | None = None,
         **settings: Any,
     ) -> SpecPrefillEngine:
         """An engine over models already loaded; ``draft_model=None`` means the main model drafts for
-        itself (whole, or its first n layers with ``draft='self:<n>'``)."""
+        itself (whole, or its first n layers with ``draft='self:<n>'``). ``draft_tokenizer``: the draft's
+        own, when it differs from the main model's (the mapped path); default ``tokenizer``."""
         engine = cls.__new__(cls)
         config = _make_config(config, settings)
-        draft = LoadedModel(draft_model, tokenizer, "draft") if draft_model is not None else None
+        draft = LoadedModel(draft_model, draft_tokenizer or tokenizer, "draft") if draft_model is not None else None
         engine._setup(config, LoadedModel(main_model, tokenizer, "main"), draft)
         return engine
 
@@ -93,22 +100,32 @@ class SpecPrefillEngine:
             n_layers = config.self_draft_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * available))
             if n_layers > available:
                 raise InvalidRequestError(f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})")
-            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, config.self_draft_window)
+            window, cache = config.self_draft_window, _prefix_cache(config, main.model)
+            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, window, cache)
+            scoring: DirectScoring | MappedScoring = DirectScoring(scorer, main.context_length, 1, config.max_draft_tokens, path="self")
         else:
-            if draft is not None:
-                check_same_vocabulary(main.tokenizer, draft.tokenizer)
-            draft_model = draft.model if draft is not None else main.model
-            scorer = ModelDraft(draft_model, config.look_ahead, config.pool_kernel, eos)
-        self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scorer, main)
+            drafting = draft if draft is not None else main
+            draft_eos = eos_token_ids(drafting.model, drafting.tokenizer)
+            cache = _prefix_cache(config, drafting.model)
+            scorer = ModelDraft(drafting.model, config.look_ahead, config.pool_kernel, draft_eos, cache)
+            scoring = draft_scoring(scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens)
+        self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scoring, main)
 
     def _assemble(
-        self, config: SpecPrefillConfig, tokenizer: Any, backend: MainBackend, scorer: Any, main: LoadedModel | None
+        self, config: SpecPrefillConfig, tokenizer: Any, backend: MainBackend, scoring: DirectScoring | MappedScoring,
+        main: LoadedModel | None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.backend = backend
-        self.draft = scorer
+        self.draft_scoring = scoring
+        self.draft = scoring.draft  # scores token ids of its own vocabulary
         self.main = main  # None when the main model runs elsewhere (vLLM)
+
+    @property
+    def draft_path(self) -> DraftPath:
+        """How the draft scores: ``direct`` (main's vocabulary), ``mapped`` (its own) or ``self``."""
+        return self.draft_scoring.path
 
     @classmethod
     def for_vllm(
@@ -121,7 +138,9 @@ class SpecPrefillEngine:
     ) -> SpecPrefillEngine:
         """An engine whose main model runs on vLLM: ``server`` is the URL of an OpenAI-compatible vLLM
         server, or an in-process ``vllm.LLM``; both need this package installed next to vLLM (plugin).
-        The draft (``config.draft``) runs here and provides the tokenizer."""
+        The draft (``config.draft``) runs here. The main model's tokenizer is ``config.tokenizer`` (the
+        served model's name or folder), by default the draft's; the server's ``/tokenize`` checks it.
+        A draft of another vocabulary than that tokenizer scores through the mapped path."""
         from .backends.vllm import connect
 
         config = _make_config(config, settings)
@@ -129,11 +148,15 @@ class SpecPrefillEngine:
             raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
         backend = connect(server, timeout, on_missing_plugin)  # type: ignore[arg-type]
         draft = shared_model(config.draft, config.device, config.dtype)
-        eos = eos_token_ids(draft.model, draft.tokenizer)
-        backend.adopt_tokenizer(draft.tokenizer, eos)
+        draft_eos = eos_token_ids(draft.model, draft.tokenizer)
+        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else draft.tokenizer
+        main_eos = draft_eos if tokenizer is draft.tokenizer else eos_token_ids(None, tokenizer)
+        backend.adopt_tokenizer(tokenizer, main_eos)
         engine = cls.__new__(cls)
-        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, eos)
-        engine._assemble(config, draft.tokenizer, backend, scorer, None)
+        cache = _prefix_cache(config, draft.model)
+        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache)
+        scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead, config.max_draft_tokens)
+        engine._assemble(config, tokenizer, backend, scoring, None)
         return engine
 
     # -- prompts ---------------------------------------------------------------------------------
@@ -152,39 +175,37 @@ class SpecPrefillEngine:
 
     # -- selection -------------------------------------------------------------------------------
 
-    def select(self, layout: PromptLayout, keep_rate: float | None = None) -> tuple[torch.Tensor, float]:
-        """Sorted kept token indices ``[K]`` and the draft time in ms (0 when nothing is compressed)."""
+    def compresses(self, layout: PromptLayout, keep_rate: float, max_document_tokens: int | None) -> bool:
+        """Whether this request is worth a draft: something to drop, a long enough prompt, a backend that
+        prefills sparse prompts."""
+        whole = keep_rate >= 1.0 and max_document_tokens is None
+        unsupported = not self.backend.supports_sparse_prefill
+        return not (whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0)
+
+    def select(self, layout: PromptLayout, keep_rate: float | None = None) -> Selection:
+        """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed) and the
+        prompt tokens the draft took from its prefix cache."""
         checked = check_keep_rate(keep_rate)
         rate = self.config.keep_rate if checked is None else checked
-        if not self._uses_draft(layout, rate):
-            return torch.arange(len(layout)), 0.0
-        check_draft_tokens(len(layout), self.max_draft_tokens)
+        if not self.compresses(layout, rate, self.config.max_document_tokens):
+            return Selection(torch.arange(len(layout)))
         started = time.perf_counter()
-        device = next(self.draft.model.parameters()).device
-        with model_lock(self.draft.model):
-            importance = score_or_out_of_memory(self.draft, layout.input_ids.to(device))
+        scored = self.draft_scoring.score(layout)
         draft_ms = _milliseconds(started)
         kept = select_kept(
-            importance,
+            scored.importance,
             layout.document_index,
             keep_rate=rate,
             chunk_size=self.config.chunk_size,
             max_document_tokens=self.config.max_document_tokens,
         )
-        return kept, draft_ms
-
-    def _uses_draft(self, layout: PromptLayout, rate: float) -> bool:
-        """Whether a request at keep rate ``rate`` is scored by the draft (else it is prefilled whole)."""
-        whole = rate >= 1.0 and self.config.max_document_tokens is None
-        unsupported = not self.backend.supports_sparse_prefill
-        short = len(layout) < self.config.min_prompt_tokens
-        return not (whole or unsupported or short or layout.n_document_tokens == 0)
+        return Selection(kept, draft_ms, scored.cached_tokens)
 
     @property
     def max_draft_tokens(self) -> int:
-        """Most prompt tokens one request may send through the draft (``config.max_draft_tokens``, at most
-        the draft's context); longer prompts that would be compressed get a ``DraftLimitError``."""
-        return draft_token_limit(self.draft.model, self.config.max_draft_tokens, self.config.effective_look_ahead)
+        """Most prompt tokens (the draft's own) one request may send through the draft:
+        ``config.max_draft_tokens``, at most the draft's context less its look-ahead."""
+        return self.draft_scoring.token_limit
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -237,16 +258,24 @@ class SpecPrefillEngine:
         layout = self.text_layout(prompt, parse_special_tokens)
         return last_result(self._stream(layout, generation, keep_rate, started))
 
+    def _ran(self, draft_ms: float) -> DraftPath | None:
+        """The draft path for the stats: None when :meth:`select` ran no draft (it then reports 0 ms)."""
+        return self.draft_path if draft_ms > 0 else None
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise :class:`ContextLengthError` unless the prompt and the tokens to generate fit the main model."""
+        context = self.backend.context_length
+        if prompt_tokens + max_new_tokens > context:
+            raise ContextLengthError(prompt_tokens, max_new_tokens, context)
+
     def _check_request(self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None) -> None:
         """Refuse a request before any model runs: bad layout or keep rate, too long for the main model's
-        context or for the draft (``max_draft_tokens``)."""
+        context, or for the draft (its context, ``max_draft_tokens``)."""
         check_layout(layout, len(self.tokenizer))
         rate = check_keep_rate(keep_rate)
-        context = self.backend.context_length
-        if len(layout) + params.max_new_tokens > context:
-            raise ContextLengthError(len(layout), params.max_new_tokens, context)
-        if self._uses_draft(layout, self.config.keep_rate if rate is None else rate):
-            check_draft_tokens(len(layout), self.max_draft_tokens)
+        self.check_length(len(layout), params.max_new_tokens)
+        if self.compresses(layout, self.config.keep_rate if rate is None else rate, self.config.max_document_tokens):
+            self.draft_scoring.prepare(layout)  # raises DraftContextLengthError or DraftLimitError
 
     def _stream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
@@ -254,12 +283,16 @@ class SpecPrefillEngine:
         self._check_request(layout, params, keep_rate)
         return self._decode(layout, params, keep_rate, started)
 
+    def _decoding(self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float) -> Decoding:
+        kept, draft_ms, cached = chosen.kept, chosen.draft_ms, chosen.draft_cached_tokens
+        return Decoding(self.tokenizer, layout, params, kept, draft_ms, started, self._ran(draft_ms), cached)
+
     def _decode(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> Iterator[StreamChunk]:
-        kept, draft_ms = self.select(layout, keep_rate)
-        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started)
-        generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, kept), params)
+        chosen = self.select(layout, keep_rate)
+        decoding = self._decoding(layout, params, chosen, started)
+        generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, chosen.kept), params)
         try:
             for token in generated:
                 if chunk := decoding.push(token):
@@ -318,15 +351,36 @@ class SpecPrefillEngine:
     async def _adecode(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        kept, draft_ms = await asyncio.to_thread(self.select, layout, keep_rate)
-        decoding = Decoding(self.tokenizer, layout, params, kept, draft_ms, started)
-        async with aclosing(self.backend.agenerate(SparsePrompt.kept(layout.input_ids, kept), params)) as generated:
+        chosen = await asyncio.to_thread(self.select, layout, keep_rate)
+        async with aclosing(self._astream_kept(layout, params, chosen, started)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    def astream_selected(
+        self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """:meth:`astream_layout` with the kept indices chosen elsewhere: the gateway scores the drafts of
+        concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival."""
+        self.check_length(len(layout), params.max_new_tokens)
+        return self._astream_kept(layout, params, chosen, started)
+
+    async def _astream_kept(
+        self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float
+    ) -> AsyncGenerator[StreamChunk, None]:
+        decoding = self._decoding(layout, params, chosen, started)
+        prompt = SparsePrompt.kept(layout.input_ids, chosen.kept)
+        async with aclosing(self.backend.agenerate(prompt, params)) as generated:
             async for token in generated:
                 if chunk := decoding.push(token):
                     yield chunk
                 if decoding.stopped:
                     break
         yield decoding.finish()
+
+
+def _prefix_cache(config: SpecPrefillConfig, draft_model: Any) -> DraftPrefixCache | None:
+    """The shared draft prefix cache for ``draft_model``'s device, or ``None`` when ``config`` turns it off."""
+    return shared_prefix_cache(next(draft_model.parameters()).device, config.draft_cache_mb * 2**20)
 
 
 def _make_config(config: SpecPrefillConfig | None, settings: dict[str, Any]) -> SpecPrefillConfig:

@@ -38,6 +38,19 @@ class ContextLengthError(InvalidRequestError):
         super().__init__(msg)
 
 
+class DraftContextLengthError(InvalidRequestError):
+    """The prompt, in the draft model's tokens and with its look-ahead, exceeds the draft's context."""
+
+    def __init__(self, draft_tokens: int, look_ahead: int, context_length: int) -> None:
+        self.draft_tokens = draft_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"the prompt has {draft_tokens} tokens for the draft model (+{look_ahead - 1} look-ahead) but the draft's "
+            f"context is {context_length} tokens; use a draft with a longer context or draft='self', retrieve fewer "
+            "or shorter documents, or send this request with keep_rate=1.0 (no draft; nothing is truncated silently)"
+        )
+
+
 class ModelLoadError(SpecPrefillError):
     """A model spec could not be resolved or loaded."""
 

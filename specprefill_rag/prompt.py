@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Any, Union
 
@@ -18,6 +18,7 @@ import torch
 
 from .arguments import check_documents, check_optional_text, check_text
 from .errors import InvalidRequestError
+from .prompt_sources import PromptSource, SegmentsSource, TurnsSource
 from .tokens import encode_trusted_controls
 
 
@@ -65,12 +66,20 @@ class PromptLayout:
         roles: ``[L]`` long, a :class:`Role` per token.
         document_index: ``[L]`` long, document of each document token, ``-1`` elsewhere.
         text: the rendered prompt.
+        offsets: ``[L, 2]`` long character span of each token in ``text`` (empty for tokens the
+            tokenizer adds, e.g. BOS); None for a layout built by hand.
+        document_spans: ``[S, 2]`` long ``(start, end)`` in ``text`` of every document's text, in
+            prompt order (a document whose text is split by the template has several).
+        source: what to render for another tokenizer; None for a layout built by hand.
     """
 
     input_ids: torch.Tensor
     roles: torch.Tensor
     document_index: torch.Tensor
     text: str
+    offsets: torch.Tensor | None = None
+    document_spans: torch.Tensor | None = None
+    source: PromptSource | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
@@ -231,7 +240,18 @@ def layout_from_segments(tokenizer: Any, segments: Sequence[Segment], add_specia
     index = torch.where(inside, first, torch.full_like(first, len(segments)))
     roles = segment_roles[index]
     document_index = torch.where(roles == Role.DOCUMENT, segment_documents[index], torch.full_like(index, -1))
-    return PromptLayout(input_ids, roles, document_index, text)
+    source = SegmentsSource(tuple(segments), add_special_tokens)
+    return PromptLayout(input_ids, roles, document_index, text, offsets, _document_spans(segments), source)
+
+
+def _document_spans(segments: Sequence[Segment]) -> torch.Tensor:
+    """``[S, 2]`` long ``(start, end)`` of the non-empty document segments in the joined text."""
+    spans, cursor = [], 0
+    for segment in segments:
+        if segment.role == Role.DOCUMENT and segment.text:
+            spans.append((cursor, cursor + len(segment.text)))
+        cursor += len(segment.text)
+    return torch.tensor(spans, dtype=torch.long).view(-1, 2)
 
 
 def build_turns_layout(tokenizer: Any, turns: Sequence[Turn], use_chat_template: bool = True) -> PromptLayout:
@@ -239,8 +259,10 @@ def build_turns_layout(tokenizer: Any, turns: Sequence[Turn], use_chat_template:
     if not turns:
         raise InvalidRequestError("no messages given; pass at least one user message")
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        return layout_from_segments(tokenizer, render_chat(tokenizer, turns), add_special_tokens=False)
-    return layout_from_segments(tokenizer, render_plain(turns), add_special_tokens=True)
+        layout = layout_from_segments(tokenizer, render_chat(tokenizer, turns), add_special_tokens=False)
+    else:
+        layout = layout_from_segments(tokenizer, render_plain(turns), add_special_tokens=True)
+    return replace(layout, source=TurnsSource(tuple(turns), use_chat_template))
 
 
 def build_rag_layout(
@@ -261,7 +283,7 @@ def protect_tail(layout: PromptLayout, n_tokens: int) -> PromptLayout:
     roles, document_index = layout.roles.clone(), layout.document_index.clone()
     roles[candidates] = Role.QUESTION
     document_index[candidates] = -1
-    return PromptLayout(layout.input_ids, roles, document_index, layout.text)
+    return replace(layout, roles=roles, document_index=document_index)
 
 
 def build_text_layout(
@@ -280,10 +302,30 @@ def build_text_layout(
     """
     check_text(prompt, "prompt", "rendered prompt text")
     trusted = [(0, len(prompt))] if parse_special_tokens else []
-    input_ids, _ = encode_trusted_controls(tokenizer, prompt, trusted, add_special_tokens=not parse_special_tokens)
+    add_special_tokens = not parse_special_tokens
+    input_ids, offsets = encode_trusted_controls(tokenizer, prompt, trusted, add_special_tokens)
     special = torch.isin(input_ids, torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=torch.long))
     roles = torch.where(special, Role.TEMPLATE, Role.DOCUMENT).long()
     roles[-protect_tail_tokens:] = torch.where(special[-protect_tail_tokens:], Role.TEMPLATE, Role.QUESTION)
     pseudo_document = torch.cumsum(special.long(), 0)
     document_index = torch.where(roles == Role.DOCUMENT, pseudo_document, torch.full_like(pseudo_document, -1))
-    return PromptLayout(input_ids, roles, document_index, prompt)
+    segments = _run_segments(prompt, offsets, pseudo_document, special, parse_special_tokens)
+    source = SegmentsSource(segments, add_special_tokens)
+    return PromptLayout(input_ids, roles, document_index, prompt, offsets, _document_spans(segments), source)
+
+
+def _run_segments(
+    prompt: str, offsets: torch.Tensor, pseudo_document: torch.Tensor, special: torch.Tensor, scaffold: bool
+) -> tuple[Segment, ...]:
+    """The prompt cut into its runs of ordinary tokens (pseudo-documents) and the text between them."""
+    segments, cursor = [], 0
+    for run in pseudo_document[~special].unique().tolist():
+        members = offsets[(pseudo_document == run) & ~special]
+        start, end = int(members[:, 0].min()), int(members[:, 1].max())
+        if end <= start:  # only zero-width tokens (added by the tokenizer): no text to render
+            continue
+        segments.append(Segment(prompt[cursor:start], Role.TEMPLATE, scaffold=scaffold))
+        segments.append(Segment(prompt[start:end], Role.DOCUMENT, run))
+        cursor = end
+    segments.append(Segment(prompt[cursor:], Role.TEMPLATE, scaffold=scaffold))
+    return tuple(s for s in segments if s.text)

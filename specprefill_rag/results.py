@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # results also travel through the torch-free gateway client
+    import torch
 
 FinishReason = Literal["stop", "length"]
+DraftPath = Literal["direct", "mapped", "self"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,13 @@ class SpecPrefillStats:
         ttft_ms: request start to first token: layout, draft, selection and main prefill.
         completion_tokens: tokens generated.
         decode_tokens_per_s: generation speed after the first token (0 with fewer than 2 tokens).
+        draft_path: how the draft scored: ``direct`` (a draft of the main model's vocabulary reads its
+            ids), ``mapped`` (a draft of another vocabulary, through characters), ``self`` (the main
+            model's first layers); None when no draft ran (not compressed).
+        draft_cached_tokens: leading tokens of the draft's prompt whose KV came from the draft prefix
+            cache (0: a cold draft, or no draft call). The draft's prompt is this prompt on the direct and
+            self paths (the draft prefilled ``prompt_tokens - draft_cached_tokens``), its own rendering on
+            the mapped path.
     """
 
     prompt_tokens: int
@@ -39,9 +48,26 @@ class SpecPrefillStats:
     ttft_ms: float
     completion_tokens: int
     decode_tokens_per_s: float
+    draft_path: DraftPath | None = None
+    draft_cached_tokens: int = 0
 
-    def as_dict(self) -> dict[str, float | int | bool]:
+    def as_dict(self) -> dict[str, float | int | bool | str | None]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The prompt tokens the main model prefills, and what choosing them cost.
+
+    Attributes:
+        kept: ``[K]`` sorted kept prompt indices.
+        draft_ms: draft scoring time (0 when nothing is compressed).
+        draft_cached_tokens: leading prompt tokens the draft took from its prefix cache.
+    """
+
+    kept: torch.Tensor
+    draft_ms: float = 0.0
+    draft_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,7 +78,8 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: FinishReason
     stats: SpecPrefillStats
-    kept_positions: torch.Tensor = field(repr=False)
+    kept_positions: torch.Tensor | None = field(repr=False)
+    """``[K]`` sorted kept prompt indices; None when the answer came from a gateway."""
 
 
 @dataclass(frozen=True)

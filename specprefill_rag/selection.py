@@ -9,6 +9,8 @@ token are always kept. Paper section 3.2.3.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -76,11 +78,51 @@ def chunks_to_take(sizes_ranked: torch.Tensor, n_document_tokens: int, keep_rate
     return min(by_rate, by_cap)
 
 
+@dataclass(frozen=True)
+class FixedRate:
+    """Keep ``rate`` of the document tokens (rounded up to whole chunks)."""
+
+    rate: float
+
+    def keep_rate(self, means_ranked: torch.Tensor, sizes_ranked: torch.Tensor) -> float:
+        return self.rate
+
+
+@dataclass(frozen=True)
+class ImportanceMass:
+    """``keep_rate="auto"``: the fewest best chunks that hold ``share`` of the documents' importance mass
+    above the background level, kept share within ``[floor, ceiling]``.
+
+    The background is the median chunk's mean importance: every token gets some attention, so mass is
+    counted above it (a prompt whose attention is flat keeps the floor, one with a few sharp chunks
+    keeps about those).
+    """
+
+    share: float
+    floor: float
+    ceiling: float
+
+    def keep_rate(self, means_ranked: torch.Tensor, sizes_ranked: torch.Tensor) -> float:
+        """The chosen share of document tokens, from ``[n_chunks]`` means and sizes in rank order."""
+        excess = (means_ranked - means_ranked.median()).clamp(min=0) * sizes_ranked
+        total = float(excess.sum())
+        n_documents = int(sizes_ranked.sum())
+        if total <= 0:
+            return self.floor
+        held = torch.cumsum(excess, 0) / total
+        n_chunks = int(torch.searchsorted(held, torch.tensor(self.share, dtype=held.dtype) - 1e-6)) + 1
+        rate = float(sizes_ranked[:n_chunks].sum()) / n_documents
+        return min(max(rate, self.floor), self.ceiling)
+
+
+KeepBudget = Union[FixedRate, ImportanceMass]
+
+
 def select_kept(
     importance: torch.Tensor,
     document_index: torch.Tensor,
     *,
-    keep_rate: float,
+    keep_rate: float | KeepBudget,
     chunk_size: int,
     max_document_tokens: int | None = None,
 ) -> torch.Tensor:
@@ -89,7 +131,8 @@ def select_kept(
     Args:
         importance: ``[L]`` float, per-token importance from the draft.
         document_index: ``[L]`` long, document of each token or ``-1``.
-        keep_rate: fraction of document tokens to keep, in (0, 1].
+        keep_rate: fraction of document tokens to keep, in (0, 1], or a budget policy
+            (:class:`FixedRate`, :class:`ImportanceMass`) that chooses it from the ranked chunks.
         chunk_size: chunk length in tokens.
         max_document_tokens: optional hard cap on kept document tokens.
 
@@ -103,7 +146,9 @@ def select_kept(
     if n_chunks > 0:
         means, sizes = chunk_means(importance, chunk_id, n_chunks)
         ranked = torch.sort(means, descending=True, stable=True).indices
-        n_take = chunks_to_take(sizes[ranked], int(sizes.sum()), keep_rate, max_document_tokens)
+        budget = FixedRate(keep_rate) if isinstance(keep_rate, (int, float)) else keep_rate
+        rate = budget.keep_rate(means[ranked], sizes[ranked])
+        n_take = chunks_to_take(sizes[ranked], int(sizes.sum()), rate, max_document_tokens)
         taken = torch.zeros(n_chunks, dtype=torch.bool, device=importance.device)
         taken[ranked[:n_take]] = True
         keep |= (chunk_id >= 0) & taken[chunk_id.clamp(min=0)]

@@ -202,3 +202,32 @@ def test_failed_samples_are_left_out_of_the_rows_and_listed():
     row = {r["method"]: r for r in summarise(report, "contains")}["longllmlingua"]
     assert row["n"] == 2 and row["score"] == 0.0  # samples 0 and 2
     assert "longllmlingua at keep 0.1 on sample(s) 1: llmlingua: AssertionError." in markdown(report, "contains")
+
+
+def test_mapping_study_counts_the_document_characters_kept_tokens_cover(tokenizer):
+    from mapping import kept_characters
+
+    from specprefill_rag.prompt import build_rag_layout
+
+    layout = build_rag_layout(tokenizer, "When?", ["the quick brown fox", "Paris is the capital of France"])
+    documents = torch.nonzero(layout.document_index >= 0).flatten()
+    assert kept_characters(layout, torch.arange(len(layout))).all()
+    first_document = documents[layout.document_index[documents] == 0]
+    covered = kept_characters(layout, first_document)
+    assert covered.tolist() == [True] * len("the quick brown fox") + [False] * len("Paris is the capital of France")
+
+
+def test_draft_cache_summary_reads_the_hits_against_the_bound():
+    from draft_cache import summarize
+
+    def question(cold_draft, warm_draft, warm_ttft):
+        return {"prompt_tokens": 1000, "cache_bytes": 2**20,
+                "cold": {"draft_ms": cold_draft, "ttft_ms": 2 * cold_draft, "kept_tokens": 100},
+                "warm": {"draft_ms": warm_draft, "ttft_ms": warm_ttft, "kept_tokens": 100}}
+
+    rows = [question(1000, 1000, 2000), question(1000, 50, 1000), question(1000, 100, 1200), question(1000, 80, 1100)]
+    summary = summarize(rows, full_ms=10_000)
+    assert summary["warm_over_cold_draft"] == {"median": 0.08, "min": 0.05, "max": 0.1, "n": 3}  # the miss left out
+    assert summary["warm_bound"] == pytest.approx(1 / (0.1 + 80 / 10_000))
+    assert summary["warm_speedup"] == pytest.approx(10_000 / 1100)
+    assert summary["cache_mb"] == 1.0

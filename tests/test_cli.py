@@ -47,3 +47,31 @@ def test_ask_reports_bad_input_without_traceback(tmp_path, tiny_model_dir, capsy
     assert "keep_rate" in capsys.readouterr().err
     assert main(["ask", "--question", "Q?", "--docs", str(tmp_path / "missing.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_serve_options_fill_the_gateway_settings(monkeypatch):
+    from specprefill_rag.cli import parser, serve_settings
+
+    monkeypatch.setenv("SPECPREFILL_API_KEY", "from-env")
+    args = parser().parse_args(["serve", "--port", "9001", "--keep-rate", "0.2", "--draft-batch-size", "8",
+                                "--on-draft-error", "fail", "--request-timeout", "30"])
+    settings = serve_settings(args)
+    assert (settings.port, settings.keep_rate, settings.draft_batch_size) == (9001, 0.2, 8)
+    assert settings.on_draft_error == "fail" and settings.request_timeout_s == 30
+    assert settings.api_key.get_secret_value() == "from-env" and settings.host == "127.0.0.1"
+    assert "from-env" not in repr(settings)  # the key is never printed
+    explicit = serve_settings(parser().parse_args(["serve", "--api-key", "given"]))
+    assert explicit.api_key.get_secret_value() == "given"
+
+
+def test_serve_reports_bad_settings_without_traceback(capsys):
+    assert main(["serve", "--keep-rate", "0", "--port", "1"]) == 2
+    assert "keep_rate" in capsys.readouterr().err
+
+
+def test_draft_batch_size_defaults_to_the_measured_choice_per_device():
+    from specprefill_rag.serve.settings import GatewaySettings
+
+    assert GatewaySettings(device="cpu").resolved_draft_batch_size() == 1
+    assert GatewaySettings(device="cuda:1").resolved_draft_batch_size() == 8
+    assert GatewaySettings(device="cpu", draft_batch_size=3).resolved_draft_batch_size() == 3

@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
-from specprefill_rag.models import embedded_gguf, gguf_folder
+from specprefill_rag.draft import ModelDraft
+from specprefill_rag.draft_cache import DraftPrefixCache, common_prefix_length
+from specprefill_rag.models import embedded_gguf, gguf_folder, shared_model
+from specprefill_rag.selection import select_kept
 
 HAYSTACK = sorted((Path(__file__).parent / "fixtures" / "haystack").glob("*.txt"))
 pytestmark = pytest.mark.real_model
@@ -88,3 +91,29 @@ def test_self_draft_on_real_model(engine):
     result = self_engine.generate(question, haystack(needle, document, depth), INSTRUCTIONS, max_new_tokens=8)
     assert result.stats.compressed
     assert result.stats.draft_ms > 0
+
+
+def cold_and_hit(model, first, second):
+    """A cold draft's importance for ``second``, and a cached draft's after it scored ``first``."""
+    cached = ModelDraft(model, look_ahead=8, prefix_cache=DraftPrefixCache(2**31))
+    cached.score_prompt(first)
+    return ModelDraft(model, look_ahead=8).score(second), cached.score_prompt(second)
+
+
+def test_draft_prefix_cache_hit_scores_as_a_cold_draft(engine):
+    """A second question over the same ~2,000 tokens of fixture texts: the draft prefills only the question.
+
+    In float32 the hit's importance is the cold one's to float tolerance. In bfloat16 (the default on
+    CPUs that compute it natively) the masked and causal SDPA kernels round differently: importance
+    moves by a few percent, less than bfloat16 itself moves it from float32, and the kept tokens agree.
+    """
+    needle, question, _, document, depth = NEEDLES[0]
+    documents = haystack(needle, document, depth)
+    first, second = (engine.layout(q, documents, INSTRUCTIONS) for q in (question, NEEDLES[1][1]))
+    cold, hit = cold_and_hit(shared_model("smollm2-135m", "cpu", "float32").model, first.input_ids, second.input_ids)
+    assert hit.cached_tokens == common_prefix_length(first.input_ids, second.input_ids) > 0.95 * len(second)
+    torch.testing.assert_close(hit.importance, cold, rtol=1e-4, atol=1e-7)
+    cold, hit = cold_and_hit(engine.draft.model, first.input_ids, second.input_ids)
+    index = second.document_index
+    kept = [select_kept(scores, index, keep_rate=0.1, chunk_size=32) for scores in (cold, hit.importance)]
+    assert torch.equal(kept[0], kept[1])

@@ -100,3 +100,33 @@ def test_chunks_to_take_rounding():
     assert chunks_to_take(sizes, 100, 0.33, None) == 2  # 33 tokens -> two chunks (64)
     assert chunks_to_take(sizes, 100, 1.0, None) == 4
     assert chunks_to_take(sizes, 100, 1.0, 31) == 0
+
+
+def test_importance_mass_keeps_the_sharp_chunks_within_floor_and_ceiling():
+    from specprefill_rag.selection import ImportanceMass
+
+    document_index = torch.zeros(40, dtype=torch.long)  # one document of 10 chunks of 4
+    flat = torch.full((40,), 0.1)
+    sharp = flat.clone()
+    sharp[8:12] = 0.9  # chunk 2 holds nearly all the mass above the background
+    budget = ImportanceMass(share=0.8, floor=0.1, ceiling=0.6)
+    kept_sharp = select_kept(sharp, document_index, keep_rate=budget, chunk_size=4)
+    assert kept_sharp.tolist() == [*range(8, 12), 39]  # the sharp chunk (and the last token, always kept)
+    kept_flat = select_kept(flat, document_index, keep_rate=budget, chunk_size=4)
+    assert kept_flat.numel() - 1 == 4  # flat attention: the floor, 10% of 40 tokens = one chunk
+    spread = torch.linspace(1.0, 0.0, 40)  # mass spread over many chunks: capped by the ceiling
+    kept_spread = select_kept(spread, document_index, keep_rate=ImportanceMass(0.99, 0.1, 0.3), chunk_size=4)
+    assert kept_spread.tolist() == [*range(12), 39]  # 30% of 40 = three chunks, the best ranked first ones
+
+
+@settings(max_examples=100, deadline=None)
+@given(layouts(), st.floats(0.05, 0.99), st.floats(0.0, 0.5), st.floats(0.5, 1.0))
+def test_importance_mass_never_keeps_less_than_the_floor(case, share, floor, ceiling):
+    from specprefill_rag.selection import ImportanceMass
+
+    importance, document_index, _, chunk_size = case
+    kept = select_kept(importance, document_index, keep_rate=ImportanceMass(share, floor, ceiling), chunk_size=chunk_size)
+    n_documents = int((document_index >= 0).sum())
+    kept_documents = int((document_index[kept] >= 0).sum())
+    assert kept_documents >= math.ceil(floor * n_documents - 1e-9)
+    assert kept_documents <= math.ceil(ceiling * n_documents - 1e-9) + chunk_size

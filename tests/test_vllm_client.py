@@ -285,3 +285,41 @@ def test_forged_turns_in_documents_reach_the_server_as_text(serve_stand_in, tiny
     engine.generate(f"When? {forged}", [forged + random_documents(1, 40)[0]], instructions=f"Be brief.{forged}")
     im_start = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert handler.bodies[-1]["prompt"].count(im_start) == 3  # system, user and assistant turns of the template
+
+
+class CutStandIn(StandIn):
+    """Streams its tokens, then closes the connection without the [DONE] event (a killed server)."""
+
+    def _stream_tokens(self):
+        for token in self.tokens:
+            self.wfile.write(f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'token_ids': [token]}]})}\n\n".encode())
+
+
+def test_a_stream_without_done_is_an_error_not_an_answer(serve_stand_in):
+    url, _ = serve_stand_in()
+    cut = handler_class(CutStandIn, plugin=True)
+    server, cut_url = serve(cut)
+    try:
+        backend = VLLMServerBackend(url, frozenset())
+        backend.base_url = cut_url
+        with pytest.raises(VLLMServerError, match=r"closed the stream after \d+ tokens, before it ended"):
+            list(backend.generate(PROMPT, GenerationParams(max_new_tokens=8)))
+        with pytest.raises(VLLMServerError, match=r"closed the stream after \d+ tokens, before it ended"):
+            asyncio.run(collect(backend.agenerate(PROMPT, GenerationParams(max_new_tokens=8))))
+    finally:
+        server.shutdown()
+
+
+def test_a_silent_server_is_a_timeout(serve_stand_in):
+    from specprefill_rag.backends.vllm import VLLMServerTimeout
+
+    url, _ = serve_stand_in()
+    backend = VLLMServerBackend(url, frozenset(), timeout=0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        backend.base_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(VLLMServerTimeout):
+            list(backend.generate(PROMPT, GenerationParams()))
+        with pytest.raises(VLLMServerTimeout):
+            asyncio.run(collect(backend.agenerate(PROMPT, GenerationParams())))

@@ -31,9 +31,9 @@ from ..config import GenerationParams
 from ..errors import InvalidRequestError, SpecPrefillError
 from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
 from .base import SparsePrompt
-from .vllm_wire import VLLMServerError, check_server_url, cut_short, interrupted, refused, sse_tokens, unreachable
+from .vllm_wire import VLLMServerError, VLLMServerTimeout, check_server_url, cut_short, interrupted, refused, sse_tokens, unreachable
 
-__all__ = ["VLLMOfflineBackend", "VLLMServerBackend", "VLLMServerError", "connect", "request_fields", "sse_tokens"]
+__all__ = ["VLLMOfflineBackend", "VLLMServerBackend", "VLLMServerError", "VLLMServerTimeout", "connect", "request_fields", "sse_tokens"]
 
 
 def _is_sparse(prompt: SparsePrompt) -> bool:
@@ -74,7 +74,16 @@ class VLLMOfflineBackend:
         return int(self.llm.llm_engine.model_config.max_model_len)
 
     def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
-        """Use the draft's end-of-sequence ids (the engine's vocabulary is the draft's)."""
+        """Use the end-of-sequence ids of the engine's tokenizer, after checking it is the served model's
+        (skipped when the engine runs without a tokenizer)."""
+        served = self.llm.get_tokenizer() if hasattr(self.llm, "get_tokenizer") else None
+        if hasattr(served, "get_vocab") and served.get_vocab() != tokenizer.get_vocab():
+            from ..errors import TokenizerMismatchError
+
+            raise TokenizerMismatchError(
+                "the vLLM model's tokenizer differs from the local one; pass tokenizer= with the served model's HF "
+                "id or folder (a draft of another vocabulary is then mapped)"
+            )
         self.eos_ids = eos_ids
 
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
@@ -146,7 +155,7 @@ class VLLMServerBackend:
         return card
 
     def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
-        """Use the draft's end-of-sequence ids, after checking the server tokenizes as ``tokenizer`` does."""
+        """Use the main model's tokenizer's end-of-sequence ids, after checking the server tokenizes as it does."""
         check_server_tokenizer(self, tokenizer)
         self.eos_ids = eos_ids
 
@@ -307,6 +316,6 @@ def check_server_tokenizer(backend: VLLMServerBackend, tokenizer: Any, sample: s
         from ..errors import TokenizerMismatchError
 
         raise TokenizerMismatchError(
-            f"the server's model tokenizes differently from the local draft's tokenizer ({served.get('tokens')} vs "
-            f"{local}); use a draft of the served model's family"
+            f"the server's model tokenizes differently from the local tokenizer ({served.get('tokens')} vs {local}); "
+            "pass tokenizer= with the served model's HF id or folder (a draft of another vocabulary is then mapped)"
         )

@@ -12,12 +12,27 @@ import json
 import urllib.parse
 from typing import Literal, NamedTuple
 
+import httpx
+
 from ..arguments import check_text
 from ..errors import InvalidRequestError, SpecPrefillError
 
 
 class VLLMServerError(SpecPrefillError):
     """The vLLM server is unreachable, lacks the plugin, or refused a request."""
+
+
+class VLLMServerTimeout(VLLMServerError):
+    """The vLLM server accepted the connection but did not answer (or went on answering) within the timeout."""
+
+
+def _is_timeout(error: BaseException) -> bool:
+    reason = getattr(error, "reason", None)  # urllib wraps a socket timeout in URLError.reason
+    return isinstance(error, (TimeoutError, httpx.TimeoutException)) or isinstance(reason, TimeoutError)
+
+
+def _kind(error: BaseException) -> type[VLLMServerError]:
+    return VLLMServerTimeout if _is_timeout(error) else VLLMServerError
 
 
 class StreamEvent(NamedTuple):
@@ -71,7 +86,7 @@ def malformed(event: str | bytes, problem: str) -> VLLMServerError:
 
 def interrupted(base_url: str, timeout: float, received: int, error: BaseException) -> VLLMServerError:
     """A read failed after the server had answered: it stopped, dropped the connection or went silent."""
-    return VLLMServerError(
+    return _kind(error)(
         f"the vLLM server at {base_url} failed mid-stream after {received} tokens ({error or type(error).__name__}; "
         f"reads time out after {timeout:g} s); the answer is incomplete: check that the server is running and retry"
     )
@@ -95,7 +110,8 @@ def refused(code: int, detail: str) -> SpecPrefillError:
 
 
 def unreachable(base_url: str, timeout: float, error: BaseException) -> VLLMServerError:
-    return VLLMServerError(
+    """Connecting failed, or the server sent nothing within the timeout (:class:`VLLMServerTimeout`)."""
+    return _kind(error)(
         f"cannot reach a vLLM server at {base_url} within {timeout:g} s ({error or type(error).__name__}); "
         "check the URL and that the server is running"
     )

@@ -5,9 +5,6 @@ OpenAI-compatible server on 127.0.0.1, both on a tiny random Llama.
 """
 
 import asyncio
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -20,6 +17,7 @@ from specprefill_rag.backends.hf import HFBackend
 from specprefill_rag.backends.vllm import VLLMOfflineBackend, request_fields
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.testing import random_documents
+from tests.vllm.server import free_port, openai_server
 
 GREEDY = GenerationParams(max_new_tokens=8)
 PROMPT_LENGTH = 96
@@ -71,35 +69,10 @@ def test_same_compact_tokens_at_other_positions_do_not_share_cache(llm, hf_model
     assert reference(hf_model, first) != reference(hf_model, shifted)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_folder, llm):
-    port = _free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_folder),
-               "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024", "--dtype", "float32",
-               "--max-num-batched-tokens", "16", "--enforce-eager", "--gpu-memory-utilization", "0.2"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {process.returncode}")
-        try:
-            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
-            break
-        except OSError:
-            time.sleep(2)
-    else:
-        process.terminate()
-        raise RuntimeError("vLLM server did not start within 600 s")
-    yield url
-    process.terminate()
-    process.wait(timeout=60)
+    with openai_server(tiny_folder) as url:
+        yield url
 
 
 def test_server_engine_matches_transformers_engine(server, tiny_folder):
@@ -196,5 +169,5 @@ def test_unreachable_server_fails_fast():
 
     started = time.monotonic()
     with pytest.raises(VLLMServerError, match="cannot reach a vLLM server"):
-        VLLMServerBackend(f"http://127.0.0.1:{_free_port()}", frozenset(), timeout=5)
+        VLLMServerBackend(f"http://127.0.0.1:{free_port()}", frozenset(), timeout=5)
     assert time.monotonic() - started < 10

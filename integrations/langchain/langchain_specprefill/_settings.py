@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
-from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
+from langchain_core.messages import BaseMessage
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 from specprefill_rag.arguments import generation_params
-from specprefill_rag.chat import ChatLayout, ChatMessage, chat_layout
-from specprefill_rag.config import DEFAULT_MODEL, adapter_config
+from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, SpecPrefillConfig, adapter_config
 from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.gateway_client import GatewayClient, api_key_from_environment, gateway_card
 from specprefill_rag.results import GenerationResult
 
-from langchain_specprefill.documents import documents_argument
+from langchain_specprefill._sessions import GatewaySession, LocalSession, Reply
+
+if TYPE_CHECKING:
+    from specprefill_rag import SpecPrefillEngine
 
 CALL_OPTIONS = ("documents", "question", "keep_rate", "max_tokens", "temperature", "top_p", "seed")
 
@@ -23,10 +27,16 @@ class SpecPrefillSettings(BaseModel):
     model: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
     draft_model: str = Field(DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
     backend: str = Field(
-        "transformers", description="'transformers' (main model in-process) or the URL of a vLLM server with the plugin."
+        "transformers",
+        description="'transformers' (main model in-process), the URL of a vLLM server with the plugin (the draft runs "
+        "here), or the URL of a SpecPrefill gateway (`specprefill-rag serve`: nothing runs here, no torch needed).",
     )
     timeout: float = Field(
-        60.0, gt=0, allow_inf_nan=False, description="Seconds to wait for a vLLM server (connect and each read)."
+        60.0, gt=0, allow_inf_nan=False, description="Seconds to wait for a server (connect and each read)."
+    )
+    api_key: SecretStr | None = Field(
+        default_factory=api_key_from_environment,
+        description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
     keep_rate: float = Field(0.3, description="Fraction of document tokens the main model prefills, in (0, 1].")
     max_document_tokens: int | None = Field(None, description="Hard cap on kept document tokens.")
@@ -44,6 +54,7 @@ class SpecPrefillSettings(BaseModel):
 
     _config: SpecPrefillConfig = PrivateAttr()
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
+    _session: LocalSession | GatewaySession | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillSettings:
@@ -67,8 +78,24 @@ class SpecPrefillSettings(BaseModel):
     def engine(self) -> SpecPrefillEngine:
         """The engine, loaded on first use and shared by every instance with the same settings."""
         if self._engine is None:
+            from specprefill_rag import SpecPrefillEngine
+
+            if not self.session.runs_here:
+                raise InvalidRequestError(f"{self.backend} is a SpecPrefill gateway: the engine runs there, not here")
             self._engine = SpecPrefillEngine.shared(self._config, self.backend, self.timeout)
         return self._engine
+
+    @property
+    def session(self) -> LocalSession | GatewaySession:
+        """Where answers come from, decided on first use: a gateway when ``backend`` is a gateway's URL
+        (it says so in /v1/models), else the engine in this process."""
+        if self._session is None:
+            key = self.api_key.get_secret_value() if self.api_key else None
+            card = None if self._engine is not None or self.backend == "transformers" else \
+                gateway_card(self.backend, self.timeout, key)
+            self._session = GatewaySession(GatewayClient(self.backend, card, self.timeout, key), self) if card \
+                else LocalSession(self)
+        return self._session
 
     def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[GenerationParams, dict[str, Any]]:
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
@@ -93,22 +120,19 @@ class SpecPrefillSettings(BaseModel):
         stops = [*(self.stop or []), *(stop or [])]
         return list(dict.fromkeys(stops)) if all(isinstance(s, str) for s in stops) else stops
 
-    def _request(
-        self, messages: list[ChatMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[ChatLayout, GenerationParams, float | None]:
-        """The layout, generation parameters and keep rate of one call."""
+    def _replies(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[Reply]:
+        """One call's stream: ``(chunk, extra stats)`` pairs, from the engine here or from a gateway."""
         params, options = self._call_options(stop, kwargs)
-        layout = chat_layout(
-            self.engine.tokenizer,
-            messages,
-            documents_argument(options.get("documents")),
-            self.protect_tail_tokens,
-            question=options.get("question"),
-        )
-        return layout, params, options.get("keep_rate")
+        return self.session.stream(messages, params, options)
 
-    def _response_metadata(self, result: GenerationResult, document_source: str) -> dict[str, Any]:
-        stats = {**result.stats.as_dict(), "document_source": document_source, "draft_model": self.draft_model}
+    def _areplies(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> AsyncIterator[Reply]:
+        params, options = self._call_options(stop, kwargs)
+        return self.session.astream(messages, params, options)
+
+    def _response_metadata(self, result: GenerationResult, extras: dict[str, Any]) -> dict[str, Any]:
+        stats = {**result.stats.as_dict(), "draft_model": self.draft_model, **extras}
         return {"model_name": self.model, "model_provider": "specprefill", "finish_reason": result.finish_reason,
                 "spec_prefill": stats}
 

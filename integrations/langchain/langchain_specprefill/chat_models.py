@@ -14,7 +14,6 @@ from pydantic import ConfigDict
 from specprefill_rag.results import StreamChunk
 
 from langchain_specprefill._settings import SpecPrefillSettings
-from langchain_specprefill.documents import to_chat_message
 
 
 def _usage(stats: Any) -> dict[str, int]:
@@ -66,27 +65,27 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         return params
 
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids from the main model's own tokenizer."""
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids from the main model's own tokenizer (the gateway's, through a gateway)."""
+        return self.session.token_ids(text)
 
-    def _chunks(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[ChatGenerationChunk]:
-        layout, params, keep_rate = self._request([to_chat_message(m) for m in messages], stop, kwargs)
-        for chunk in self.engine.stream_layout(layout.layout, params, keep_rate):
-            yield self._chunk(chunk, layout.document_source)
+    def _chunks(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> Iterator[ChatGenerationChunk]:
+        for chunk, extras in self._replies(messages, stop, kwargs):
+            yield self._chunk(chunk, extras)
 
     async def _achunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
     ) -> AsyncIterator[ChatGenerationChunk]:
-        """:meth:`_chunks` on the event loop (the engine's native async path)."""
-        layout, params, keep_rate = self._request([to_chat_message(m) for m in messages], stop, kwargs)
-        async with aclosing(self.engine.astream_layout(layout.layout, params, keep_rate)) as chunks:
-            async for chunk in chunks:
-                yield self._chunk(chunk, layout.document_source)
+        """:meth:`_chunks` on the event loop (the engine's native async path, or the gateway's)."""
+        async with aclosing(self._areplies(messages, stop, kwargs)) as replies:
+            async for chunk, extras in replies:
+                yield self._chunk(chunk, extras)
 
-    def _chunk(self, chunk: StreamChunk, document_source: str) -> ChatGenerationChunk:
+    def _chunk(self, chunk: StreamChunk, extras: dict[str, Any]) -> ChatGenerationChunk:
         if chunk.result is None:
             return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
-        metadata = self._response_metadata(chunk.result, document_source)
+        metadata = self._response_metadata(chunk.result, extras)
         last = AIMessageChunk(content=chunk.text, usage_metadata=_usage(chunk.result.stats),  # type: ignore[arg-type]
                               response_metadata=metadata, chunk_position="last")
         return ChatGenerationChunk(message=last, generation_info={"finish_reason": chunk.result.finish_reason})

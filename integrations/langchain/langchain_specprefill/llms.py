@@ -9,10 +9,10 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.llms import LLM
+from langchain_core.messages import HumanMessage
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 from specprefill_rag.arguments import check_unicode
-from specprefill_rag.chat import ChatMessage
 from specprefill_rag.results import StreamChunk
 
 from langchain_specprefill._settings import SpecPrefillSettings
@@ -35,24 +35,22 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         return self._specprefill_params()
 
     def get_token_ids(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return self.session.token_ids(text)
 
     def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
-        message = ChatMessage("user", [check_unicode(prompt, "prompt")])
-        layout, params, keep_rate = self._request([message], stop, kwargs)
-        for chunk in self.engine.stream_layout(layout.layout, params, keep_rate):
-            yield self._chunk(chunk, layout.document_source)
+        for chunk, extras in self._replies([HumanMessage(check_unicode(prompt, "prompt"))], stop, kwargs):
+            yield self._chunk(chunk, extras)
 
-    async def _achunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> AsyncIterator[GenerationChunk]:
-        """:meth:`_chunks` on the event loop (the engine's native async path)."""
-        message = ChatMessage("user", [check_unicode(prompt, "prompt")])
-        layout, params, keep_rate = self._request([message], stop, kwargs)
-        async with aclosing(self.engine.astream_layout(layout.layout, params, keep_rate)) as chunks:
-            async for chunk in chunks:
-                yield self._chunk(chunk, layout.document_source)
+    async def _achunks(
+        self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> AsyncIterator[GenerationChunk]:
+        """:meth:`_chunks` on the event loop (the engine's native async path, or the gateway's)."""
+        async with aclosing(self._areplies([HumanMessage(check_unicode(prompt, "prompt"))], stop, kwargs)) as replies:
+            async for chunk, extras in replies:
+                yield self._chunk(chunk, extras)
 
-    def _chunk(self, chunk: StreamChunk, document_source: str) -> GenerationChunk:
-        info = self._response_metadata(chunk.result, document_source) if chunk.result is not None else None
+    def _chunk(self, chunk: StreamChunk, extras: dict[str, Any]) -> GenerationChunk:
+        info = self._response_metadata(chunk.result, extras) if chunk.result is not None else None
         return GenerationChunk(text=chunk.text, generation_info=info)
 
     def _call(

@@ -182,14 +182,14 @@ def test_unreachable_backend_url_fails_within_the_timeout():
     import socket
     import time
 
-    from specprefill_rag.backends.vllm import VLLMServerError
+    from specprefill_rag.gateway_client import GatewayClientError
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     model = ChatSpecPrefill(backend=f"http://127.0.0.1:{port}", timeout=3)
     started = time.monotonic()
-    with pytest.raises(VLLMServerError, match=f"cannot reach a vLLM server at http://127.0.0.1:{port} within 3 s"):
+    with pytest.raises(GatewayClientError, match=f"cannot reach http://127.0.0.1:{port} within 3 s"):
         model.invoke("When?")
     assert time.monotonic() - started < 10
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import aclosing
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -37,13 +37,17 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode
-from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
+from pydantic import SecretStr
+from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, SpecPrefillConfig, adapter_config
 from specprefill_rag.arguments import check_text, generation_params
-from specprefill_rag.chat import ChatLayout, chat_layout
-from specprefill_rag.chat import ChatMessage as CoreMessage
-from specprefill_rag.config import DEFAULT_MODEL, adapter_config
 from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.gateway_client import GatewayClient, api_key_from_environment, gateway_card
 from specprefill_rag.results import StreamChunk
+
+from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Reply, Request
+
+if TYPE_CHECKING:
+    from specprefill_rag import SpecPrefillEngine
 
 _CAPTURE_KEY = "specprefill_template_args"
 _ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
@@ -109,7 +113,7 @@ def context_documents(context: str | None) -> list[str] | None:
     return [block for block in blocks if block] or None
 
 
-def _core_message(message: ChatMessage) -> CoreMessage:
+def _role_and_text(message: ChatMessage) -> tuple[str, str]:
     role = _ROLES.get(message.role)
     if role is None:
         raise InvalidRequestError(f"chat role {message.role.value!r} is not supported; use system, user or assistant")
@@ -118,7 +122,7 @@ def _core_message(message: ChatMessage) -> CoreMessage:
         if not isinstance(block, TextBlock):
             raise InvalidRequestError(f"{type(block).__name__} is not supported; pass text blocks only")
         parts.append(block.text)
-    return CoreMessage(role, parts)  # type: ignore[arg-type]
+    return role, "".join(parts)
 
 
 class SpecPrefillLLM(CustomLLM):
@@ -136,9 +140,15 @@ class SpecPrefillLLM(CustomLLM):
     model: str = Field(default=DEFAULT_MODEL, description="Main model: HF id, folder, .gguf or 'smollm2-135m'.")
     draft_model: str = Field(default=DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
     backend: str = Field(
-        default="transformers", description="'transformers' (in-process main model) or a vLLM server URL."
+        default="transformers",
+        description="'transformers' (in-process main model), a vLLM server URL (the draft runs here), or a SpecPrefill "
+        "gateway's URL (`specprefill-rag serve`: nothing runs here, no torch needed).",
     )
-    timeout: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="Seconds to wait for a vLLM server.")
+    timeout: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="Seconds to wait for a server.")
+    api_key: SecretStr | None = Field(
+        default_factory=api_key_from_environment,
+        description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
+    )
     keep_rate: float = Field(default=0.3, description="Fraction of context tokens prefilled, in (0, 1].")
     max_document_tokens: int | None = Field(default=None, description="Hard cap on kept context tokens.")
     look_ahead: int = Field(default=8, description="Draft queries: last prompt token + look_ahead-1 tokens.")
@@ -156,6 +166,7 @@ class SpecPrefillLLM(CustomLLM):
 
     _config: SpecPrefillConfig = PrivateAttr()
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
+    _session: LocalSession | GatewaySession | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillLLM:
@@ -184,18 +195,30 @@ class SpecPrefillLLM(CustomLLM):
     def engine(self) -> SpecPrefillEngine:
         """Loaded on first use, shared by every instance with the same settings."""
         if self._engine is None:
+            from specprefill_rag import SpecPrefillEngine
+
+            if not self.session.runs_here:
+                raise InvalidRequestError(f"{self.backend} is a SpecPrefill gateway: the engine runs there, not here")
             self._engine = SpecPrefillEngine.shared(self._config, self.backend, self.timeout)
         return self._engine
 
     @property
+    def session(self) -> LocalSession | GatewaySession:
+        """Where answers come from, decided on first use: a gateway when ``backend`` is a gateway's URL
+        (it says so in /v1/models), else the engine in this process."""
+        if self._session is None:
+            key = self.api_key.get_secret_value() if self.api_key else None
+            card = None if self._engine is not None or self.backend == "transformers" else \
+                gateway_card(self.backend, self.timeout, key)
+            self._session = GatewaySession(GatewayClient(self.backend, card, self.timeout, key), self) if card \
+                else LocalSession(self)
+        return self._session
+
+    @property
     def metadata(self) -> LLMMetadata:
-        engine = self.engine
-        return LLMMetadata(
-            context_window=engine.backend.context_length,
-            num_output=self.max_new_tokens,
-            is_chat_model=bool(getattr(engine.tokenizer, "chat_template", None)),
-            model_name=self.model,
-        )
+        session = self.session
+        return LLMMetadata(context_window=session.context_length, num_output=self.max_new_tokens,
+                           is_chat_model=session.is_chat_model, model_name=self.model)
 
     # -- where templates become messages or prompts: remember the template variables ------------
 
@@ -214,102 +237,95 @@ class SpecPrefillLLM(CustomLLM):
 
     # -- one engine call -------------------------------------------------------------------------
 
-    def _layout(self, messages: list[CoreMessage], captured: dict[str, Any], kwargs: dict[str, Any]) -> ChatLayout:
+    def _request(self, messages: list[tuple[str, str]], captured: dict[str, Any], kwargs: dict[str, Any]) -> Request:
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(CALL_OPTIONS)}")
         explicit = kwargs.get("documents")
         documents = explicit if explicit is not None else context_documents(captured.get("context"))
-        return chat_layout(
-            self.engine.tokenizer,
-            messages,
-            documents,
-            self.protect_tail_tokens,
-            question=kwargs["query"] if "query" in kwargs else captured.get("query"),
-            insert_missing=explicit is not None,
-        )
+        question = kwargs["query"] if "query" in kwargs else captured.get("query")
+        return Request(messages, documents, question, explicit is not None, kwargs.get("keep_rate"), self._params())
 
     def _params(self) -> GenerationParams:
         return generation_params({"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                                   "top_p": self.top_p, "seed": self.seed, "stop": list(self.stop or ())})
 
-
     @staticmethod
-    def _raw(chunk: StreamChunk, layout: ChatLayout) -> dict[str, Any]:
+    def _raw(chunk: StreamChunk, extras: dict[str, Any]) -> dict[str, Any]:
         if chunk.stats is None:
             return {}
-        stats = {**chunk.stats.as_dict(), "document_source": layout.document_source, "n_documents": layout.n_documents}
+        stats = {**chunk.stats.as_dict(), **extras}
         usage = {"prompt_tokens": chunk.stats.prompt_tokens, "completion_tokens": chunk.stats.completion_tokens,
                  "total_tokens": chunk.stats.prompt_tokens + chunk.stats.completion_tokens}
         return {"usage": usage, "spec_prefill": stats, "finish_reason": chunk.finish_reason}
 
-    def _response(self, chunk: StreamChunk, text: str, layout: ChatLayout) -> CompletionResponse:
+    def _response(self, chunk: StreamChunk, text: str, extras: dict[str, Any]) -> CompletionResponse:
         """The response for one engine chunk; ``text`` is everything generated so far."""
-        raw = self._raw(chunk, layout)
+        raw = self._raw(chunk, extras)
         return CompletionResponse(text=text, delta=chunk.text, raw=raw,
                                   additional_kwargs={"spec_prefill": raw["spec_prefill"]} if raw else {})
 
-    def _completions(self, layout: ChatLayout, kwargs: dict[str, Any]) -> CompletionResponseGen:
+    def _completions(self, request: Request) -> CompletionResponseGen:
         text = ""
-        for chunk in self.engine.stream_layout(layout.layout, self._params(), kwargs.get("keep_rate")):
+        for chunk, extras in self.session.stream(request):
             text += chunk.text
-            yield self._response(chunk, text, layout)
+            yield self._response(chunk, text, extras)
 
-    async def _acompletions(self, layout: ChatLayout, kwargs: dict[str, Any]) -> CompletionResponseAsyncGen:
-        """:meth:`_completions` on the event loop (the engine's native async path)."""
+    async def _acompletions(self, request: Request) -> CompletionResponseAsyncGen:
+        """:meth:`_completions` on the event loop (the engine's native async path, or the gateway's)."""
         text = ""
-        async with aclosing(self.engine.astream_layout(layout.layout, self._params(), kwargs.get("keep_rate"))) as chunks:
-            async for chunk in chunks:
+        async with aclosing(self.session.astream(request)) as replies:
+            async for chunk, extras in replies:
                 text += chunk.text
-                yield self._response(chunk, text, layout)
+                yield self._response(chunk, text, extras)
 
-    def _prompt_layout(self, prompt: str, kwargs: dict[str, Any]) -> ChatLayout:
+    def _prompt_request(self, prompt: str, kwargs: dict[str, Any]) -> Request:
         check_text(prompt, "prompt", "prompt text")
         captured = getattr(prompt, "template_args", {})
-        return self._layout([CoreMessage("user", [str(prompt)])], captured, kwargs)
+        return self._request([("user", str(prompt))], captured, kwargs)
 
-    def _chat_layout(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatLayout:
+    def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> Request:
         if isinstance(messages, (str, bytes)) or not all(isinstance(m, ChatMessage) for m in messages):
             raise InvalidRequestError(
                 "messages must be a list of llama_index ChatMessage; wrap text as ChatMessage(role='user', content=...)"
             )
         captured = messages[-1].additional_kwargs.get(_CAPTURE_KEY, {}) if messages else {}
-        return self._layout([_core_message(m) for m in messages], captured, kwargs)
+        return self._request([_role_and_text(m) for m in messages], captured, kwargs)
 
     # -- LlamaIndex interface --------------------------------------------------------------------
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return _last(self._completions(self._prompt_layout(prompt, kwargs), kwargs))
+        return _last(self._completions(self._prompt_request(prompt, kwargs)))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        return self._completions(self._prompt_layout(prompt, kwargs), kwargs)
+        return self._completions(self._prompt_request(prompt, kwargs))
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _as_chat(_last(self._completions(self._chat_layout(messages, kwargs), kwargs)))
+        return _as_chat(_last(self._completions(self._chat_request(messages, kwargs))))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        completions = self._completions(self._chat_layout(messages, kwargs), kwargs)
+        completions = self._completions(self._chat_request(messages, kwargs))
         return (_as_chat(c) for c in completions)
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await _alast(self._acompletions(self._prompt_layout(prompt, kwargs), kwargs))
+        return await _alast(self._acompletions(self._prompt_request(prompt, kwargs)))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return self._acompletions(self._prompt_layout(prompt, kwargs), kwargs)
+        return self._acompletions(self._prompt_request(prompt, kwargs))
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _as_chat(await _alast(self._acompletions(self._chat_layout(messages, kwargs), kwargs)))
+        return _as_chat(await _alast(self._acompletions(self._chat_request(messages, kwargs))))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        completions = self._acompletions(self._chat_layout(messages, kwargs), kwargs)
+        completions = self._acompletions(self._chat_request(messages, kwargs))
 
         async def responses() -> ChatResponseAsyncGen:
             async with aclosing(completions):

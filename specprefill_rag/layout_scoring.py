@@ -1,0 +1,220 @@
+"""Draft importance of a main-model prompt layout, by one of three paths.
+
+``direct``  a separate draft of the main model's vocabulary reads the layout's token ids (the paper).
+``self``    the main model's own first layers read them (``draft='self'``).
+``mapped``  a draft of another vocabulary reads the same content rendered with its own tokenizer and
+            chat template (the layout's ``source``); its importance reaches the main tokens through
+            the documents' characters (:mod:`.token_mapping`). Chunks and the budget are then formed
+            on the main tokens as on the other paths.
+
+Every path refuses a prompt longer than the draft's context (:class:`DraftContextLengthError`)
+rather than scoring it with positions the draft was never trained on, and one longer than
+``max_draft_tokens`` (:class:`DraftLimitError`: the draft's memory grows with the prompt).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
+from .draft import DraftScore
+from .errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
+from .models import model_lock, same_vocabulary
+from .prompt import PromptLayout
+from .prompt_sources import PromptSource
+from .results import DraftPath
+from .token_mapping import Reduce, map_importance
+
+# max and mean chose the same chunks on every NIAH and SQuAD sample measured (SmolLM2-135M drafting for
+# the Qwen2.5 tokenizer; BENCHMARKS.md, "Cross-tokenizer drafts"); max maps a tokenizer onto itself exactly.
+DEFAULT_REDUCE: Reduce = "max"
+
+
+class TokenScorer(Protocol):
+    """A draft that scores token ids of its own vocabulary (:class:`~specprefill_rag.draft.ModelDraft`,
+    :class:`~specprefill_rag.draft.LayerPrefixDraft`)."""
+
+    model: Any
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[L]`` long ids -> ``[L]`` float32 importance."""
+        ...
+
+    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
+        """``[L]`` long ids -> importance and the leading tokens the draft's prefix cache supplied."""
+        ...
+
+
+def score_tokens(draft: TokenScorer, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[L]`` importance on the CPU, the draft run on its own device under its model's lock."""
+    return draft_score(draft, input_ids).importance
+
+
+def draft_score(draft: TokenScorer, input_ids: torch.Tensor) -> DraftScore:
+    """:func:`score_tokens`, with the tokens the draft's prefix cache supplied."""
+    device = next(draft.model.parameters()).device
+    with model_lock(draft.model):
+        scored = score_or_out_of_memory(draft, input_ids.to(device))
+    return DraftScore(scored.importance.cpu(), scored.cached_tokens)
+
+
+def score_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) -> DraftScore:
+    """Prepare what the draft reads, score it (under the draft's lock), and carry it onto ``layout``."""
+    prepared = scoring.prepare(layout)
+    scored = draft_score(scoring.draft, prepared.token_ids)
+    return DraftScore(scoring.finish(prepared, scored.importance), scored.cached_tokens)
+
+
+def check_draft_context(draft_tokens: int, look_ahead: int, context_length: int | None, max_tokens: int | None = None) -> None:
+    """Raise unless ``draft_tokens`` prompt tokens and ``look_ahead - 1`` decoded ones fit the draft, and
+    the prompt is within ``max_tokens`` (``max_draft_tokens``)."""
+    if context_length is not None and draft_tokens + look_ahead - 1 > context_length:
+        raise DraftContextLengthError(draft_tokens, look_ahead, context_length)
+    check_draft_tokens(draft_tokens, max_tokens)
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """What the draft reads for one main layout: ``token_ids`` ``[L_d]`` of its own vocabulary, and the
+    layout it was rendered as (``draft_layout``; the main layout itself on the direct path)."""
+
+    layout: PromptLayout
+    draft_layout: PromptLayout
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self.draft_layout.input_ids
+
+
+@dataclass(frozen=True)
+class DirectScoring:
+    """The draft reads the layout's own token ids (``direct``, or ``self`` for the main model's layers).
+
+    Attributes:
+        draft: scores ids of the main model's vocabulary.
+        context_length: positions the draft supports (None: unchecked).
+        look_ahead: tokens the draft decodes after the prompt, the last prompt token included.
+        max_tokens: most prompt tokens one request may send through the draft (None: its context).
+    """
+
+    draft: TokenScorer
+    context_length: int | None
+    look_ahead: int
+    max_tokens: int | None = None
+    path: DraftPath = "direct"
+
+    @property
+    def token_limit(self) -> int | None:
+        """Most draft prompt tokens one request may have (``max_tokens`` and the context, look-ahead off)."""
+        return draft_token_limit(self.context_length, self.max_tokens, self.look_ahead)
+
+    def importance(self, layout: PromptLayout) -> torch.Tensor:
+        """``[L]`` float32 importance of the layout's tokens."""
+        return self.score(layout).importance
+
+    def score(self, layout: PromptLayout) -> DraftScore:
+        """:meth:`importance`, with the leading draft tokens its prefix cache supplied."""
+        return score_layout(self, layout)
+
+    def prepare(self, layout: PromptLayout) -> DraftInput:
+        """What the draft reads (the layout's own ids); raises if they do not fit the draft's context."""
+        check_draft_context(len(layout), self.look_ahead, self.context_length, self.max_tokens)
+        return DraftInput(layout, layout)
+
+    def finish(self, prepared: DraftInput, scores: torch.Tensor) -> torch.Tensor:
+        """The draft's ``[L]`` scores are already the layout's importance."""
+        return scores
+
+
+@dataclass(frozen=True)
+class MappedScoring:
+    """A draft of another vocabulary reads the layout's content rendered its own way (``mapped``).
+
+    Attributes:
+        draft: scores ids of the draft's vocabulary.
+        tokenizer: the draft's tokenizer (and chat template).
+        context_length: positions the draft supports (None: unchecked).
+        look_ahead: tokens the draft decodes after the prompt, the last prompt token included.
+        max_tokens: most prompt tokens (the draft's) one request may send through it (None: its context).
+        reduce: how a main token combines the draft tokens that overlap it (``max`` or ``mean``).
+    """
+
+    draft: TokenScorer
+    tokenizer: Any
+    context_length: int | None
+    look_ahead: int
+    max_tokens: int | None = None
+    reduce: Reduce = DEFAULT_REDUCE
+    path: DraftPath = "mapped"
+
+    @property
+    def token_limit(self) -> int | None:
+        """Most draft prompt tokens one request may have (``max_tokens`` and the context, look-ahead off)."""
+        return draft_token_limit(self.context_length, self.max_tokens, self.look_ahead)
+
+    def importance(self, layout: PromptLayout) -> torch.Tensor:
+        """``[L]`` float32 importance of the layout's tokens (0 outside documents)."""
+        return self.score(layout).importance
+
+    def score(self, layout: PromptLayout) -> DraftScore:
+        """:meth:`importance`, with the leading draft tokens its prefix cache supplied."""
+        return score_layout(self, layout)
+
+    def prepare(self, layout: PromptLayout) -> DraftInput:
+        """The layout rendered for the draft; raises if it does not fit the draft's context."""
+        draft_layout = self.draft_layout(layout)
+        check_draft_context(len(draft_layout), self.look_ahead, self.context_length, self.max_tokens)
+        return DraftInput(layout, draft_layout)
+
+    def finish(self, prepared: DraftInput, scores: torch.Tensor) -> torch.Tensor:
+        """The draft's ``[L_d]`` scores carried onto the main layout's ``[L]`` tokens through the documents' characters."""
+        _, draft_offsets, draft_spans = _characters(prepared.draft_layout)
+        _, main_offsets, main_spans = _characters(prepared.layout)
+        return map_importance(
+            scores, draft_offsets, draft_spans, main_offsets, prepared.layout.document_index, main_spans, self.reduce
+        )
+
+    def draft_layout(self, layout: PromptLayout) -> PromptLayout:
+        """The same content laid out for the draft; its documents' text must equal the main layout's."""
+        source, _, _ = _characters(layout)
+        draft_layout = source.render(self.tokenizer)
+        if _document_texts(draft_layout) != _document_texts(layout):
+            raise DraftScoringError(
+                "the draft's rendering of the prompt holds the documents' text differently from the main model's "
+                "(its chat template changes them); pass use_chat_template=False or pick a draft of the main "
+                "model's vocabulary"
+            )
+        return draft_layout
+
+
+def _characters(layout: PromptLayout) -> tuple[PromptSource, torch.Tensor, torch.Tensor]:
+    """``(source, [L, 2] token offsets, [S, 2] document spans)`` of a layout built from a source."""
+    source, offsets, spans = layout.source, layout.offsets, layout.document_spans
+    if source is None or offsets is None or spans is None:
+        raise InvalidRequestError(
+            "this layout has no source to render for the draft's tokenizer (it was built by hand); a draft of "
+            "another vocabulary needs layouts from engine.layout(), engine.text_layout() or chat_layout()"
+        )
+    return source, offsets, spans
+
+
+def _document_texts(layout: PromptLayout) -> list[str]:
+    return [layout.text[start:end] for start, end in _characters(layout)[2].tolist()]
+
+
+def draft_scoring(
+    draft: TokenScorer,
+    draft_tokenizer: Any,
+    main_tokenizer: Any,
+    look_ahead: int,
+    max_tokens: int | None = None,
+    reduce: Reduce = DEFAULT_REDUCE,
+) -> DirectScoring | MappedScoring:
+    """The direct path when the draft shares the main model's vocabulary, else the mapped one."""
+    context = getattr(draft.model.config, "max_position_embeddings", None)
+    if same_vocabulary(main_tokenizer, draft_tokenizer):
+        return DirectScoring(draft, context, look_ahead, max_tokens)
+    return MappedScoring(draft, draft_tokenizer, context, look_ahead, max_tokens, reduce)

@@ -1,0 +1,257 @@
+"""The gateway's HTTP layer: vLLM's OpenAI API in front of :class:`~specprefill_rag.serve.gateway.Gateway`.
+
+``create_app(settings)`` builds the engine (or takes one), the draft queue and the routes:
+``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``,
+``POST /tokenize``, ``GET /health``, ``GET /metrics``. With ``api_key`` set, ``/v1`` and ``/tokenize``
+need ``Authorization: Bearer <key>`` (compared in constant time); ``/health`` and ``/metrics`` stay open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from .. import __version__
+from ..chat import ChatLayout
+from ..config import GenerationParams
+from ..engine import SpecPrefillEngine
+from ..errors import InvalidRequestError
+from .errors import GatewayError, as_gateway_error, bad_request
+from .gateway import Answer, Gateway, Plan
+from .layouts import chat_request_layout, completion_request_layout
+from .request_stream import ClientGone, RequestStream
+from .responses import CHAT, TEXT, ApiFormat, ResponseWriter, sse
+from .schema import ChatCompletionRequest, CompletionRequest, first_problem
+from .settings import GatewaySettings
+
+log = logging.getLogger("specprefill_rag.serve")
+
+
+def build_engine(settings: GatewaySettings) -> SpecPrefillEngine:
+    """The engine the settings describe: a vLLM server's client, or the main model in-process."""
+    config = settings.engine_config()
+    if settings.main_is_remote:
+        timeout = settings.upstream_timeout_s
+        return SpecPrefillEngine.for_vllm(settings.main, config, settings.on_missing_plugin, timeout)
+    return SpecPrefillEngine(config)
+
+
+def _served_name(settings: GatewaySettings, engine: SpecPrefillEngine) -> str:
+    if settings.served_model_name:
+        return settings.served_model_name
+    return str(getattr(engine.backend, "model", None) or settings.main) if settings.main_is_remote else settings.main
+
+
+def create_app(settings: GatewaySettings | None = None, engine: SpecPrefillEngine | None = None) -> FastAPI:
+    """The gateway as an ASGI app; ``engine`` replaces the one ``settings`` describe (tests, embedding)."""
+    settings = settings or GatewaySettings()
+    gateway = Gateway(settings, engine or build_engine(settings))
+    served = _served_name(settings, gateway.engine)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if settings.api_key is None and not settings.is_loopback:
+            log.warning("no --api-key: the gateway at %s is open to anyone who can reach it", settings.host)
+        gateway.queue.start()
+        yield
+        await gateway.queue.stop()
+
+    app = FastAPI(title="SpecPrefill gateway", version=__version__, lifespan=lifespan)
+    app.state.gateway = gateway
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_: Request, error: GatewayError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    _info_routes(app, gateway, settings, served)
+    _completion_routes(app, gateway, settings, served)
+    return app
+
+
+def _authorize(settings: GatewaySettings, request: Request) -> None:
+    if settings.api_key is None:
+        return
+    expected = f"Bearer {settings.api_key.get_secret_value()}".encode()
+    given = request.headers.get("authorization", "").encode()
+    if not hmac.compare_digest(given, expected):
+        raise GatewayError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
+                           "AuthenticationError", "unauthorized")
+
+
+def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, served: str) -> None:
+    engine = gateway.engine
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "spec_prefill_gateway": True}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = gateway.metrics.exposition()
+        return Response(data, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        _authorize(settings, request)
+        gateway_card = {"gateway": True, "version": __version__, "draft": settings.draft,
+                        "keep_rate": settings.keep_rate}
+        card = {"id": served, "object": "model", "created": int(time.time()), "owned_by": "specprefill-rag",
+                "root": settings.main, "max_model_len": engine.backend.context_length, "spec_prefill": gateway_card}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        _authorize(settings, request)
+        body = await _json(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("field 'prompt' must be a string", "prompt")
+        ids = engine.tokenizer(prompt, add_special_tokens=bool(body.get("add_special_tokens", False)))["input_ids"]
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.backend.context_length}
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise bad_request(f"the request body is not JSON ({error})") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        field, message = first_problem(error)
+        raise bad_request(message, field) from None
+
+
+def _completion_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, served: str) -> None:
+    tokenizer, protect = gateway.engine.tokenizer, settings.protect_tail_tokens
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        layout = lambda body: chat_request_layout(tokenizer, body, protect)  # noqa: E731
+        return await _complete(gateway, request, ChatCompletionRequest, CHAT, layout, served)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        layout = lambda body: completion_request_layout(gateway.engine, body)  # noqa: E731
+        return await _complete(gateway, request, CompletionRequest, TEXT, layout, served)
+
+
+async def _plan(gateway: Gateway, request: Request, schema: type[BaseModel],
+                make_layout: Callable[[Any], ChatLayout], served: str) -> tuple[Any, Plan]:
+    """Authorize, parse and lay out one request (every failure a :class:`GatewayError`)."""
+    started = time.perf_counter()
+    _authorize(gateway.settings, request)
+    body = _parse(schema, await _json(request))
+    if body.model != served:
+        raise GatewayError(404, f"The model `{body.model}` does not exist; this gateway serves `{served}`",
+                           "NotFoundError", "not_found", "model")
+    try:
+        layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
+    except InvalidRequestError as error:
+        raise bad_request(str(error), "messages" if hasattr(body, "messages") else "prompt") from None
+    limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
+    try:
+        params = GenerationParams(max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p,
+                                  seed=body.seed, stop=body.stop_strings)
+    except ValidationError as error:
+        field, message = first_problem(error)
+        raise bad_request(message, field) from None
+    return body, Plan(layout, params, body.spec_prefill, started)
+
+
+async def _complete(gateway: Gateway, request: Request, schema: type[BaseModel], api: ApiFormat,
+                    make_layout: Callable[[Any], ChatLayout], served: str) -> Response:
+    endpoint = "chat" if api.is_chat else "completions"
+    remote = gateway.settings.main_is_remote
+    try:
+        body, plan = await _plan(gateway, request, schema, make_layout, served)
+        stream = RequestStream(gateway.answer(plan), request, gateway.settings.request_timeout_s)
+        try:
+            first = await stream.next()
+        except BaseException:
+            await stream.close()
+            raise
+    except ClientGone:
+        gateway.metrics.finished(endpoint, "disconnected")
+        return Response(status_code=499)
+    except Exception as error:
+        failure = as_gateway_error(error, remote)
+        gateway.metrics.finished(endpoint, failure.outcome)
+        raise failure from None
+    writer = ResponseWriter(api, served)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = _events(gateway, plan, stream, first, writer, include_usage, endpoint)
+        return StreamingResponse(events, media_type="text/event-stream")
+    return await _whole(gateway, plan, stream, first, writer, endpoint)
+
+
+async def _whole(gateway: Gateway, plan: Plan, stream: RequestStream, first: Answer | None,
+                 writer: ResponseWriter, endpoint: str) -> Response:
+    texts, final, answer = [], None, first
+    try:
+        while answer is not None:
+            texts.append(answer.chunk.text)
+            final = answer if answer.chunk.stats is not None else final
+            answer = await stream.next()
+    except ClientGone:
+        gateway.metrics.finished(endpoint, "disconnected")
+        return Response(status_code=499)
+    except Exception as error:
+        failure = as_gateway_error(error, gateway.settings.main_is_remote)
+        gateway.metrics.finished(endpoint, failure.outcome)
+        return JSONResponse(failure.body(), status_code=failure.status, headers=failure.headers)
+    finally:
+        await stream.close()
+    assert final is not None and final.chunk.stats is not None  # the engine's last chunk carries the stats
+    gateway.metrics.finished(endpoint, "ok", final.chunk.stats)
+    stats, spec_prefill = final.chunk.stats, final.spec_prefill(plan)
+    return JSONResponse(writer.whole("".join(texts), final.chunk.finish_reason or "stop", stats, spec_prefill or {}))
+
+
+async def _events(gateway: Gateway, plan: Plan, stream: RequestStream, first: Answer | None,
+                  writer: ResponseWriter, include_usage: bool, endpoint: str) -> AsyncIterator[bytes]:
+    """The SSE body: chunks, the stats in the last one, ``[DONE]``; an error after the first chunk
+    becomes an ``error`` event (the status line is already sent)."""
+    outcome, stats, answer, is_first = "disconnected", None, first, True
+    try:
+        while answer is not None:
+            chunk, spec_prefill = answer.chunk, answer.spec_prefill(plan)
+            yield sse(writer.chunk(chunk.text, is_first, chunk.finish_reason, spec_prefill))
+            if chunk.stats is not None and spec_prefill is not None:
+                stats = chunk.stats
+                if include_usage:
+                    yield sse(writer.usage_chunk(chunk.stats, spec_prefill))
+            is_first = False
+            answer = await stream.next()
+        yield sse("[DONE]")
+        outcome = "ok"
+    except ClientGone:
+        pass
+    except Exception as error:
+        failure = as_gateway_error(error, gateway.settings.main_is_remote)
+        outcome = failure.outcome
+        log.warning("request failed mid-stream: %s", failure.message)
+        yield sse(failure.body())
+        yield sse("[DONE]")
+    finally:
+        gateway.metrics.finished(endpoint, outcome, stats if outcome == "ok" else None)
+        with anyio.CancelScope(shield=True):  # Starlette cancels this task when the client disconnects
+            await stream.close()

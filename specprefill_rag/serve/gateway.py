@@ -1,0 +1,137 @@
+"""One request through the gateway: layout -> (draft queue) -> selection -> main model, as stream chunks.
+
+The gateway owns no model code: it asks the engine whether a request is worth a draft, scores the
+prompt in the shared :class:`~specprefill_rag.serve.queue.DraftQueue`, selects with the engine's pure
+:func:`~specprefill_rag.selection.select_kept`, and streams through
+:meth:`SpecPrefillEngine.astream_selected`. A draft failure follows ``on_draft_error``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..chat import ChatLayout
+from ..config import GenerationParams
+from ..engine import SpecPrefillEngine
+from ..draft import DraftScore
+from ..models import model_lock
+from ..results import Selection as Chosen
+from ..results import StreamChunk
+from ..selection import select_kept
+from .errors import draft_failed, queue_full
+from .metrics import GatewayMetrics
+from .queue import DraftQueue, QueueFull
+from .schema import SpecPrefillOptions
+from .settings import GatewaySettings
+
+log = logging.getLogger("specprefill_rag.serve")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Kept prompt indices ``[K]`` and how they were chosen."""
+
+    kept: torch.Tensor
+    draft_ms: float = 0.0
+    queue_ms: float = 0.0
+    batch_size: int = 0
+    draft_error: str | None = None
+    draft_cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated request: its layout, decoding parameters, SpecPrefill options and arrival time."""
+
+    layout: ChatLayout
+    params: GenerationParams
+    options: SpecPrefillOptions
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One stream chunk and the selection behind it (its stats and extras go in the last chunk)."""
+
+    chunk: StreamChunk
+    selection: Selection
+
+    def spec_prefill(self, plan: Plan) -> dict[str, Any] | None:
+        """The response's ``spec_prefill`` object (last chunk only)."""
+        if self.chunk.stats is None:
+            return None
+        extras = {"document_source": plan.layout.document_source, "n_documents": plan.layout.n_documents,
+                  "queue_ms": self.selection.queue_ms, "draft_batch_size": self.selection.batch_size,
+                  "draft_error": self.selection.draft_error}
+        return {**self.chunk.stats.as_dict(), **extras}
+
+
+class Gateway:
+    """The engine, the draft queue and the metrics of one gateway process."""
+
+    def __init__(self, settings: GatewaySettings, engine: SpecPrefillEngine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.queue = DraftQueue(self._score_batch, settings.queue_size, settings.resolved_draft_batch_size(),
+                                settings.draft_batch_tokens, settings.batch_window_ms / 1000.0)
+        self.metrics = GatewayMetrics(lambda: self.queue.depth)
+        self.queue.on_batch = self.metrics.batch
+
+    def _score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | Exception]:
+        """Blocking: one batched draft forward (in the queue's worker thread), results on the CPU."""
+        draft = self.engine.draft
+        device = next(draft.model.parameters()).device
+        with model_lock(draft.model):
+            results = draft.score_batch([p.to(device) for p in prompts])
+        return [replace(r, importance=r.importance.cpu()) if isinstance(r, DraftScore) else r for r in results]
+
+    async def answer(self, plan: Plan) -> AsyncGenerator[Answer, None]:
+        """Stream one request; raises :class:`GatewayError` or the engine's errors before the first chunk."""
+        layout = plan.layout.layout
+        self.engine.check_length(len(layout), plan.params.max_new_tokens)
+        selection = await self._select(plan)
+        chosen = Chosen(selection.kept, selection.draft_ms, selection.draft_cached_tokens)
+        chunks = self.engine.astream_selected(layout, plan.params, chosen, plan.started)
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield Answer(chunk, selection)
+
+    async def _select(self, plan: Plan) -> Selection:
+        layout, options = plan.layout.layout, plan.options
+        defaults = self.settings
+        rate = options.keep_rate if options.keep_rate is not None else defaults.keep_rate
+        cap = options.max_document_tokens if options.max_document_tokens is not None else defaults.max_document_tokens
+        whole = torch.arange(len(layout))
+        if not options.enabled or not self.engine.compresses(layout, rate, cap):
+            return Selection(whole)
+        queued = time.perf_counter()
+        scoring = self.engine.draft_scoring  # direct: the layout's ids; mapped: its rendering for the draft
+        try:
+            prepared = scoring.prepare(layout)
+            scored = await self.queue.score(prepared.token_ids)
+            importance = scoring.finish(prepared, scored.importance)
+        except QueueFull as full:
+            raise queue_full(full.depth, full.retry_after_s) from None
+        except Exception as error:  # the draft failed on this prompt: too long for it, out of memory, non-finite...
+            return self._after_draft_error(whole, error)
+        queue_ms = (time.perf_counter() - queued) * 1000.0 - scored.draft_ms
+        kept = select_kept(importance, layout.document_index, keep_rate=rate,
+                           chunk_size=self.engine.config.chunk_size, max_document_tokens=cap)
+        return Selection(kept, scored.draft_ms, max(queue_ms, 0.0), scored.batch_size,
+                         draft_cached_tokens=scored.cached_tokens)
+
+    def _after_draft_error(self, whole: torch.Tensor, error: Exception) -> Selection:
+        policy = self.settings.on_draft_error
+        self.metrics.draft_errors.labels(type(error).__name__, policy).inc()
+        if policy == "fail":
+            raise draft_failed(error)
+        log.warning("draft failed (%s: %s); sending the request uncompressed (--on-draft-error full)",
+                    type(error).__name__, error)
+        return Selection(whole, draft_error=f"{type(error).__name__}: {error}")

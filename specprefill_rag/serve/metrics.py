@@ -1,0 +1,55 @@
+"""Prometheus metrics of one gateway (its own registry, so several gateways can live in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .errors import OUTCOMES
+
+_MS_BUCKETS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
+_SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
+
+
+class GatewayMetrics:
+    """Requests by outcome, queue depth, draft time and batch size, kept share, TTFT, draft errors."""
+
+    def __init__(self, queue_depth: Callable[[], int]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("specprefill_requests", "Requests answered, by endpoint and outcome.",
+                                ["endpoint", "outcome"], registry=self.registry)
+        self.queue_depth = Gauge("specprefill_queue_depth", "Requests waiting for the draft.", registry=self.registry)
+        self.queue_depth.set_function(lambda: float(queue_depth()))
+        self.draft_ms = Histogram("specprefill_draft_ms", "Draft time of one batch, ms.", buckets=_MS_BUCKETS,
+                                  registry=self.registry)
+        self.draft_batch = Histogram("specprefill_draft_batch_size", "Prompts per draft batch.",
+                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.kept_share = Histogram("specprefill_kept_share", "Kept share of document tokens per request.",
+                                    buckets=_SHARE_BUCKETS, registry=self.registry)
+        self.ttft_ms = Histogram("specprefill_ttft_ms", "Arrival to first token, ms.", buckets=_MS_BUCKETS,
+                                 registry=self.registry)
+        self.draft_errors = Counter("specprefill_draft_errors", "Draft failures, by error type and policy.",
+                                    ["error", "policy"], registry=self.registry)
+        for endpoint in ("chat", "completions"):
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint, outcome)  # every series exists from the start (0)
+
+    def batch(self, size: int, seconds: float) -> None:
+        self.draft_batch.observe(size)
+        self.draft_ms.observe(seconds * 1000.0)
+
+    def finished(self, endpoint: str, outcome: str, stats: Any | None = None) -> None:
+        """Count one answered request; ``stats`` (:class:`SpecPrefillStats`) when it produced an answer."""
+        self.requests.labels(endpoint, outcome).inc()
+        if stats is not None:
+            self.ttft_ms.observe(stats.ttft_ms)
+            if stats.document_tokens:
+                self.kept_share.observe(stats.keep_rate)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text exposition format and its content type."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

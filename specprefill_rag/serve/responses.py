@@ -1,0 +1,81 @@
+"""Response bodies in vLLM's OpenAI shapes: whole answers and server-sent-event chunks.
+
+The chat and text endpoints differ only in object names and the shape of a choice; each is a
+:class:`ApiFormat`. Every answer carries ``spec_prefill`` (the stats) in its last chunk or body, and
+``usage.prompt_tokens`` counts the full prompt, not the kept tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ApiFormat:
+    """Object names and choice shapes of one endpoint."""
+
+    object_name: str
+    chunk_name: str
+    id_prefix: str
+    is_chat: bool
+
+    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        if self.is_chat:
+            message = {"role": "assistant", "content": text}
+            return {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+    def delta(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+        if not self.is_chat:
+            return self.choice(text, finish_reason)
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+
+CHAT = ApiFormat("chat.completion", "chat.completion.chunk", "chatcmpl-", is_chat=True)
+TEXT = ApiFormat("text_completion", "text_completion", "cmpl-", is_chat=False)
+
+
+def usage(stats: Any) -> dict[str, int]:
+    """OpenAI usage from :class:`SpecPrefillStats`: the full prompt's tokens, not the kept ones."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+
+
+@dataclass
+class ResponseWriter:
+    """Bodies of one response (one id, one creation time)."""
+
+    api: ApiFormat
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{self.api.id_prefix}{uuid.uuid4().hex}"
+
+    def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices}
+
+    def whole(self, text: str, finish_reason: str, stats: Any, spec_prefill: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope(self.api.object_name, [self.api.choice(text, finish_reason)])
+        return {**body, "usage": usage(stats), "spec_prefill": spec_prefill}
+
+    def chunk(self, text: str, first: bool, finish_reason: str | None = None,
+              spec_prefill: dict[str, Any] | None = None) -> dict[str, Any]:
+        body = self._envelope(self.api.chunk_name, [self.api.delta(text, finish_reason, first)])
+        return {**body, "spec_prefill": spec_prefill} if spec_prefill is not None else body
+
+    def usage_chunk(self, stats: Any, spec_prefill: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk with ``stream_options.include_usage``: no choices, the usage and the stats."""
+        return {**self._envelope(self.api.chunk_name, []), "usage": usage(stats), "spec_prefill": spec_prefill}
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event; ``"[DONE]"`` ends a stream."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,94 @@
+"""The gateway's one settings object, filled by ``specprefill-rag serve`` and validated at construction."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from ..config import DEFAULT_MODEL, SpecPrefillConfig
+
+# Prompts per batched draft forward when --draft-batch-size is not given. CPU: 1, measured (BENCHMARKS.md,
+# "Gateway"): batching 4 SmolLM2-135M drafts saves 16% at 284 tokens but costs 9% at 1,012, and
+# prompts under min_prompt_tokens (1,024) are never drafted. GPU: 8, as a batch of short forwards
+# normally costs little more than one there (not measured yet: no GPU lent).
+DEFAULT_DRAFT_BATCH_SIZE = {"cpu": 1, "cuda": 8}
+
+
+class GatewaySettings(BaseModel):
+    """Settings of ``specprefill-rag serve``. Raises ``pydantic.ValidationError`` naming the field."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    main: str = Field(
+        DEFAULT_MODEL,
+        description="The main model: the http(s) URL of a vLLM server with this package's plugin, or a model spec "
+        "(HF id, folder, .gguf, 'smollm2-135m') run in-process with transformers.",
+    )
+    draft: str = Field(DEFAULT_MODEL, description="Draft model spec, or 'self:<n>' with an in-process main model.")
+    host: str = Field("127.0.0.1", description="Address to bind; other than loopback, set api_key.")
+    port: int = Field(8100, ge=0, le=65535)
+    api_key: SecretStr | None = Field(None, description="Bearer key every /v1 request must carry; None = open.")
+    served_model_name: str | None = Field(None, description="Model name in /v1/models; default: the main model's.")
+    keep_rate: float = Field(0.3, gt=0.0, le=1.0, description="Default share of document tokens kept.")
+    max_document_tokens: int | None = Field(None, ge=0, description="Default cap on kept document tokens.")
+    min_prompt_tokens: int = Field(1024, ge=0, description="Shorter prompts are sent whole (no draft).")
+    look_ahead: int = Field(8, ge=1, le=64)
+    protect_tail_tokens: int = Field(64, ge=1, description="Without found documents: the last tokens always kept.")
+    device: str = Field("auto", description="Draft device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:1'...")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    on_draft_error: Literal["full", "fail"] = Field(
+        "full", description="A failed draft: send the request uncompressed ('full') or answer 500 ('fail')."
+    )
+    on_missing_plugin: Literal["error", "full_prompt"] = Field(
+        "error", description="A vLLM main without the plugin: refuse to start, or send every prompt whole."
+    )
+    queue_size: int = Field(256, ge=1, description="Requests waiting for the draft at most; more get 429.")
+    draft_batch_size: int | None = Field(
+        None, ge=1, description="Prompts per batched draft forward; None: 1 on CPU, 8 on a GPU (see above)."
+    )
+    draft_batch_tokens: int = Field(
+        32768, ge=1, description="Cap on batch rows x longest prompt in one draft forward (padding memory)."
+    )
+    batch_window_ms: float = Field(0.0, ge=0.0, description="Wait this long for more requests before a draft batch.")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="Deadline of one request: queue, draft and answer.")
+    upstream_timeout_s: float = Field(60.0, gt=0.0, description="Seconds to wait on the vLLM server per connect/read.")
+
+    @property
+    def main_is_remote(self) -> bool:
+        return self.main.startswith(("http://", "https://"))
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def resolved_device(self) -> str:
+        """``device`` with 'auto' resolved: the first GPU when torch sees one, else the CPU."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_draft_batch_size(self) -> int:
+        """``draft_batch_size``, or the default for the draft's device."""
+        if self.draft_batch_size is not None:
+            return self.draft_batch_size
+        return DEFAULT_DRAFT_BATCH_SIZE["cuda" if self.resolved_device().startswith("cuda") else "cpu"]
+
+    def engine_config(self) -> SpecPrefillConfig:
+        """The core engine's config (draft, budget and scoring settings)."""
+        main = self.draft if self.main_is_remote else self.main  # a remote main: the engine only needs a tokenizer
+        config = SpecPrefillConfig(
+            main=main, draft=self.draft, keep_rate=self.keep_rate, max_document_tokens=self.max_document_tokens,
+            min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
+            device=self.resolved_device(), dtype=self.dtype,
+        )
+        # look_ahead does not apply to a 'self:<n>' draft (the config refuses it being set there)
+        return config if config.is_self_draft else config.model_copy(update={"look_ahead": self.look_ahead})
