@@ -8,8 +8,16 @@ over the context); good requests rotate between ``generate``, ``stream`` and ``a
 50 requests the script collects garbage and reads the process's resident memory (VmRSS). The slope is a
 least-squares line over the samples after the first (which includes the warm-up's allocator growth).
 
-    nice -n 10 python benchmarks/soak.py                   # writes benchmarks/results/soak.{json,md}
-    python benchmarks/soak.py --requests 100 --every 25    # a short run
+Every new prompt's draft KV goes into the draft prefix cache (about 5 MB for these ~200-token prompts
+in bfloat16), so resident memory grows until the cache reaches its bound and is flat after: run with
+a small bound to see the plateau within 500 requests, and with the cache off.
+
+    OMP_NUM_THREADS=1 python benchmarks/soak.py --draft-cache-mb 256   # benchmarks/results/soak-cache-256.*
+    OMP_NUM_THREADS=1 python benchmarks/soak.py --draft-cache-mb 0     # the cache off
+    python benchmarks/soak.py --requests 100 --every 25                # a short run
+
+One torch thread on a shared machine: with two, each parallel region waits for a thread another
+process has descheduled, and small requests ran 30-80x slower here.
 """
 
 from __future__ import annotations
@@ -23,7 +31,10 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 from specprefill_rag import SpecPrefillEngine, SpecPrefillError
+from specprefill_rag.config import DEFAULT_DRAFT_CACHE_MB
 from ttft import machine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +87,9 @@ def good_request(engine: SpecPrefillEngine, index: int, max_new_tokens: int) -> 
 
 
 def soak(args) -> dict:
-    engine = SpecPrefillEngine(keep_rate=0.3, min_prompt_tokens=0, max_draft_tokens=MAX_DRAFT_TOKENS)
+    engine = SpecPrefillEngine(
+        keep_rate=0.3, min_prompt_tokens=0, max_draft_tokens=MAX_DRAFT_TOKENS, draft_cache_mb=args.draft_cache_mb
+    )
     samples, counts, started = [], {"good": 0, "bad": 0, "tokens": 0}, time.perf_counter()
     gc.collect()
     samples.append({"requests": 0, "rss_bytes": rss_bytes(), "elapsed_s": 0.0})
@@ -94,7 +107,8 @@ def soak(args) -> dict:
     steady = samples[2:]  # from the second sample after start: the first includes warm-up growth
     slope = _slope([s["requests"] for s in steady], [s["rss_bytes"] for s in steady]) if len(steady) > 1 else 0.0
     return {"machine": machine(), "requests": args.requests, "every": args.every, "counts": counts,
-            "max_new_tokens": args.max_new_tokens, "samples": samples, "slope_bytes_per_request": slope,
+            "max_new_tokens": args.max_new_tokens, "draft_cache_mb": args.draft_cache_mb,
+            "torch_threads": torch.get_num_threads(), "samples": samples, "slope_bytes_per_request": slope,
             "steady_from_request": steady[0]["requests"] if steady else None}
 
 
@@ -106,7 +120,8 @@ def _slope(xs: list[int], ys: list[int]) -> float:
 def markdown(report: dict) -> str:
     counts = report["counts"]
     lines = [f"{report['requests']} requests ({counts['good']} good, {counts['bad']} bad, {counts['tokens']} tokens "
-             f"generated), embedded SmolLM2-135M as draft and main; {report['machine']}.", "",
+             f"generated), embedded SmolLM2-135M as draft and main, draft prefix cache {report['draft_cache_mb']} MiB, "
+             f"{report['torch_threads']} torch thread(s); {report['machine']}.", "",
              "| requests | RSS (MiB) | elapsed (s) |", "|---:|---:|---:|"]
     for sample in report["samples"]:
         lines.append(f"| {sample['requests']} | {sample['rss_bytes'] / 2**20:.1f} | {sample['elapsed_s']:.0f} |")
@@ -120,8 +135,11 @@ def main() -> None:
     options.add_argument("--requests", type=int, default=500)
     options.add_argument("--every", type=int, default=50)
     options.add_argument("--max-new-tokens", type=int, default=4)
-    options.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak")
+    options.add_argument("--draft-cache-mb", type=int, default=DEFAULT_DRAFT_CACHE_MB,
+                         help="the draft prefix cache's bound (0: off); it fills with each new prompt's draft KV")
+    options.add_argument("--out", type=Path, help="default: benchmarks/results/soak-cache-<MB>")
     args = options.parse_args()
+    args.out = args.out or ROOT / "benchmarks" / "results" / f"soak-cache-{args.draft_cache_mb}"
     report = soak(args)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))

@@ -229,7 +229,8 @@ def machine() -> str:
         return torch.cuda.get_device_name(0)
     import os
 
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU threads, torch {torch.__version__}"
+    cores = f"{os.cpu_count()} CPU threads ({torch.get_num_threads()} used by torch)"
+    return f"{platform.processor() or platform.machine()}, {cores}, torch {torch.__version__}"
 
 
 def main() -> None:

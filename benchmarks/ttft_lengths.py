@@ -14,8 +14,8 @@ one. The models' own weights are loaded before and are not part of it.
                  draft_path says), selection, sparse prefill at original positions
   self-<n>       draft='self': the main model's first n layers score (40% of them, the last 16 prompt
                  tokens as queries), then the same sparse prefill
-  longllmlingua  ``llmlingua`` compresses the documents' text (SmolLM2-135M as its compressor), then the
-                 main model prefills the compressed prompt
+  longllmlingua  ``llmlingua`` compresses the documents' text (the --draft model as its compressor, so both
+                 compressors cost the same per token), then the main model prefills the compressed prompt
 
 Main model: a random model of SmolLM2-1.7B's shape with SmolLM2's tokenizer (timing does not depend
 on weights), or any model spec (``--main smollm2-135m``, ``--main qwen2.5-coder-1.5b``, a folder). The
@@ -181,15 +181,16 @@ def main() -> None:
     args = options.parse_args()
     engine = load_engine(args)
     dtype = engine.draft.model.dtype  # LongLLMLingua's compressor in the draft's dtype: the same cost per token
-    compressor = None if args.no_longllmlingua else LongLLMLingua(resolve("smollm2-135m", dtype), dtype)
+    compressor = None if args.no_longllmlingua else LongLLMLingua(resolve(args.draft, dtype), dtype)
     report = {"machine": machine(), "main": args.main, "draft": args.draft, "draft_path": engine.draft_path,
-              "dtype": args.dtype, "keep_rate": args.keep_rate, "repeats": args.repeats,
-              "results": [run_length(engine, compressor, length, args) for length in args.lengths]}
+              "dtype": args.dtype, "keep_rate": args.keep_rate, "repeats": args.repeats, "results": []}
     suffix = "" if args.draft == "smollm2-135m" else f"-draft-{Path(args.draft).name}"
     out = args.out or ROOT / "benchmarks" / "results" / f"ttft-lengths-{Path(args.main).name}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(report, indent=1))
-    Path(f"{out}.md").write_text(markdown(report) + "\n")
+    for length in args.lengths:  # written after each length: a run cut short keeps what it measured
+        report["results"].append(run_length(engine, compressor, length, args))
+        Path(f"{out}.json").write_text(json.dumps(report, indent=1))
+        Path(f"{out}.md").write_text(markdown(report) + "\n")
     plot(report, Path(f"{out}.png"))
     print(markdown(report))
 
