@@ -10,6 +10,10 @@ Tasks (benchmarks/tasks.py, data read in place from ../shared/data):
 Methods (all share one prompt layout and one main model):
   specprefill      draft = SmolLM2-135M (the paper's algorithm), look-ahead 8
   specprefill-la1  the same draft, look-ahead 1
+  specprefill-auto the same draft's importance, budget chosen per sample by keep_rate="auto"
+                   (ImportanceMass): its rows' "keep" is the mass share (--auto-shares), "kept share"
+                   the average share it chose; with several --auto-floors/--auto-ceilings, one method
+                   specprefill-auto-f<floor>-c<ceiling> each (a tuning grid)
   self-<n>[-w<W>]  the main model's first n layers as draft; queries: the last prompt token, or the
                    last W prompt tokens
   contiguous       specprefill's kept tokens, renumbered 0..K-1 (what original positions are worth)
@@ -47,14 +51,14 @@ from tqdm import tqdm
 import tasks
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.chat import ChatMessage, chat_layout
-from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
+from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.detokenize import IncrementalText
 from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
 from specprefill_rag.layout_scoring import draft_scoring
 from specprefill_rag.models import shared_model
 from specprefill_rag.prompt import PromptLayout
-from specprefill_rag.selection import select_kept
+from specprefill_rag.selection import ImportanceMass, select_kept
 
 ROOT = tasks.ROOT
 INSTRUCTIONS = "Answer the question using the documents. Answer with a short phrase."
@@ -171,8 +175,9 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
            for n in args.self_layers for w in args.self_windows},
         **{f"specprefill-{spec}": (lambda spec=spec: extra_draft(engine, spec)) for spec in args.extra_drafts},
     }
+    auto = auto_methods(args)
     drafts = {name: make() for name, make in drafts.items() if name in args.methods or
-              (name == "specprefill" and "contiguous" in args.methods)}
+              (name == "specprefill" and ({"contiguous", AUTO} & set(args.methods)))}
     # draft -> (the layout it scored, importance [L]); held by reference: an id() key could be reused
     scored: dict[str, tuple[PromptLayout, torch.Tensor]] = {}
 
@@ -197,11 +202,37 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
         kept = first_tokens(layout.document_index, keep_rate)
         return Prefill(layout, kept, kept)
 
+    def auto_method(floor: float, ceiling: float) -> Callable:
+        def run(sample: dict, layout: PromptLayout, share: float) -> Prefill:
+            budget = ImportanceMass(share, floor, ceiling)
+            kept = select_kept(importance("specprefill", layout), layout.document_index, keep_rate=budget, chunk_size=32)
+            return Prefill(layout, kept, kept)
+        return run
+
     methods = {name: draft_method(name) for name in drafts}
     methods.update({"contiguous": draft_method("specprefill", renumber=True), "random": random_chunks, "first": first})
+    methods.update({name: auto_method(floor, ceiling) for name, (floor, ceiling) in auto.items()})
     if "longllmlingua" in args.methods:
         methods["longllmlingua"] = longllmlingua_method(engine, args.compressor or compressor_default(args))
-    return {name: methods[name] for name in args.methods}
+    names = [n for method in args.methods for n in (auto if method == AUTO else [method])]
+    return {name: methods[name] for name in names}
+
+
+AUTO = "specprefill-auto"
+
+
+def auto_methods(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """keep_rate="auto" methods: name -> (floor, ceiling); one per pair of --auto-floors x --auto-ceilings
+    with floor <= ceiling, named ``specprefill-auto`` when there is one pair."""
+    pairs = [(f, c) for f in args.auto_floors for c in args.auto_ceilings if f <= c]
+    if len(pairs) == 1:
+        return {AUTO: pairs[0]}
+    return {f"{AUTO}-f{f:g}-c{c:g}": (f, c) for f, c in pairs}
+
+
+def method_budgets(name: str, args: argparse.Namespace) -> list[float]:
+    """What a method's rows vary: the mass share for keep_rate="auto" methods, else the keep rate."""
+    return args.auto_shares if name.startswith(AUTO) else args.keep_rates
 
 
 class MethodFailed(Exception):
@@ -321,7 +352,8 @@ def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
     if not args.resume or not path.is_file():
         return []
     earlier = json.loads(path.read_text())
-    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods", "max_new_tokens")
+    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods", "max_new_tokens",
+             "auto_shares", "auto_floors", "auto_ceilings")
     differing = [k for k in study if earlier["settings"].get(k) != vars(args).get(k)]
     if differing:
         raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out")
@@ -340,6 +372,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[di
     methods = make_methods(engine, args)
     records = list(records or [])
     done = {r["sample"] for r in records}
+    budgets = {name: method_budgets(name, args) for name in methods}
     for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
         if (args.only_samples and index not in args.only_samples) or index in done:
             continue
@@ -347,15 +380,19 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[di
         document_tokens = layout.n_document_tokens
         full = evaluate(engine, sample, Prefill.whole(layout), args.max_new_tokens, document_tokens)
         records.append({"sample": index, "method": "full", "keep_rate": 1.0, **full, "gold_document_kept": 1.0})
+        evaluated: dict[tuple, dict] = {}  # (kept, positions) -> results: a tuning grid often keeps the same tokens
         for name, method in methods.items():
-            for keep_rate in args.keep_rates:
+            for keep_rate in budgets[name]:
                 method_started = time.perf_counter()
                 try:
                     prefill = method(sample, layout, keep_rate)
                 except MethodFailed as failure:
                     records.append({"sample": index, "method": name, "keep_rate": keep_rate, "failed": str(failure)})
                     continue
-                result = evaluate(engine, sample, prefill, args.max_new_tokens, document_tokens)
+                key = (tuple(prefill.kept.tolist()), tuple(prefill.positions.tolist()), len(prefill.layout))
+                if key not in evaluated:
+                    evaluated[key] = evaluate(engine, sample, prefill, args.max_new_tokens, document_tokens)
+                result = evaluated[key]
                 records.append({"sample": index, "method": name, "keep_rate": keep_rate, **result,
                                 "seconds": time.perf_counter() - method_started})
         save(make_report(args, index + 1, records))
@@ -486,6 +523,11 @@ def main() -> None:
     options.add_argument("--length", type=int, default=2000, help="niah: haystack tokens; longbench: context budget")
     options.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     options.add_argument("--methods", nargs="+", default=ALL_METHODS)
+    auto_defaults = SpecPrefillConfig()
+    options.add_argument("--auto-shares", type=float, nargs="+", default=[auto_defaults.auto_keep_share],
+                         help="specprefill-auto: shares of the importance mass to keep")
+    options.add_argument("--auto-floors", type=float, nargs="+", default=[auto_defaults.auto_keep_floor])
+    options.add_argument("--auto-ceilings", type=float, nargs="+", default=[auto_defaults.auto_keep_ceiling])
     options.add_argument("--self-layers", type=int, nargs="*", default=[12])
     options.add_argument("--self-windows", type=int, nargs="*", default=[16], help="query window of self-<n> drafts")
     options.add_argument("--max-new-tokens", type=int, default=16, help="0: skip generation, log-probabilities only")
@@ -495,7 +537,7 @@ def main() -> None:
     options.add_argument("--resume", action="store_true", help="keep the samples an earlier run of this study saved at --out")
     args = options.parse_args()
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
-    unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts}
+    unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
     if unknown:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"

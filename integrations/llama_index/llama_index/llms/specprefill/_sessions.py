@@ -27,7 +27,7 @@ class Request:
     documents: list[Any] | None
     question: str | None
     insert_missing: bool
-    keep_rate: float | None
+    keep_rate: float | str | None  # a fraction, "auto", or None for the LLM's setting (checked by the engine)
     params: GenerationParams
 
 
