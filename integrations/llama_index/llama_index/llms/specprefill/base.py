@@ -247,7 +247,9 @@ class SpecPrefillLLM(CustomLLM):
         explicit = kwargs.get("documents")
         documents = explicit if explicit is not None else context_documents(captured.get("context"))
         question = kwargs["query"] if "query" in kwargs else captured.get("query")
-        return Request(messages, documents, question, explicit is not None, kwargs.get("keep_rate"), self._params())
+        keep_rate = kwargs.get("keep_rate")  # the call's, else this LLM's (also over an engine from from_engine)
+        keep_rate = self.keep_rate if keep_rate is None else keep_rate
+        return Request(messages, documents, question, explicit is not None, keep_rate, self._params())
 
     def _params(self) -> GenerationParams:
         return generation_params({"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
