@@ -292,7 +292,8 @@ def answer_and_logprob(engine: SpecPrefillEngine, prefill: Prefill, answer: str,
     if decoded := cache.get_seq_length() - n_kept:
         cache.crop(-decoded)  # back to the prompt alone
     answer_ids = torch.tensor(engine.tokenizer(answer, add_special_tokens=False)["input_ids"])
-    rest = _forward(model, answer_ids[:-1], prefill.prompt_length + torch.arange(answer_ids.numel() - 1), cache)
+    rest = _forward(model, answer_ids[:-1], prefill.prompt_length + torch.arange(answer_ids.numel() - 1), cache) \
+        if answer_ids.numel() > 1 else first.new_zeros(0, first.numel())  # a one-token answer: nothing to feed
     predicted = torch.cat([first[None], rest.log_softmax(-1)])
     return text.emitted.strip(), float(predicted.gather(1, answer_ids[:, None]).mean())
 
