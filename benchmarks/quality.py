@@ -476,7 +476,9 @@ def plot(report: dict, metrics: list[str], path: Path) -> None:
     for axes, metric in zip(panels if len(metrics) > 1 else [panels], metrics):
         rows = summarise(report, metric)
         for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
-            points = [(r["keep_rate"], r["score"]) for r in rows if r["method"] == method]
+            # keep_rate="auto" rows: at the share they kept (their "keep" is the mass share)
+            points = [(r["kept_share"] if method.startswith(AUTO) else r["keep_rate"], r["score"])
+                      for r in rows if r["method"] == method]
             axes.plot(*zip(*points), marker="o", label=method)
         axes.axhline(rows[0]["score"], color="black", linestyle="--", label="full prefill")
         axes.set_xlabel("keep rate (share of document tokens)")
