@@ -107,6 +107,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     serve.add_argument("--served-model-name", dest="served_model_name", help="model name clients send")
     serve.add_argument("--keep-rate", dest="keep_rate", type=keep_rate_option,
                        help="default share of document tokens kept, (0, 1], or 'auto'")
+    for bound in ("share", "floor", "ceiling"):
+        serve.add_argument(f"--auto-keep-{bound}", dest=f"auto_keep_{bound}", type=float,
+                           help=f"keep rate 'auto': its {bound} (default: the engine's)")
     serve.add_argument("--max-document-tokens", dest="max_document_tokens", type=int)
     serve.add_argument("--min-prompt-tokens", dest="min_prompt_tokens", type=int, help="shorter prompts are sent whole")
     serve.add_argument("--look-ahead", dest="look_ahead", type=int)

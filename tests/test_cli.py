@@ -74,8 +74,11 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
     assert "from-env" not in repr(settings)  # the key is never printed
     explicit = serve_settings(parser().parse_args(["serve", "--api-key", "given"]))
     assert explicit.api_key.get_secret_value() == "given"
-    auto = serve_settings(parser().parse_args(["serve", "--keep-rate", "auto"]))
-    assert auto.keep_rate == "auto" and auto.engine_config().keep_rate == "auto"
+    auto = serve_settings(parser().parse_args(["serve", "--keep-rate", "auto", "--auto-keep-floor", "0.2",
+                                               "--auto-keep-ceiling", "0.4", "--auto-keep-share", "0.7"]))
+    config = auto.engine_config()
+    assert config.keep_rate == "auto" and (config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling) \
+        == (0.7, 0.2, 0.4)
 
 
 def test_serve_reports_bad_settings_without_traceback(capsys):
