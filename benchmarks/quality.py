@@ -13,7 +13,8 @@ Methods (all share one prompt layout and one main model):
   specprefill-auto the same draft's importance, budget chosen per sample by keep_rate="auto"
                    (ImportanceMass): its rows' "keep" is the mass share (--auto-shares), "kept share"
                    the average share it chose; with several --auto-floors/--auto-ceilings, one method
-                   specprefill-auto-f<floor>-c<ceiling> each (a tuning grid)
+                   specprefill-auto-f<floor>-c<ceiling> each (a tuning grid); --match-auto runs the
+                   fixed methods at auto's average kept share
   self-<n>[-w<W>]  the main model's first n layers as draft; queries: the last prompt token, or the
                    last W prompt tokens
   contiguous       specprefill's kept tokens, renumbered 0..K-1 (what original positions are worth)
@@ -178,13 +179,13 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     auto = auto_methods(args)
     drafts = {name: make() for name, make in drafts.items() if name in args.methods or
               (name == "specprefill" and ({"contiguous", AUTO} & set(args.methods)))}
-    # draft -> (the layout it scored, importance [L]); held by reference: an id() key could be reused
-    scored: dict[str, tuple[PromptLayout, torch.Tensor]] = {}
+    # draft -> {id(layout): (layout, importance [L])}; the layout is held, so its id() is not reused
+    scored: dict[str, dict[int, tuple[PromptLayout, torch.Tensor]]] = {name: {} for name in drafts}
 
     def importance(name: str, layout: PromptLayout) -> torch.Tensor:
-        if name not in scored or scored[name][0] is not layout:
-            scored[name] = (layout, drafts[name](layout))
-        return scored[name][1]
+        if id(layout) not in scored[name]:
+            scored[name][id(layout)] = (layout, drafts[name](layout))
+        return scored[name][id(layout)][1]
 
     def draft_method(name: str, renumber: bool = False) -> Callable:
         def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
@@ -228,6 +229,16 @@ def auto_methods(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     if len(pairs) == 1:
         return {AUTO: pairs[0]}
     return {f"{AUTO}-f{f:g}-c{c:g}": (f, c) for f, c in pairs}
+
+
+def matched_keep_rate(auto: Callable, samples: list[dict], layouts: dict[int, PromptLayout], share: float) -> float:
+    """Average share of document tokens ``auto`` keeps over the samples in ``layouts``, rounded to 0.01: the
+    fixed rate of equal average kept share (``--match-auto``). The draft's scores stay cached for the run."""
+    shares = []
+    for index, layout in layouts.items():
+        kept = auto(samples[index], layout, share).kept
+        shares.append(int((layout.document_index[kept] >= 0).sum()) / layout.n_document_tokens)
+    return round(sum(shares) / len(shares), 2)
 
 
 def method_budgets(name: str, args: argparse.Namespace) -> list[float]:
@@ -373,11 +384,15 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[di
     methods = make_methods(engine, args)
     records = list(records or [])
     done = {r["sample"] for r in records}
+    chosen = [i for i in range(len(samples)) if not args.only_samples or i in args.only_samples]
+    layouts = {i: sample_layout(engine, samples[i]) for i in chosen}
+    if args.match_auto:
+        args.keep_rates = [matched_keep_rate(methods[AUTO], samples, layouts, args.auto_shares[0])]
     budgets = {name: method_budgets(name, args) for name in methods}
     for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
-        if (args.only_samples and index not in args.only_samples) or index in done:
+        if index not in layouts or index in done:
             continue
-        layout = sample_layout(engine, sample)
+        layout = layouts[index]
         document_tokens = layout.n_document_tokens
         full = evaluate(engine, sample, Prefill.whole(layout), args.max_new_tokens, document_tokens)
         records.append({"sample": index, "method": "full", "keep_rate": 1.0, **full, "gold_document_kept": 1.0})
@@ -531,6 +546,8 @@ def main() -> None:
                          help="specprefill-auto: shares of the importance mass to keep")
     options.add_argument("--auto-floors", type=float, nargs="+", default=[auto_defaults.auto_keep_floor])
     options.add_argument("--auto-ceilings", type=float, nargs="+", default=[auto_defaults.auto_keep_ceiling])
+    options.add_argument("--match-auto", action="store_true",
+                         help="fixed methods run at one rate: specprefill-auto's average kept share on these samples")
     options.add_argument("--self-layers", type=int, nargs="*", default=[12])
     options.add_argument("--self-windows", type=int, nargs="*", default=[16], help="query window of self-<n> drafts")
     options.add_argument("--max-new-tokens", type=int, default=16, help="0: skip generation, log-probabilities only")
@@ -541,6 +558,8 @@ def main() -> None:
     args = options.parse_args()
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
+    if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
+        options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")
     if unknown:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
