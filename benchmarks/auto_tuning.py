@@ -1,14 +1,12 @@
 """keep_rate="auto" against fixed rates, from a ``quality.py`` report (issue #17).
 
     python benchmarks/auto_tuning.py benchmarks/results/smollm2-auto-tune-squad-seed1.json
-    python benchmarks/auto_tuning.py benchmarks/results/smollm2-auto-squad.json --matched-rate
 
-The first form is the tuning table: every ``specprefill-auto*`` row (one floor, ceiling and mass
+The tuning table: every ``specprefill-auto*`` row (one floor, ceiling and mass
 share) with the average share of document tokens it kept, its scores, and the fixed-rate
 ``specprefill`` curve of the same report read at that average kept share (linear between the two
 measured rates around it): the margin is what auto gains over a fixed rate of equal average kept
-share. ``--matched-rate`` prints only the average kept share of the ``specprefill-auto`` rows,
-rounded to 0.01: the fixed rate to run for the held-out comparison.
+share. (Held-out runs compare at one matched rate instead: ``quality.py --match-auto``.)
 """
 
 from __future__ import annotations
@@ -56,20 +54,13 @@ def markdown(report: dict, metrics: list[str]) -> str:
     return "\n".join(lines)
 
 
-def matched_rate(report: dict) -> float:
-    """Average kept share of the ``specprefill-auto`` records: the fixed rate of equal average kept share."""
-    shares = [r["kept_share"] for r in report["records"] if r["method"] == AUTO and "failed" not in r]
-    return round(sum(shares) / len(shares), 2)
-
-
 def main() -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     options.add_argument("report", type=Path)
     options.add_argument("--metrics", nargs="+", default=["contains", "logprob"])
-    options.add_argument("--matched-rate", action="store_true", help="print only the fixed rate to compare with")
     args = options.parse_args()
     report = json.loads(args.report.read_text())
-    print(matched_rate(report) if args.matched_rate else markdown(report, args.metrics))
+    print(markdown(report, args.metrics))
 
 
 if __name__ == "__main__":
