@@ -4,7 +4,7 @@
 
 The tuning table: every ``specprefill-auto*`` row (one floor, ceiling and mass
 share) with the average share of document tokens it kept, its scores, and the fixed-rate
-``specprefill`` curve of the same report read at that average kept share (linear between the two
+``specprefill`` curve (and the full prompt at 1) of the same report read at that average kept share (linear between the two
 measured rates around it): the margin is what auto gains over a fixed rate of equal average kept
 share. (Held-out runs compare at one matched rate instead: ``quality.py --match-auto``.)
 """
@@ -29,7 +29,8 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
 def tuning_rows(report: dict, metric: str) -> list[dict]:
     """One row per auto setting: kept share, score, and the fixed curve's score at that kept share."""
     rows = summarise(report, metric)
-    fixed = sorted((r["kept_share"], r["score"]) for r in rows if r["method"] == "specprefill")
+    # the fixed-rate curve; keep rate 1 is the full prompt
+    fixed = sorted((r["kept_share"], r["score"]) for r in rows if r["method"] in ("specprefill", "full"))
     table = []
     for row in rows:
         if row["method"].startswith(AUTO):
