@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..chat import ChatLayout
-from ..config import GenerationParams
+from ..config import AUTO, GenerationParams
 from ..engine import SpecPrefillEngine
 from ..draft import DraftScore
 from ..models import model_lock
@@ -109,7 +109,7 @@ class Gateway:
         defaults = self.settings
         rate = options.keep_rate if options.keep_rate is not None else defaults.keep_rate
         cap = options.max_document_tokens if options.max_document_tokens is not None else defaults.max_document_tokens
-        policy: KeepPolicy = "auto" if rate == "auto" else "fixed"
+        policy: KeepPolicy = "auto" if rate == AUTO else "fixed"
         whole = torch.arange(len(layout))
         if not options.enabled or not self.engine.compresses(layout, rate, cap):
             return Selection(whole, keep_policy=policy)
