@@ -247,3 +247,15 @@ def test_auto_tuning_reads_the_fixed_curve_at_autos_kept_share():
     (row,) = tuning_rows(report, "contains")
     # the fixed curve runs from (0.1, 0.5) to full (1.0, 1.0): 0.75 at 0.55; auto scores 1.0
     assert row["fixed_at_share"] == pytest.approx(0.75) and row["margin"] == pytest.approx(0.25)
+
+
+def test_held_out_pairs_auto_with_the_fixed_rate_per_sample():
+    from auto_tuning import held_out
+
+    report = _run([0, 1, 2, 3], "specprefill", 0.25)  # fixed: contains 0, 1, 0, 1
+    report["records"] += [{**r, "method": "specprefill-auto", "keep_rate": 0.8, "contains": 1.0}
+                          for r in report["records"] if r["method"] == "specprefill"]
+    assert "contains: +0.500 (+0.000 to +1.000)" in held_out(report, ["contains"])
+    report["records"].append({**report["records"][1], "keep_rate": 0.3})
+    with pytest.raises(SystemExit, match="one fixed specprefill rate"):
+        held_out(report, ["contains"])
