@@ -3,10 +3,10 @@
     python benchmarks/auto_tuning.py benchmarks/results/smollm2-auto-tune-squad-seed1.json
     python benchmarks/auto_tuning.py benchmarks/results/smollm2-auto-niah.json --held-out
 
-The tuning table: every ``specprefill-auto*`` row (one floor, ceiling and mass
-share) with the average share of document tokens it kept, its scores, and the fixed-rate
-``specprefill`` curve (and the full prompt at 1) of the same report read at that average kept share (linear between the two
-measured rates around it): the margin is what auto gains over a fixed rate of equal average kept
+The tuning table: every ``specprefill-auto*`` row (one floor, ceiling and mass share) with the
+average share of document tokens it kept, its scores, and the fixed-rate ``specprefill`` curve (and
+the full prompt at 1) of the same report read at that average kept share, linearly between the two
+measured rates around it: the margin is what auto gains over a fixed rate of equal average kept
 share. ``--held-out`` reads a ``quality.py --match-auto`` run instead: per metric, the paired
 difference auto minus the fixed rate of equal average kept share, with its bootstrap 95% interval.
 """

@@ -206,7 +206,8 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     def auto_method(floor: float, ceiling: float) -> Callable:
         def run(sample: dict, layout: PromptLayout, share: float) -> Prefill:
             budget = ImportanceMass(share, floor, ceiling)
-            kept = select_kept(importance("specprefill", layout), layout.document_index, keep_rate=budget, chunk_size=32)
+            scores = importance("specprefill", layout)
+            kept = select_kept(scores, layout.document_index, keep_rate=budget, chunk_size=32)
             return Prefill(layout, kept, kept)
         return run
 
@@ -364,8 +365,8 @@ def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
     if not args.resume or not path.is_file():
         return []
     earlier = json.loads(path.read_text())
-    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods", "max_new_tokens",
-             "auto_shares", "auto_floors", "auto_ceilings")
+    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods",
+             "max_new_tokens", "auto_shares", "auto_floors", "auto_ceilings")
     differing = [k for k in study if earlier["settings"].get(k) != vars(args).get(k)]
     if differing:
         raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out")
