@@ -10,6 +10,11 @@ Tasks (benchmarks/tasks.py, data read in place from ../shared/data):
 Methods (all share one prompt layout and one main model):
   specprefill      draft = SmolLM2-135M (the paper's algorithm), look-ahead 8
   specprefill-la1  the same draft, look-ahead 1
+  specprefill-auto the same draft's importance, budget chosen per sample by keep_rate="auto"
+                   (ImportanceMass): its rows' "keep" is the mass share (--auto-shares), "kept share"
+                   the average share it chose; with several --auto-floors/--auto-ceilings, one method
+                   specprefill-auto-f<floor>-c<ceiling> each (a tuning grid); --match-auto runs the
+                   fixed methods at auto's average kept share
   self-<n>[-w<W>]  the main model's first n layers as draft; queries: the last prompt token, or the
                    last W prompt tokens
   contiguous       specprefill's kept tokens, renumbered 0..K-1 (what original positions are worth)
@@ -47,14 +52,14 @@ from tqdm import tqdm
 import tasks
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.chat import ChatMessage, chat_layout
-from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
+from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.detokenize import IncrementalText
 from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
 from specprefill_rag.layout_scoring import draft_scoring
 from specprefill_rag.models import shared_model
 from specprefill_rag.prompt import PromptLayout
-from specprefill_rag.selection import select_kept
+from specprefill_rag.selection import ImportanceMass, select_kept
 
 ROOT = tasks.ROOT
 INSTRUCTIONS = "Answer the question using the documents. Answer with a short phrase."
@@ -171,15 +176,16 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
            for n in args.self_layers for w in args.self_windows},
         **{f"specprefill-{spec}": (lambda spec=spec: extra_draft(engine, spec)) for spec in args.extra_drafts},
     }
+    auto = auto_methods(args)
     drafts = {name: make() for name, make in drafts.items() if name in args.methods or
-              (name == "specprefill" and "contiguous" in args.methods)}
-    # draft -> (the layout it scored, importance [L]); held by reference: an id() key could be reused
-    scored: dict[str, tuple[PromptLayout, torch.Tensor]] = {}
+              (name == "specprefill" and ({"contiguous", AUTO} & set(args.methods)))}
+    # draft -> {id(layout): (layout, importance [L])}; the layout is held, so its id() is not reused
+    scored: dict[str, dict[int, tuple[PromptLayout, torch.Tensor]]] = {name: {} for name in drafts}
 
     def importance(name: str, layout: PromptLayout) -> torch.Tensor:
-        if name not in scored or scored[name][0] is not layout:
-            scored[name] = (layout, drafts[name](layout))
-        return scored[name][1]
+        if id(layout) not in scored[name]:
+            scored[name][id(layout)] = (layout, drafts[name](layout))
+        return scored[name][id(layout)][1]
 
     def draft_method(name: str, renumber: bool = False) -> Callable:
         def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
@@ -197,11 +203,48 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
         kept = first_tokens(layout.document_index, keep_rate)
         return Prefill(layout, kept, kept)
 
+    def auto_method(floor: float, ceiling: float) -> Callable:
+        def run(sample: dict, layout: PromptLayout, share: float) -> Prefill:
+            budget = ImportanceMass(share, floor, ceiling)
+            scores = importance("specprefill", layout)
+            kept = select_kept(scores, layout.document_index, keep_rate=budget, chunk_size=32)
+            return Prefill(layout, kept, kept)
+        return run
+
     methods = {name: draft_method(name) for name in drafts}
     methods.update({"contiguous": draft_method("specprefill", renumber=True), "random": random_chunks, "first": first})
+    methods.update({name: auto_method(floor, ceiling) for name, (floor, ceiling) in auto.items()})
     if "longllmlingua" in args.methods:
         methods["longllmlingua"] = longllmlingua_method(engine, args.compressor or compressor_default(args))
-    return {name: methods[name] for name in args.methods}
+    names = [n for method in args.methods for n in (auto if method == AUTO else [method])]
+    return {name: methods[name] for name in names}
+
+
+AUTO = "specprefill-auto"
+
+
+def auto_methods(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """keep_rate="auto" methods: name -> (floor, ceiling); one per pair of --auto-floors x --auto-ceilings
+    with floor <= ceiling, named ``specprefill-auto`` when there is one pair."""
+    pairs = [(f, c) for f in args.auto_floors for c in args.auto_ceilings if f <= c]
+    if len(pairs) == 1:
+        return {AUTO: pairs[0]}
+    return {f"{AUTO}-f{f:g}-c{c:g}": (f, c) for f, c in pairs}
+
+
+def matched_keep_rate(auto: Callable, samples: list[dict], layouts: dict[int, PromptLayout], share: float) -> float:
+    """Average share of document tokens ``auto`` keeps over the samples in ``layouts``, rounded to 0.01: the
+    fixed rate of equal average kept share (``--match-auto``). The draft's scores stay cached for the run."""
+    shares = []
+    for index, layout in layouts.items():
+        kept = auto(samples[index], layout, share).kept
+        shares.append(int((layout.document_index[kept] >= 0).sum()) / layout.n_document_tokens)
+    return round(sum(shares) / len(shares), 2)
+
+
+def method_budgets(name: str, args: argparse.Namespace) -> list[float]:
+    """What a method's rows vary: the mass share for keep_rate="auto" methods, else the keep rate."""
+    return args.auto_shares if name.startswith(AUTO) else args.keep_rates
 
 
 class MethodFailed(Exception):
@@ -261,7 +304,8 @@ def answer_and_logprob(engine: SpecPrefillEngine, prefill: Prefill, answer: str,
     if decoded := cache.get_seq_length() - n_kept:
         cache.crop(-decoded)  # back to the prompt alone
     answer_ids = torch.tensor(engine.tokenizer(answer, add_special_tokens=False)["input_ids"])
-    rest = _forward(model, answer_ids[:-1], prefill.prompt_length + torch.arange(answer_ids.numel() - 1), cache)
+    rest = _forward(model, answer_ids[:-1], prefill.prompt_length + torch.arange(answer_ids.numel() - 1), cache) \
+        if answer_ids.numel() > 1 else first.new_zeros(0, first.numel())  # a one-token answer: nothing to feed
     predicted = torch.cat([first[None], rest.log_softmax(-1)])
     return text.emitted.strip(), float(predicted.gather(1, answer_ids[:, None]).mean())
 
@@ -321,7 +365,8 @@ def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
     if not args.resume or not path.is_file():
         return []
     earlier = json.loads(path.read_text())
-    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods", "max_new_tokens")
+    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods",
+             "max_new_tokens", "auto_shares", "auto_floors", "auto_ceilings")
     differing = [k for k in study if earlier["settings"].get(k) != vars(args).get(k)]
     if differing:
         raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out")
@@ -340,22 +385,31 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[di
     methods = make_methods(engine, args)
     records = list(records or [])
     done = {r["sample"] for r in records}
+    chosen = [i for i in range(len(samples)) if not args.only_samples or i in args.only_samples]
+    layouts = {i: sample_layout(engine, samples[i]) for i in chosen}
+    if args.match_auto:
+        args.keep_rates = [matched_keep_rate(methods[AUTO], samples, layouts, args.auto_shares[0])]
+    budgets = {name: method_budgets(name, args) for name in methods}
     for index, sample in enumerate(tqdm(samples, desc=args.task, unit="sample")):
-        if (args.only_samples and index not in args.only_samples) or index in done:
+        if index not in layouts or index in done:
             continue
-        layout = sample_layout(engine, sample)
+        layout = layouts[index]
         document_tokens = layout.n_document_tokens
         full = evaluate(engine, sample, Prefill.whole(layout), args.max_new_tokens, document_tokens)
         records.append({"sample": index, "method": "full", "keep_rate": 1.0, **full, "gold_document_kept": 1.0})
+        evaluated: dict[tuple, dict] = {}  # (kept, positions) -> results: a tuning grid often keeps the same tokens
         for name, method in methods.items():
-            for keep_rate in args.keep_rates:
+            for keep_rate in budgets[name]:
                 method_started = time.perf_counter()
                 try:
                     prefill = method(sample, layout, keep_rate)
                 except MethodFailed as failure:
                     records.append({"sample": index, "method": name, "keep_rate": keep_rate, "failed": str(failure)})
                     continue
-                result = evaluate(engine, sample, prefill, args.max_new_tokens, document_tokens)
+                key = (tuple(prefill.kept.tolist()), tuple(prefill.positions.tolist()), len(prefill.layout))
+                if key not in evaluated:
+                    evaluated[key] = evaluate(engine, sample, prefill, args.max_new_tokens, document_tokens)
+                result = evaluated[key]
                 records.append({"sample": index, "method": name, "keep_rate": keep_rate, **result,
                                 "seconds": time.perf_counter() - method_started})
         save(make_report(args, index + 1, records))
@@ -438,7 +492,9 @@ def plot(report: dict, metrics: list[str], path: Path) -> None:
     for axes, metric in zip(panels if len(metrics) > 1 else [panels], metrics):
         rows = summarise(report, metric)
         for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
-            points = [(r["keep_rate"], r["score"]) for r in rows if r["method"] == method]
+            # keep_rate="auto" rows: at the share they kept (their "keep" is the mass share)
+            points = [(r["kept_share"] if method.startswith(AUTO) else r["keep_rate"], r["score"])
+                      for r in rows if r["method"] == method]
             axes.plot(*zip(*points), marker="o", label=method)
         axes.axhline(rows[0]["score"], color="black", linestyle="--", label="full prefill")
         axes.set_xlabel("keep rate (share of document tokens)")
@@ -486,6 +542,13 @@ def main() -> None:
     options.add_argument("--length", type=int, default=2000, help="niah: haystack tokens; longbench: context budget")
     options.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     options.add_argument("--methods", nargs="+", default=ALL_METHODS)
+    auto_defaults = SpecPrefillConfig()
+    options.add_argument("--auto-shares", type=float, nargs="+", default=[auto_defaults.auto_keep_share],
+                         help="specprefill-auto: shares of the importance mass to keep")
+    options.add_argument("--auto-floors", type=float, nargs="+", default=[auto_defaults.auto_keep_floor])
+    options.add_argument("--auto-ceilings", type=float, nargs="+", default=[auto_defaults.auto_keep_ceiling])
+    options.add_argument("--match-auto", action="store_true",
+                         help="fixed methods run at one rate: specprefill-auto's average kept share on these samples")
     options.add_argument("--self-layers", type=int, nargs="*", default=[12])
     options.add_argument("--self-windows", type=int, nargs="*", default=[16], help="query window of self-<n> drafts")
     options.add_argument("--max-new-tokens", type=int, default=16, help="0: skip generation, log-probabilities only")
@@ -495,7 +558,9 @@ def main() -> None:
     options.add_argument("--resume", action="store_true", help="keep the samples an earlier run of this study saved at --out")
     args = options.parse_args()
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
-    unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts}
+    unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
+    if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
+        options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")
     if unknown:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"

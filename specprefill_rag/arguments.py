@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from .config import GenerationParams
+from .config import AUTO, GenerationParams
 from .errors import InvalidRequestError
 
 _REPR_LIMIT = 60
@@ -78,11 +78,15 @@ def check_number(value: Any, name: str, fix: str) -> float:
     return float(value)
 
 
-def check_keep_rate(value: Any) -> float | None:
-    """None (the engine's default) or a number in (0, 1]."""
+def check_keep_rate(value: Any) -> float | Literal["auto"] | None:
+    """None (the engine's default), a number in (0, 1], or exactly ``"auto"`` (the engine chooses per request)."""
     if value is None:
         return None
-    fix = "pass a fraction of document tokens in (0, 1], e.g. keep_rate=0.3, or None for the engine's setting"
+    if isinstance(value, str) and value == AUTO:
+        return AUTO
+    fix = "pass a fraction of document tokens in (0, 1], e.g. keep_rate=0.3, 'auto', or None for the engine's setting"
+    if isinstance(value, str):
+        raise InvalidRequestError(f"keep_rate must be a number or 'auto', got str {shown(value)}; {fix}")
     rate = check_number(value, "keep_rate", fix)
     if not 0.0 < rate <= 1.0:
         raise InvalidRequestError(f"keep_rate must be in (0, 1], got {value}; {fix}")

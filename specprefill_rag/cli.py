@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .config import DEFAULT_MODEL
+from .config import AUTO, DEFAULT_MODEL
 from .errors import SpecPrefillError
 from .prompt import Document
 
@@ -36,6 +36,16 @@ def read_documents(paths: Sequence[str]) -> list[Document]:
     return documents
 
 
+def keep_rate_option(text: str) -> float | str:
+    """``--keep-rate``: 'auto' or a number (its range is checked by the settings it goes to)."""
+    if text == AUTO:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number in (0, 1] nor 'auto'") from None
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="specprefill-rag", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -45,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument(
         "--instructions", default=DEFAULT_INSTRUCTIONS, help="system instructions (kept whole; '' for none)"
     )
-    ask.add_argument("--keep-rate", type=float, default=0.3, help="fraction of document tokens to prefill (0, 1]")
+    ask.add_argument("--keep-rate", type=keep_rate_option, default=0.3,
+                     help="fraction of document tokens to prefill (0, 1], or 'auto' (chosen per prompt)")
     ask.add_argument("--main", default=DEFAULT_MODEL, help="HF id, model folder, .gguf file or 'smollm2-135m'")
     ask.add_argument("--draft", default=DEFAULT_MODEL, help="same forms as --main, or 'self:<n>'")
     ask.add_argument("--min-prompt-tokens", type=int, default=1024, help="shorter prompts are not compressed")
@@ -94,7 +105,11 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     serve.add_argument("--port", type=int, help="port (default 8100)")
     serve.add_argument("--api-key", dest="api_key", help="Bearer key for /v1 (default: $SPECPREFILL_API_KEY; none = open)")
     serve.add_argument("--served-model-name", dest="served_model_name", help="model name clients send")
-    serve.add_argument("--keep-rate", dest="keep_rate", type=float, help="default share of document tokens kept")
+    serve.add_argument("--keep-rate", dest="keep_rate", type=keep_rate_option,
+                       help="default share of document tokens kept, (0, 1], or 'auto'")
+    for bound in ("share", "floor", "ceiling"):
+        serve.add_argument(f"--auto-keep-{bound}", dest=f"auto_keep_{bound}", type=float,
+                           help=f"keep rate 'auto': its {bound} (default: the engine's)")
     serve.add_argument("--max-document-tokens", dest="max_document_tokens", type=int)
     serve.add_argument("--min-prompt-tokens", dest="min_prompt_tokens", type=int, help="shorter prompts are sent whole")
     serve.add_argument("--look-ahead", dest="look_ahead", type=int)
@@ -155,9 +170,10 @@ def run_ask(args: argparse.Namespace) -> int:
     if not args.stream:
         print(result.text, end="")
     stats = result.stats
+    chosen = ", chosen by auto" if stats.keep_policy == AUTO else ""
     print(
         f"\n[kept {stats.kept_document_tokens}/{stats.document_tokens} document tokens "
-        f"({stats.keep_rate:.0%}), TTFT {stats.ttft_ms:.0f} ms (draft {stats.draft_ms:.0f} ms)]",
+        f"({stats.keep_rate:.0%}{chosen}), TTFT {stats.ttft_ms:.0f} ms (draft {stats.draft_ms:.0f} ms)]",
         file=sys.stderr,
     )
     return 0

@@ -6,10 +6,12 @@ average-pooling kernel 13, chunks of 32 tokens, max over layers x heads, mean ov
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # The device types torch runs this package on, with an optional index ("cuda:1").
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu|hpu|npu)(:[0-9]+)?")
@@ -24,6 +26,43 @@ DEFAULT_SELF_LAYER_SHARE = 0.4
 # GPU study), forty 4k-token prompts of Qwen2.5-0.5B in bfloat16 (12 KiB), eleven of SmolLM2-135M in
 # float32 (45 KiB). It fills only with use, and only with prompts that were drafted.
 DEFAULT_DRAFT_CACHE_MB = 2048
+AUTO = "auto"
+# keep_rate="auto" (ImportanceMass): tuned on the SQuAD --seed 1 split, SmolLM2-135M as draft and main
+# (BENCHMARKS.md, "keep_rate='auto' (issue #17)").
+DEFAULT_AUTO_KEEP_SHARE = 0.8
+DEFAULT_AUTO_KEEP_FLOOR = 0.1
+DEFAULT_AUTO_KEEP_CEILING = 0.5
+
+
+def _keep_rate_value(value: Any) -> Any:
+    """A keep rate's one error (pydantic would report each member of the union separately)."""
+    if isinstance(value, str) and value == AUTO:
+        return value
+    fix = "pass a fraction of document tokens in (0, 1], e.g. 0.3, or 'auto'"
+    if isinstance(value, str):
+        try:
+            value = float(value)  # configuration is parsed leniently ('0.3' from a file or the environment)
+        except ValueError:
+            raise ValueError(f"keep_rate must be a number or 'auto', got {value!r}; {fix}") from None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"keep_rate must be a number or 'auto', got {type(value).__name__}; {fix}")
+    if not math.isfinite(value):
+        raise ValueError(f"keep_rate must be a finite number, got {value}; {fix}")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"keep_rate must be in (0, 1], got {value}; {fix}")
+    return float(value)
+
+
+# A keep rate: a fraction of document tokens in (0, 1], or "auto" (the engine chooses it per request).
+KeepRate = Annotated[Union[float, Literal["auto"]], BeforeValidator(_keep_rate_value)]
+
+
+def check_auto_bounds(floor: float, ceiling: float) -> None:
+    """keep_rate="auto" keeps between ``floor`` and ``ceiling``: raise ``ValueError`` unless floor <= ceiling."""
+    if floor > ceiling:
+        raise ValueError(
+            f"auto_keep_floor ({floor}) is above auto_keep_ceiling ({ceiling}); set the floor at or below the ceiling"
+        )
 
 
 class SpecPrefillConfig(BaseModel):
@@ -41,7 +80,26 @@ class SpecPrefillConfig(BaseModel):
         description="Draft model spec (same forms as `main`), or 'self:<n>' to score with the main model's first n "
         "layers ('self': the first 40%).",
     )
-    keep_rate: float = Field(0.3, gt=0.0, le=1.0, description="Fraction of document tokens the main model prefills.")
+    keep_rate: KeepRate = Field(
+        0.3,
+        description="Fraction of document tokens the main model prefills, in (0, 1]; or 'auto': per request, the "
+        "fewest best chunks holding auto_keep_share of the draft's importance mass, within auto_keep_floor and "
+        "auto_keep_ceiling.",
+    )
+    auto_keep_share: float = Field(
+        DEFAULT_AUTO_KEEP_SHARE, gt=0.0, le=1.0,
+        description="keep_rate='auto': share of the documents' importance mass (above the median chunk) to keep. "
+        "Default tuned on a SQuAD split with SmolLM2-135M (BENCHMARKS.md, \"keep_rate='auto' (issue #17)\").",
+    )
+    auto_keep_floor: float = Field(
+        DEFAULT_AUTO_KEEP_FLOOR, gt=0.0, le=1.0,
+        description="keep_rate='auto': least share of document tokens kept (also for flat importance). Default tuned "
+        "with auto_keep_share.",
+    )
+    auto_keep_ceiling: float = Field(
+        DEFAULT_AUTO_KEEP_CEILING, gt=0.0, le=1.0,
+        description="keep_rate='auto': most share of document tokens kept. Default tuned with auto_keep_share.",
+    )
     max_document_tokens: int | None = Field(
         None, ge=0, description="Hard cap on kept document tokens; with keep_rate, the tighter budget wins."
     )
@@ -103,6 +161,11 @@ class SpecPrefillConfig(BaseModel):
             if not layers.isdigit() or int(layers) < 1:
                 raise ValueError(f"draft {value!r}: use 'self:<n>' with n >= 1 layers of the main model, e.g. 'self:8'")
         return value
+
+    @model_validator(mode="after")
+    def _auto_bounds(self) -> SpecPrefillConfig:
+        check_auto_bounds(self.auto_keep_floor, self.auto_keep_ceiling)
+        return self
 
     @model_validator(mode="after")
     def _self_draft_look_ahead(self) -> SpecPrefillConfig:

@@ -17,7 +17,7 @@ import torch
 from .config import GenerationParams
 from .detokenize import IncrementalText
 from .prompt import PromptLayout
-from .results import DraftPath, GenerationResult, SpecPrefillStats, StreamChunk
+from .results import DraftPath, GenerationResult, KeepPolicy, SpecPrefillStats, StreamChunk
 
 
 class Decoding:
@@ -32,6 +32,7 @@ class Decoding:
         started: ``time.perf_counter()`` when the request arrived (for ``ttft_ms``).
         draft_path: which draft path scored the prompt (None: no draft ran).
         draft_cached_tokens: leading prompt tokens the draft took from its prefix cache.
+        keep_policy: the keep policy the request asked for (``fixed`` or ``auto``).
 
     Create it right before asking the backend for tokens: that instant is the start of the main prefill.
     """
@@ -39,6 +40,7 @@ class Decoding:
     def __init__(
         self, tokenizer: Any, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float,
         started: float, draft_path: DraftPath | None = None, draft_cached_tokens: int = 0,
+        keep_policy: KeepPolicy = "fixed",
     ) -> None:
         self.layout = layout
         self.draft_path = draft_path
@@ -47,6 +49,7 @@ class Decoding:
         self.draft_ms = draft_ms
         self.started = started
         self.draft_cached_tokens = draft_cached_tokens
+        self.keep_policy = keep_policy
         self.text = IncrementalText(tokenizer, params.stop)
         self.tokens: list[int] = []
         self._pending: list[int] = []
@@ -97,6 +100,7 @@ class Decoding:
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
             draft_path=self.draft_path,
             draft_cached_tokens=self.draft_cached_tokens,
+            keep_policy=self.keep_policy,
         )
 
 

@@ -14,14 +14,14 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from .arguments import check_flag, check_keep_rate, check_layout, check_params, generation_params
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
-from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
+from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
 from .draft_cache import DraftPrefixCache, shared_prefix_cache
@@ -29,8 +29,11 @@ from .errors import ContextLengthError, InvalidRequestError
 from .layout_scoring import DirectScoring, MappedScoring, draft_scoring
 from .models import LoadedModel, load_tokenizer, model_lock, shared_model
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
-from .results import DraftPath, GenerationResult, Selection, StreamChunk
-from .selection import select_kept
+from .results import DraftPath, GenerationResult, KeepPolicy, Selection, StreamChunk
+from .selection import FixedRate, ImportanceMass, KeepBudget, select_kept
+
+# A request's keep rate: a fraction in (0, 1], "auto", or None for the engine's setting.
+RequestKeepRate = float | Literal["auto"] | None
 
 
 _engines: dict[tuple[SpecPrefillConfig, str], SpecPrefillEngine] = {}
@@ -175,31 +178,42 @@ class SpecPrefillEngine:
 
     # -- selection -------------------------------------------------------------------------------
 
-    def compresses(self, layout: PromptLayout, keep_rate: float, max_document_tokens: int | None) -> bool:
-        """Whether this request is worth a draft: something to drop, a long enough prompt, a backend that
-        prefills sparse prompts."""
-        whole = keep_rate >= 1.0 and max_document_tokens is None
+    def compresses(
+        self, layout: PromptLayout, keep_rate: float | Literal["auto"], max_document_tokens: int | None
+    ) -> bool:
+        """Whether this request is worth a draft: something to drop ("auto" always may), a long enough prompt,
+        a backend that prefills sparse prompts."""
+        whole = keep_rate != AUTO and keep_rate >= 1.0 and max_document_tokens is None
         unsupported = not self.backend.supports_sparse_prefill
         return not (whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0)
 
-    def select(self, layout: PromptLayout, keep_rate: float | None = None) -> Selection:
-        """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed) and the
-        prompt tokens the draft took from its prefix cache."""
+    def keep_budget(self, keep_rate: float | Literal["auto"]) -> KeepBudget:
+        """The selection's budget policy for a checked keep rate: ``"auto"`` is :class:`ImportanceMass` with
+        this engine's ``auto_keep_*`` settings, a number a :class:`FixedRate`."""
+        if keep_rate == AUTO:
+            config = self.config
+            return ImportanceMass(config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling)
+        return FixedRate(float(keep_rate))
+
+    def select(self, layout: PromptLayout, keep_rate: RequestKeepRate = None) -> Selection:
+        """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed), the
+        prompt tokens the draft took from its prefix cache and the keep policy asked for."""
         checked = check_keep_rate(keep_rate)
         rate = self.config.keep_rate if checked is None else checked
+        policy: KeepPolicy = "auto" if rate == AUTO else "fixed"
         if not self.compresses(layout, rate, self.config.max_document_tokens):
-            return Selection(torch.arange(len(layout)))
+            return Selection(torch.arange(len(layout)), keep_policy=policy)
         started = time.perf_counter()
         scored = self.draft_scoring.score(layout)
         draft_ms = _milliseconds(started)
         kept = select_kept(
             scored.importance,
             layout.document_index,
-            keep_rate=rate,
+            keep_rate=self.keep_budget(rate),
             chunk_size=self.config.chunk_size,
             max_document_tokens=self.config.max_document_tokens,
         )
-        return Selection(kept, draft_ms, scored.cached_tokens)
+        return Selection(kept, draft_ms, scored.cached_tokens, policy)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -210,13 +224,13 @@ class SpecPrefillEngine:
     # -- generation ------------------------------------------------------------------------------
 
     def stream_layout(
-        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
+        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: RequestKeepRate = None
     ) -> Iterator[StreamChunk]:
         """Stream the answer to a prepared layout; the last chunk carries the stats and full result."""
         return self._stream(layout, check_params(params) or GenerationParams(), keep_rate, time.perf_counter())
 
     def generate_layout(
-        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
+        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: RequestKeepRate = None
     ) -> GenerationResult:
         return last_result(self.stream_layout(layout, params, keep_rate))
 
@@ -225,7 +239,7 @@ class SpecPrefillEngine:
         question: str,
         documents: Sequence[DocumentLike],
         instructions: str | None = None,
-        keep_rate: float | None = None,
+        keep_rate: RequestKeepRate = None,
         **params: Any,
     ) -> Iterator[StreamChunk]:
         """Stream the answer to ``question`` over ``documents``; ``params`` are :class:`GenerationParams` fields."""
@@ -239,14 +253,14 @@ class SpecPrefillEngine:
         question: str,
         documents: Sequence[DocumentLike],
         instructions: str | None = None,
-        keep_rate: float | None = None,
+        keep_rate: RequestKeepRate = None,
         **params: Any,
     ) -> GenerationResult:
         """Answer ``question`` over ``documents``; only document tokens are compressed."""
         return last_result(self.stream(question, documents, instructions, keep_rate, **params))
 
     def generate_text(
-        self, prompt: str, keep_rate: float | None = None, parse_special_tokens: bool = False, **params: Any
+        self, prompt: str, keep_rate: RequestKeepRate = None, parse_special_tokens: bool = False, **params: Any
     ) -> GenerationResult:
         """Complete an already-rendered prompt; all but template tokens and the tail are candidates.
 
@@ -268,7 +282,7 @@ class SpecPrefillEngine:
         if prompt_tokens + max_new_tokens > context:
             raise ContextLengthError(prompt_tokens, max_new_tokens, context)
 
-    def _check_request(self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None) -> None:
+    def _check_request(self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate) -> None:
         """Refuse a request before any model runs: bad layout or keep rate, too long for the main model's
         context, or for the draft (its context, ``max_draft_tokens``)."""
         check_layout(layout, len(self.tokenizer))
@@ -278,17 +292,18 @@ class SpecPrefillEngine:
             self.draft_scoring.prepare(layout)  # raises DraftContextLengthError or DraftLimitError
 
     def _stream(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
     ) -> Iterator[StreamChunk]:
         self._check_request(layout, params, keep_rate)
         return self._decode(layout, params, keep_rate, started)
 
     def _decoding(self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float) -> Decoding:
         kept, draft_ms, cached = chosen.kept, chosen.draft_ms, chosen.draft_cached_tokens
-        return Decoding(self.tokenizer, layout, params, kept, draft_ms, started, self._ran(draft_ms), cached)
+        path = self._ran(draft_ms)
+        return Decoding(self.tokenizer, layout, params, kept, draft_ms, started, path, cached, chosen.keep_policy)
 
     def _decode(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
     ) -> Iterator[StreamChunk]:
         chosen = self.select(layout, keep_rate)
         decoding = self._decoding(layout, params, chosen, started)
@@ -306,7 +321,7 @@ class SpecPrefillEngine:
     # -- async generation (native on the event loop; see :mod:`specprefill_rag.aio`) ----------
 
     def astream_layout(
-        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
+        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: RequestKeepRate = None
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from
         the backend's async interface (over HTTP for a vLLM server: no thread per request). Close the
@@ -314,7 +329,7 @@ class SpecPrefillEngine:
         return self._astream(layout, check_params(params) or GenerationParams(), keep_rate, time.perf_counter())
 
     async def agenerate_layout(
-        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: float | None = None
+        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: RequestKeepRate = None
     ) -> GenerationResult:
         return await alast_result(self.astream_layout(layout, params, keep_rate))
 
@@ -323,7 +338,7 @@ class SpecPrefillEngine:
         question: str,
         documents: Sequence[DocumentLike],
         instructions: str | None = None,
-        keep_rate: float | None = None,
+        keep_rate: RequestKeepRate = None,
         **params: Any,
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`stream` for an event loop (the prompt is tokenized on the loop)."""
@@ -336,20 +351,20 @@ class SpecPrefillEngine:
         question: str,
         documents: Sequence[DocumentLike],
         instructions: str | None = None,
-        keep_rate: float | None = None,
+        keep_rate: RequestKeepRate = None,
         **params: Any,
     ) -> GenerationResult:
         """:meth:`generate` for an event loop."""
         return await alast_result(self.astream(question, documents, instructions, keep_rate, **params))
 
     def _astream(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
         self._check_request(layout, params, keep_rate)
         return self._adecode(layout, params, keep_rate, started)
 
     async def _adecode(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: float | None, started: float
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
         chosen = await asyncio.to_thread(self.select, layout, keep_rate)
         async with aclosing(self._astream_kept(layout, params, chosen, started)) as chunks:

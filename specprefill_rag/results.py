@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # results also travel through the torch-free gateway client
 
 FinishReason = Literal["stop", "length"]
 DraftPath = Literal["direct", "mapped", "self"]
+KeepPolicy = Literal["fixed", "auto"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,9 @@ class SpecPrefillStats:
         document_tokens: prompt tokens that belong to documents (the only candidates).
         kept_tokens: ``K``, prompt tokens the main model prefilled.
         kept_document_tokens: document tokens among them.
-        keep_rate: ``kept_document_tokens / document_tokens`` (1.0 without documents).
+        keep_rate: ``kept_document_tokens / document_tokens`` (1.0 without documents or when the prompt was
+            not compressed): the share actually kept. With ``keep_policy == "auto"`` this is the rate the
+            engine chose for this request; with a fixed rate, that rate rounded up to whole chunks.
         compressed: whether any token was dropped.
         draft_ms: draft scoring time (0 when the prompt was not compressed).
         main_prefill_ms: main-model prefill up to the first token.
@@ -35,6 +38,8 @@ class SpecPrefillStats:
             cache (0: a cold draft, or no draft call). The draft's prompt is this prompt on the direct and
             self paths (the draft prefilled ``prompt_tokens - draft_cached_tokens``), its own rendering on
             the mapped path.
+        keep_policy: the keep policy the request asked for: ``fixed`` (a number) or ``auto`` (the engine
+            chose the budget from the draft's importance; the chosen share is ``keep_rate``).
     """
 
     prompt_tokens: int
@@ -50,6 +55,7 @@ class SpecPrefillStats:
     decode_tokens_per_s: float
     draft_path: DraftPath | None = None
     draft_cached_tokens: int = 0
+    keep_policy: KeepPolicy = "fixed"
 
     def as_dict(self) -> dict[str, float | int | bool | str | None]:
         return asdict(self)
@@ -63,11 +69,13 @@ class Selection:
         kept: ``[K]`` sorted kept prompt indices.
         draft_ms: draft scoring time (0 when nothing is compressed).
         draft_cached_tokens: leading prompt tokens the draft took from its prefix cache.
+        keep_policy: the keep policy the request asked for (``fixed`` or ``auto``).
     """
 
     kept: torch.Tensor
     draft_ms: float = 0.0
     draft_cached_tokens: int = 0
+    keep_policy: KeepPolicy = "fixed"
 
 
 @dataclass(frozen=True)

@@ -231,3 +231,31 @@ def test_draft_cache_summary_reads_the_hits_against_the_bound():
     assert summary["warm_bound"] == pytest.approx(1 / (0.1 + 80 / 10_000))
     assert summary["warm_speedup"] == pytest.approx(10_000 / 1100)
     assert summary["cache_mb"] == 1.0
+
+
+def test_auto_tuning_reads_the_fixed_curve_at_autos_kept_share():
+    from auto_tuning import interpolate, tuning_rows
+
+    assert interpolate([(0.1, 0.0), (0.3, 1.0)], 0.2) == pytest.approx(0.5)
+    assert interpolate([(0.1, 0.0), (0.3, 1.0)], 0.4) is None  # outside the measured rates: no comparison
+    report = _run([0, 1], "specprefill", 0.1)
+    for record in report["records"]:
+        record["kept_share"] = 0.1 if record["method"] == "specprefill" else 1.0
+    auto = [{**r, "method": "specprefill-auto", "keep_rate": 0.8, "kept_share": 0.55, "contains": 1.0}
+            for r in report["records"] if r["method"] == "specprefill"]
+    report["records"] += auto
+    (row,) = tuning_rows(report, "contains")
+    # the fixed curve runs from (0.1, 0.5) to full (1.0, 1.0): 0.75 at 0.55; auto scores 1.0
+    assert row["fixed_at_share"] == pytest.approx(0.75) and row["margin"] == pytest.approx(0.25)
+
+
+def test_held_out_pairs_auto_with_the_fixed_rate_per_sample():
+    from auto_tuning import held_out
+
+    report = _run([0, 1, 2, 3], "specprefill", 0.25)  # fixed: contains 0, 1, 0, 1
+    report["records"] += [{**r, "method": "specprefill-auto", "keep_rate": 0.8, "contains": 1.0}
+                          for r in report["records"] if r["method"] == "specprefill"]
+    assert "contains: +0.500 (+0.000 to +1.000)" in held_out(report, ["contains"])
+    report["records"].append({**report["records"][1], "keep_rate": 0.3})
+    with pytest.raises(SystemExit, match="one fixed specprefill rate"):
+        held_out(report, ["contains"])

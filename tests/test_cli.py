@@ -27,6 +27,18 @@ def test_ask_json_reports_numeric_stats(tmp_path, tiny_model_dir, capsys):
     assert isinstance(stats["ttft_ms"], float) and stats["completion_tokens"] <= 5
 
 
+def test_ask_keep_rate_auto_reports_the_chosen_share(tmp_path, tiny_model_dir, capsys):
+    docs = write_documents(tmp_path)
+    model = str(tiny_model_dir)
+    argv = ["ask", "--question", "When?", "--docs", *docs, "--main", model, "--draft", model, "--min-prompt-tokens", "0"]
+    assert main([*argv, "--keep-rate", "auto", "--max-new-tokens", "2", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert stats["keep_policy"] == "auto" and stats["compressed"] is True
+    assert stats["keep_rate"] == stats["kept_document_tokens"] / stats["document_tokens"]
+    assert main([*argv, "--keep-rate", "auto", "--max-new-tokens", "2"]) == 0
+    assert "chosen by auto" in capsys.readouterr().err
+
+
 def test_ask_stream_prints_answer_and_stats(tmp_path, tiny_model_dir, capsys):
     docs = write_documents(tmp_path)
     model = str(tiny_model_dir)
@@ -62,6 +74,11 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
     assert "from-env" not in repr(settings)  # the key is never printed
     explicit = serve_settings(parser().parse_args(["serve", "--api-key", "given"]))
     assert explicit.api_key.get_secret_value() == "given"
+    auto = serve_settings(parser().parse_args(["serve", "--keep-rate", "auto", "--auto-keep-floor", "0.2",
+                                               "--auto-keep-ceiling", "0.4", "--auto-keep-share", "0.7"]))
+    config = auto.engine_config()
+    assert config.keep_rate == "auto" and (config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling) \
+        == (0.7, 0.2, 0.4)
 
 
 def test_serve_reports_bad_settings_without_traceback(capsys):

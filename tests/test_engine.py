@@ -9,6 +9,7 @@ import torch
 from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.errors import ContextLengthError
 from specprefill_rag.prompt import Role
+from specprefill_rag.selection import select_kept
 
 from specprefill_rag.testing import random_documents
 
@@ -146,3 +147,60 @@ def test_async_stream_checks_length_when_called(engine):
     layout = engine.layout(QUESTION, random_documents(3, 60))
     with pytest.raises(ContextLengthError):
         engine.astream_layout(layout, GenerationParams(max_new_tokens=10_000))
+
+
+# -- keep_rate="auto" ---------------------------------------------------------------------------------
+
+
+def _auto_selection(engine, layout, share, floor, ceiling):
+    """The kept indices ``[K]`` ImportanceMass chooses from the engine's own draft importance."""
+    from specprefill_rag.selection import ImportanceMass
+
+    importance = engine.draft_scoring.score(layout).importance
+    budget = ImportanceMass(share, floor, ceiling)
+    return select_kept(importance, layout.document_index, keep_rate=budget, chunk_size=engine.config.chunk_size)
+
+
+@pytest.mark.parametrize(("share", "floor", "ceiling"), [(0.999, 0.05, 0.25), (0.5, 0.6, 0.7)], ids=["ceiling", "floor"])
+def test_auto_keeps_between_floor_and_ceiling_and_reports_the_chosen_share(tiny_model, tiny_draft, tokenizer, share,
+                                                                           floor, ceiling):
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, tiny_draft, keep_rate="auto", auto_keep_share=share, auto_keep_floor=floor,
+        auto_keep_ceiling=ceiling, min_prompt_tokens=0, look_ahead=3, draft_cache_mb=0,
+    )
+    layout = engine.layout(QUESTION, random_documents(4, 120))
+    stats = engine.generate_layout(layout, GenerationParams(max_new_tokens=4)).stats
+    chunk = engine.config.chunk_size
+    assert stats.keep_policy == "auto" and stats.compressed
+    assert floor * stats.document_tokens <= stats.kept_document_tokens < ceiling * stats.document_tokens + chunk
+    assert stats.keep_rate == stats.kept_document_tokens / stats.document_tokens  # the chosen share
+    expected = _auto_selection(engine, layout, share, floor, ceiling)
+    assert stats.kept_tokens == expected.numel()
+
+
+def test_per_call_auto_overrides_a_fixed_engine_rate_and_back(tiny_model, tiny_draft, tokenizer):
+    settings = {"auto_keep_share": 0.8, "auto_keep_floor": 0.6, "auto_keep_ceiling": 0.7, "min_prompt_tokens": 0,
+                "look_ahead": 3}
+    fixed_engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, keep_rate=0.2, **settings)
+    auto_engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, keep_rate="auto", **settings)
+    documents, params = random_documents(4, 120), GenerationParams(max_new_tokens=4)
+    layout = fixed_engine.layout(QUESTION, documents)
+    expected = _auto_selection(fixed_engine, layout, 0.8, 0.6, 0.7)
+    fixed = fixed_engine.generate_layout(layout, params)
+    auto = fixed_engine.generate_layout(layout, params, keep_rate="auto")
+    assert fixed.stats.keep_policy == "fixed" and fixed.stats.keep_rate < 0.6
+    assert auto.stats.keep_policy == "auto" and torch.equal(auto.kept_positions, expected)
+    asynchronous = asyncio.run(fixed_engine.agenerate(QUESTION, documents, keep_rate="auto", max_new_tokens=4))
+    assert asynchronous.stats.keep_policy == "auto" and torch.equal(asynchronous.kept_positions, expected)
+    back = auto_engine.generate_layout(layout, params, keep_rate=0.2)
+    assert back.stats.keep_policy == "fixed" and torch.equal(back.kept_positions, fixed.kept_positions)
+    by_default = auto_engine.generate_layout(layout, params)
+    assert by_default.stats.keep_policy == "auto" and torch.equal(by_default.kept_positions, expected)
+
+
+def test_auto_compresses_and_short_prompts_still_go_whole(engine, tiny_model, tokenizer):
+    layout = engine.layout(QUESTION, random_documents(2, 50))
+    assert engine.compresses(layout, "auto", None) and not engine.compresses(layout, 1.0, None)
+    short = SpecPrefillEngine.from_models(tiny_model, tokenizer, keep_rate="auto", min_prompt_tokens=10_000)
+    stats = short.generate(QUESTION, random_documents(2, 50), max_new_tokens=2).stats
+    assert not stats.compressed and stats.keep_rate == 1.0 and stats.keep_policy == "auto"

@@ -8,8 +8,10 @@ import httpx
 import openai
 import pytest
 
+from specprefill_rag import GenerationParams, SpecPrefillEngine
+from specprefill_rag.chat import ChatMessage, chat_layout
 from specprefill_rag.testing import random_documents
-from tests.serve_helpers import MODEL, QUESTION, chat_messages, reference_text, running_gateway, tiny_engine
+from tests.serve_helpers import MODEL, QUESTION, SYSTEM, chat_messages, reference_text, running_gateway, tiny_engine
 
 DOCUMENTS = random_documents(3, 60)
 
@@ -77,6 +79,49 @@ def test_per_request_options(client, engine):
     assert ask(client, keep_rate=0.1).choices[0].message.content == reference_text(engine, DOCUMENTS, keep_rate=0.1)
 
 
+def _engine_auto(engine, documents, keep_rate="auto"):
+    """The in-process engine's stats for the tests' chat over ``documents``."""
+    messages = [ChatMessage("system", [SYSTEM]), ChatMessage("user", [QUESTION])]
+    layout = chat_layout(engine.tokenizer, messages, documents).layout
+    return engine.generate_layout(layout, GenerationParams(max_new_tokens=8), keep_rate).stats
+
+
+@pytest.fixture(scope="module")
+def auto_engine(tokenizer, tiny_model, tiny_draft):
+    """keep_rate 0.3, but "auto" keeps 60-70%: a gateway that ignored "auto" could not pass for it."""
+    return SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, keep_rate=0.3, min_prompt_tokens=0,
+                                         look_ahead=2, auto_keep_floor=0.6, auto_keep_ceiling=0.7)
+
+
+def test_keep_rate_auto_per_request_is_the_engines_choice(auto_engine):
+    with running_gateway(auto_engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        auto, fixed = ask(client, keep_rate="auto"), ask(client).model_extra["spec_prefill"]
+    stats, expected = auto.model_extra["spec_prefill"], _engine_auto(auto_engine, DOCUMENTS)
+    assert stats["keep_policy"] == "auto" and stats["compressed"] and stats["keep_rate"] >= 0.6
+    assert stats["kept_document_tokens"] == expected.kept_document_tokens and stats["keep_rate"] == expected.keep_rate
+    assert auto.choices[0].message.content == reference_text(auto_engine, DOCUMENTS, keep_rate="auto")
+    assert fixed["keep_policy"] == "fixed" and fixed["keep_rate"] < 0.6
+
+
+def test_batched_drafts_choose_auto_budgets_like_the_engine(auto_engine):
+    requests = [random_documents(3, 50 + 10 * i, seed=40 + i) for i in range(4)]
+    with running_gateway(auto_engine, keep_rate="auto", draft_batch_size=4, batch_window_ms=300) as url:
+
+        async def concurrent():
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as aclient:
+                asks = [aclient.chat.completions.create(model=MODEL, messages=chat_messages(), max_tokens=2, temperature=0,
+                                                        extra_body={"spec_prefill": {"documents": documents}})
+                        for documents in requests]
+                return await asyncio.wait_for(asyncio.gather(*asks), 120)
+
+        answers = [a.model_extra["spec_prefill"] for a in asyncio.run(concurrent())]
+    assert max(stats["draft_batch_size"] for stats in answers) > 1, "the requests should share a draft batch"
+    for stats, documents in zip(answers, requests):
+        expected = _engine_auto(auto_engine, documents)
+        assert stats["keep_policy"] == "auto" and stats["kept_document_tokens"] == expected.kept_document_tokens
+
+
 def test_document_content_parts_are_candidates(client):
     content = [{"type": "document", "text": d, "title": f"doc {i}"} for i, d in enumerate(DOCUMENTS)]
     content.append({"type": "text", "text": QUESTION})
@@ -106,7 +151,8 @@ def test_text_completion_locates_documents_in_the_prompt(client, engine):
         ({"logit_bias": {"5": 1}}, "logit_bias", "unsupported field 'logit_bias'"),
         ({"n": 2}, "n", "n=2 is not supported"),
         ({"logprobs": True}, "logprobs", "logprobs=True is not supported"),
-        ({"spec_prefill": {"keep_rate": 1.5}}, "spec_prefill.keep_rate", "less than or equal to 1"),
+        ({"spec_prefill": {"keep_rate": 1.5}}, "spec_prefill.keep_rate", "keep_rate must be in (0, 1], got 1.5"),
+        ({"spec_prefill": {"keep_rate": "Auto"}}, "spec_prefill.keep_rate", "a number or 'auto', got 'Auto'"),
         ({"spec_prefill": {"keep_ratio": 0.2}}, "spec_prefill.keep_ratio", "unsupported field"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'system', 'developer', 'user'"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 
 from ..chat import ChatLayout
-from ..config import GenerationParams
+from ..config import AUTO, GenerationParams
 from ..engine import SpecPrefillEngine
 from ..draft import DraftScore
 from ..models import model_lock
+from ..results import KeepPolicy, StreamChunk
 from ..results import Selection as Chosen
-from ..results import StreamChunk
 from ..selection import select_kept
 from .errors import draft_failed, queue_full
 from .metrics import GatewayMetrics
@@ -44,6 +44,7 @@ class Selection:
     batch_size: int = 0
     draft_error: str | None = None
     draft_cached_tokens: int = 0
+    keep_policy: KeepPolicy = "fixed"
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Gateway:
         layout = plan.layout.layout
         self.engine.check_length(len(layout), plan.params.max_new_tokens)
         selection = await self._select(plan)
-        chosen = Chosen(selection.kept, selection.draft_ms, selection.draft_cached_tokens)
+        chosen = Chosen(selection.kept, selection.draft_ms, selection.draft_cached_tokens, selection.keep_policy)
         chunks = self.engine.astream_selected(layout, plan.params, chosen, plan.started)
         async with aclosing(chunks):
             async for chunk in chunks:
@@ -108,9 +109,10 @@ class Gateway:
         defaults = self.settings
         rate = options.keep_rate if options.keep_rate is not None else defaults.keep_rate
         cap = options.max_document_tokens if options.max_document_tokens is not None else defaults.max_document_tokens
+        policy: KeepPolicy = "auto" if rate == AUTO else "fixed"
         whole = torch.arange(len(layout))
         if not options.enabled or not self.engine.compresses(layout, rate, cap):
-            return Selection(whole)
+            return Selection(whole, keep_policy=policy)
         queued = time.perf_counter()
         scoring = self.engine.draft_scoring  # direct: the layout's ids; mapped: its rendering for the draft
         try:
@@ -120,18 +122,18 @@ class Gateway:
         except QueueFull as full:
             raise queue_full(full.depth, full.retry_after_s) from None
         except Exception as error:  # the draft failed on this prompt: too long for it, out of memory, non-finite...
-            return self._after_draft_error(whole, error)
+            return self._after_draft_error(whole, error, policy)
         queue_ms = (time.perf_counter() - queued) * 1000.0 - scored.draft_ms
-        kept = select_kept(importance, layout.document_index, keep_rate=rate,
+        kept = select_kept(importance, layout.document_index, keep_rate=self.engine.keep_budget(rate),
                            chunk_size=self.engine.config.chunk_size, max_document_tokens=cap)
         return Selection(kept, scored.draft_ms, max(queue_ms, 0.0), scored.batch_size,
-                         draft_cached_tokens=scored.cached_tokens)
+                         draft_cached_tokens=scored.cached_tokens, keep_policy=policy)
 
-    def _after_draft_error(self, whole: torch.Tensor, error: Exception) -> Selection:
+    def _after_draft_error(self, whole: torch.Tensor, error: Exception, policy: KeepPolicy) -> Selection:
         policy = self.settings.on_draft_error
         self.metrics.draft_errors.labels(type(error).__name__, policy).inc()
         if policy == "fail":
             raise draft_failed(error)
         log.warning("draft failed (%s: %s); sending the request uncompressed (--on-draft-error full)",
                     type(error).__name__, error)
-        return Selection(whole, draft_error=f"{type(error).__name__}: {error}")
+        return Selection(whole, draft_error=f"{type(error).__name__}: {error}", keep_policy=policy)

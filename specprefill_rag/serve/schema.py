@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..config import KeepRate
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -29,7 +31,10 @@ class SpecPrefillOptions(_Strict):
     """Per-request SpecPrefill settings; absent fields take the gateway's defaults."""
 
     enabled: bool = Field(True, description="False: send the whole prompt, no draft.")
-    keep_rate: float | None = Field(None, gt=0.0, le=1.0, description="Share of document tokens kept.")
+    keep_rate: KeepRate | None = Field(
+        None, description="Share of document tokens kept, in (0, 1], or 'auto' (chosen per request from the draft's "
+        "importance)."
+    )
     max_document_tokens: int | None = Field(None, ge=0, description="Cap on kept document tokens.")
     documents: list[Union[str, DocumentOption]] | None = Field(
         None, min_length=1,

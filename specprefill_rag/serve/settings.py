@@ -5,9 +5,17 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from ..config import DEFAULT_MODEL, SpecPrefillConfig
+from ..config import (
+    DEFAULT_AUTO_KEEP_CEILING,
+    DEFAULT_AUTO_KEEP_FLOOR,
+    DEFAULT_AUTO_KEEP_SHARE,
+    DEFAULT_MODEL,
+    KeepRate,
+    SpecPrefillConfig,
+    check_auto_bounds,
+)
 
 # Prompts per batched draft forward when --draft-batch-size is not given. CPU: 1, measured (BENCHMARKS.md,
 # "Gateway"): batching 4 SmolLM2-135M drafts saves 16% at 284 tokens but costs 9% at 1,012, and
@@ -31,7 +39,13 @@ class GatewaySettings(BaseModel):
     port: int = Field(8100, ge=0, le=65535)
     api_key: SecretStr | None = Field(None, description="Bearer key every /v1 request must carry; None = open.")
     served_model_name: str | None = Field(None, description="Model name in /v1/models; default: the main model's.")
-    keep_rate: float = Field(0.3, gt=0.0, le=1.0, description="Default share of document tokens kept.")
+    keep_rate: KeepRate = Field(0.3, description="Default share of document tokens kept, in (0, 1], or 'auto'.")
+    auto_keep_share: float = Field(DEFAULT_AUTO_KEEP_SHARE, gt=0.0, le=1.0,
+                                   description="keep_rate 'auto': share of the draft's importance mass kept.")
+    auto_keep_floor: float = Field(DEFAULT_AUTO_KEEP_FLOOR, gt=0.0, le=1.0,
+                                   description="keep_rate 'auto': least share of document tokens kept.")
+    auto_keep_ceiling: float = Field(DEFAULT_AUTO_KEEP_CEILING, gt=0.0, le=1.0,
+                                     description="keep_rate 'auto': most share of document tokens kept.")
     max_document_tokens: int | None = Field(None, ge=0, description="Default cap on kept document tokens.")
     min_prompt_tokens: int = Field(1024, ge=0, description="Shorter prompts are sent whole (no draft).")
     look_ahead: int = Field(8, ge=1, le=64)
@@ -54,6 +68,11 @@ class GatewaySettings(BaseModel):
     batch_window_ms: float = Field(0.0, ge=0.0, description="Wait this long for more requests before a draft batch.")
     request_timeout_s: float = Field(600.0, gt=0.0, description="Deadline of one request: queue, draft and answer.")
     upstream_timeout_s: float = Field(60.0, gt=0.0, description="Seconds to wait on the vLLM server per connect/read.")
+
+    @model_validator(mode="after")
+    def _auto_bounds(self) -> GatewaySettings:
+        check_auto_bounds(self.auto_keep_floor, self.auto_keep_ceiling)
+        return self
 
     @property
     def main_is_remote(self) -> bool:
@@ -87,6 +106,8 @@ class GatewaySettings(BaseModel):
         main = self.draft if self.main_is_remote else self.main  # a remote main: the engine only needs a tokenizer
         config = SpecPrefillConfig(
             main=main, draft=self.draft, keep_rate=self.keep_rate, max_document_tokens=self.max_document_tokens,
+            auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
+            auto_keep_ceiling=self.auto_keep_ceiling,
             min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
             device=self.resolved_device(), dtype=self.dtype,
         )

@@ -36,16 +36,20 @@ class LocalSession:
                            documents_argument(options.get("documents")), self.settings.protect_tail_tokens,
                            question=options.get("question"))
 
+    def _keep_rate(self, options: dict[str, Any]) -> Any:
+        """The call's keep rate, else the constructor's (also for an engine given with ``from_engine``)."""
+        return options.get("keep_rate", self.settings.keep_rate)
+
     def stream(self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]) -> Iterator[Reply]:
         layout = self._layout(messages, options)
-        for chunk in self.settings.engine.stream_layout(layout.layout, params, options.get("keep_rate")):
+        for chunk in self.settings.engine.stream_layout(layout.layout, params, self._keep_rate(options)):
             yield chunk, {"document_source": layout.document_source}
 
     async def astream(
         self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]
     ) -> AsyncIterator[Reply]:
         layout = self._layout(messages, options)
-        chunks = self.settings.engine.astream_layout(layout.layout, params, options.get("keep_rate"))
+        chunks = self.settings.engine.astream_layout(layout.layout, params, self._keep_rate(options))
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk, {"document_source": layout.document_source}

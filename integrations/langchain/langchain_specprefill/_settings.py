@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import BaseMessage
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 from specprefill_rag.arguments import generation_params
-from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, SpecPrefillConfig, adapter_config
+from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, KeepRate, SpecPrefillConfig, adapter_config
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.gateway_client import GatewayClient, api_key_from_environment, gateway_card
 from specprefill_rag.results import GenerationResult
@@ -38,7 +38,10 @@ class SpecPrefillSettings(BaseModel):
         default_factory=api_key_from_environment,
         description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
-    keep_rate: float = Field(0.3, description="Fraction of document tokens the main model prefills, in (0, 1].")
+    keep_rate: KeepRate = Field(
+        0.3, description="Fraction of document tokens the main model prefills, in (0, 1], or 'auto' (the engine "
+        "chooses it per request from the draft's importance; stats report the chosen share)."
+    )
     max_document_tokens: int | None = Field(None, description="Hard cap on kept document tokens.")
     look_ahead: int = Field(8, description="Draft queries: last prompt token + look_ahead-1 draft tokens.")
     min_prompt_tokens: int = Field(1024, description="Shorter prompts are prefilled whole.")

@@ -63,7 +63,7 @@ COMPLETE_CASES: list[tuple[str, Any, dict, type, str]] = [
     ("query=: int", QUESTION, {"query": 5}, InvalidRequestError, "question must be a str"),
     ("query=: whitespace only", QUESTION, {"query": "  "}, InvalidRequestError, "question is empty"),
     ("keep_rate: str", QUESTION, {"documents": DOCUMENTS, "keep_rate": "half"}, InvalidRequestError,
-     "keep_rate must be a number, got str"),
+     "keep_rate must be a number or 'auto', got str"),
     ("keep_rate: NaN", QUESTION, {"documents": DOCUMENTS, "keep_rate": float("nan")}, InvalidRequestError,
      "keep_rate must be finite"),
     ("keep_rate: 0", QUESTION, {"documents": DOCUMENTS, "keep_rate": 0}, InvalidRequestError, "keep_rate must be in"),
@@ -95,7 +95,7 @@ CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
 
 CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
     ("keep_rate: NaN", {"keep_rate": float("nan")}, "keep_rate\n.*finite number"),
-    ("keep_rate: 1.5", {"keep_rate": 1.5}, "keep_rate\n.*less than or equal to 1"),
+    ("keep_rate: 1.5", {"keep_rate": 1.5}, "keep_rate\n.*must be in \\(0, 1\\]"),
     ("temperature: +inf", {"temperature": float("inf")}, "temperature\n.*finite number"),
     ("max_new_tokens: 0", {"max_new_tokens": 0}, "max_new_tokens\n.*greater than or equal to 1"),
     ("seed: negative", {"seed": -1}, "seed\n.*greater than or equal to 0"),

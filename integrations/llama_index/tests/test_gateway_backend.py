@@ -67,3 +67,13 @@ def test_the_application_process_needs_no_torch(gateway, tiny_engine):
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["loaded"] == []
     assert answer["text"] == SpecPrefillLLM.from_engine(tiny_engine, max_new_tokens=8).complete(QUESTION, documents=TEXTS).text
+
+
+def test_keep_rate_auto_reaches_the_gateway(gateway, tiny_engine):
+    expected = SpecPrefillLLM.from_engine(tiny_engine, keep_rate="auto", max_new_tokens=4) \
+        .complete(QUESTION, documents=TEXTS).raw["spec_prefill"]
+    for remote, call in ((SpecPrefillLLM(backend=gateway, keep_rate="auto", max_new_tokens=4), {}),
+                         (SpecPrefillLLM(backend=gateway, keep_rate=0.9, max_new_tokens=4), {"keep_rate": "auto"})):
+        stats = remote.complete(QUESTION, documents=TEXTS, **call).raw["spec_prefill"]
+        assert stats["keep_policy"] == "auto" and stats["kept_tokens"] == expected["kept_tokens"]
+        assert stats["keep_rate"] == expected["keep_rate"] < 0.9

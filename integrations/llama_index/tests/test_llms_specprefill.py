@@ -204,3 +204,19 @@ def test_special_tokens_in_untrusted_text_stay_text(llm, monkeypatch, where):
     llm.chat(messages, documents=[node_text])
     im_start = llm.engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert seen[0].input_ids.tolist().count(im_start) == 3  # the template's system, user and assistant turns only
+
+
+def test_keep_rate_auto_from_the_constructor_or_per_call(tiny_engine):
+    documents = random_documents(3, 80)
+    fixed = SpecPrefillLLM.from_engine(tiny_engine, keep_rate=0.9, max_new_tokens=2)
+    auto = SpecPrefillLLM.from_engine(tiny_engine, keep_rate="auto", max_new_tokens=2)
+    chosen = auto.complete("When?", documents=documents).raw["spec_prefill"]
+    ceiling = tiny_engine.config.auto_keep_ceiling
+    assert chosen["keep_policy"] == "auto" and chosen["compressed"] and chosen["keep_rate"] < 0.9
+    assert tiny_engine.config.auto_keep_floor <= chosen["keep_rate"] < ceiling + 32 / chosen["document_tokens"]
+    over_fixed = fixed.complete("When?", documents=documents, keep_rate="auto").raw["spec_prefill"]
+    assert over_fixed["keep_policy"] == "auto" and over_fixed["kept_tokens"] == chosen["kept_tokens"]
+    over_auto = auto.complete("When?", documents=documents, keep_rate=0.9).raw["spec_prefill"]
+    assert over_auto["keep_policy"] == "fixed" and over_auto["keep_rate"] >= 0.9
+    chat = asyncio.run(auto.achat([ChatMessage(role="user", content="When?")], documents=documents))
+    assert chat.raw["spec_prefill"]["kept_tokens"] == chosen["kept_tokens"]

@@ -75,7 +75,7 @@ CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
      "document 0's title must be a str"),
     ("question=: int", QUESTION, {"question": 5}, InvalidRequestError, "question must be a str"),
     ("question=: whitespace only", QUESTION, {"question": "  "}, InvalidRequestError, "question is empty"),
-    ("keep_rate: str", QUESTION, {"keep_rate": "half"}, InvalidRequestError, "keep_rate must be a number, got str"),
+    ("keep_rate: str", QUESTION, {"keep_rate": "half"}, InvalidRequestError, "keep_rate must be a number or 'auto', got str"),
     ("keep_rate: NaN", QUESTION, {"keep_rate": float("nan")}, InvalidRequestError, "keep_rate must be finite"),
     ("keep_rate: 2", QUESTION, {"keep_rate": 2}, InvalidRequestError, "keep_rate must be in \\(0, 1\\]"),
     ("max_tokens: str", QUESTION, {"max_tokens": "8"}, InvalidRequestError, "max_tokens: .*valid integer .*max_tokens=128"),
@@ -102,7 +102,7 @@ LLM_CASES: list[tuple[str, Any, dict, type, str]] = [
 
 CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
     ("keep_rate: NaN", {"keep_rate": float("nan")}, "keep_rate\n.*finite number"),
-    ("keep_rate: str", {"keep_rate": "most"}, "keep_rate\n.*valid number"),
+    ("keep_rate: str", {"keep_rate": "most"}, "keep_rate\n.*a number or 'auto'"),
     ("temperature: +inf", {"temperature": float("inf")}, "temperature\n.*finite number"),
     ("max_tokens: 0", {"max_tokens": 0}, "max_new_tokens\n.*greater than or equal to 1"),
     ("seed: negative", {"seed": -1}, "seed\n.*greater than or equal to 0"),

@@ -225,3 +225,23 @@ def test_special_tokens_in_untrusted_text_stay_text(chat, monkeypatch, where):
     chat.invoke([SystemMessage(system), HumanMessage(question)], **({"documents": documents} if documents else {}))
     im_start = chat.engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert seen[0].input_ids.tolist().count(im_start) == 3  # the template's system, user and assistant turns only
+
+
+def test_keep_rate_auto_from_the_constructor_or_per_call(tiny_engine):
+    documents = random_documents(3, 80)
+    fixed = ChatSpecPrefill.from_engine(tiny_engine, keep_rate=0.9, max_tokens=2)
+    auto = ChatSpecPrefill.from_engine(tiny_engine, keep_rate="auto", max_tokens=2)
+
+    def stats(model, **call):
+        return model.invoke([HumanMessage(QUESTION)], documents=documents, **call).response_metadata["spec_prefill"]
+
+    chosen = stats(auto)
+    ceiling = tiny_engine.config.auto_keep_ceiling
+    assert chosen["keep_policy"] == "auto" and chosen["compressed"] and chosen["keep_rate"] < 0.9
+    assert tiny_engine.config.auto_keep_floor <= chosen["keep_rate"] < ceiling + 32 / chosen["document_tokens"]
+    over_fixed = stats(fixed, keep_rate="auto")
+    assert over_fixed["keep_policy"] == "auto" and over_fixed["kept_tokens"] == chosen["kept_tokens"]
+    over_auto = stats(auto, keep_rate=0.9)
+    assert over_auto["keep_policy"] == "fixed" and over_auto["keep_rate"] >= 0.9
+    streamed = asyncio.run(auto.ainvoke([HumanMessage(QUESTION)], documents=documents))
+    assert streamed.response_metadata["spec_prefill"]["kept_tokens"] == chosen["kept_tokens"]

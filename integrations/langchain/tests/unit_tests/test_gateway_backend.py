@@ -88,3 +88,14 @@ def test_the_application_process_needs_no_torch(gateway, tiny_engine):
     assert answer["loaded"] == [] and answer["stats"]["compressed"]
     expected = ChatSpecPrefill.from_engine(tiny_engine, max_tokens=8).invoke([HumanMessage(QUESTION)], documents=TEXTS)
     assert answer["chat"] == expected.content
+
+
+def test_keep_rate_auto_reaches_the_gateway(gateway, tiny_engine):
+    documents = [Document(page_content=t) for t in TEXTS]
+    local = ChatSpecPrefill.from_engine(tiny_engine, max_tokens=4, keep_rate="auto")
+    expected = local.invoke(messages(), documents=documents).response_metadata["spec_prefill"]
+    for remote, call in ((ChatSpecPrefill(backend=gateway, max_tokens=4, keep_rate="auto"), {}),
+                         (ChatSpecPrefill(backend=gateway, max_tokens=4, keep_rate=0.9), {"keep_rate": "auto"})):
+        stats = remote.invoke(messages(), documents=documents, **call).response_metadata["spec_prefill"]
+        assert stats["keep_policy"] == "auto" and stats["kept_tokens"] == expected["kept_tokens"]
+        assert stats["keep_rate"] == expected["keep_rate"] < 0.9

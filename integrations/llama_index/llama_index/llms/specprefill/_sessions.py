@@ -27,7 +27,7 @@ class Request:
     documents: list[Any] | None
     question: str | None
     insert_missing: bool
-    keep_rate: float | None
+    keep_rate: Any  # a fraction or "auto": the call's, else the LLM's (the engine checks it)
     params: GenerationParams
 
 
@@ -81,8 +81,7 @@ class GatewaySession:
         self.llm = llm
 
     def _body(self, request: Request) -> dict[str, Any]:
-        keep_rate = request.keep_rate if request.keep_rate is not None else self.llm.keep_rate
-        options = {"keep_rate": keep_rate, "max_document_tokens": self.llm.max_document_tokens,
+        options = {"keep_rate": request.keep_rate, "max_document_tokens": self.llm.max_document_tokens,
                    "documents": _json_documents(request.documents), "question": request.question,
                    "insert_documents": request.insert_missing}
         messages = [{"role": role, "content": text} for role, text in request.messages]

@@ -38,7 +38,7 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode
 from pydantic import SecretStr
-from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, SpecPrefillConfig, adapter_config
+from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, KeepRate, SpecPrefillConfig, adapter_config
 from specprefill_rag.arguments import check_text, generation_params
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.gateway_client import GatewayClient, api_key_from_environment, gateway_card
@@ -149,7 +149,10 @@ class SpecPrefillLLM(CustomLLM):
         default_factory=api_key_from_environment,
         description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
-    keep_rate: float = Field(default=0.3, description="Fraction of context tokens prefilled, in (0, 1].")
+    keep_rate: KeepRate = Field(
+        default=0.3, description="Fraction of context tokens prefilled, in (0, 1], or 'auto' (chosen per request from "
+        "the draft's importance; stats report the chosen share)."
+    )
     max_document_tokens: int | None = Field(default=None, description="Hard cap on kept context tokens.")
     look_ahead: int = Field(default=8, description="Draft queries: last prompt token + look_ahead-1 tokens.")
     min_prompt_tokens: int = Field(default=1024, description="Shorter prompts are prefilled whole.")
@@ -244,7 +247,9 @@ class SpecPrefillLLM(CustomLLM):
         explicit = kwargs.get("documents")
         documents = explicit if explicit is not None else context_documents(captured.get("context"))
         question = kwargs["query"] if "query" in kwargs else captured.get("query")
-        return Request(messages, documents, question, explicit is not None, kwargs.get("keep_rate"), self._params())
+        keep_rate = kwargs.get("keep_rate")  # the call's, else this LLM's (also over an engine from from_engine)
+        keep_rate = self.keep_rate if keep_rate is None else keep_rate
+        return Request(messages, documents, question, explicit is not None, keep_rate, self._params())
 
     def _params(self) -> GenerationParams:
         return generation_params({"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
