@@ -24,7 +24,10 @@ from specprefill_rag.testing import random_documents
 from tests.leaks import nothing_left_behind
 
 TIMEOUT = 5.0  # the client's timeout
-LONG = GenerationParams(max_new_tokens=600)  # a stream that outlasts the faults (checked below)
+# A stream that outlasts the faults (checked below): a warm server decodes the tiny model at well over
+# 500 tokens a second, and a fault sent after the first chunk must land before the stream ends.
+LONG = GenerationParams(max_new_tokens=4000)
+CONTEXT = 8192
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,7 @@ def endless_folder(tiny_folder, tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] = 0.0
+    model.config.max_position_embeddings = CONTEXT  # room for LONG (rotary positions extend as they are)
     folder = tmp_path_factory.mktemp("tiny-endless")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -55,7 +59,7 @@ def vllm_server(folder, port):
     """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` in a new session; killed with
     its whole process group on exit."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
-               "--port", str(port), "--max-model-len", "1024", "--dtype", "float32", "--enforce-eager",
+               "--port", str(port), "--max-model-len", str(CONTEXT), "--dtype", "float32", "--enforce-eager",
                "--gpu-memory-utilization", "0.2",
                # Every request of this test recomputes its prompt: a prefix-cache hit rounds differently, and
                # the tiny model's near-zero logits could then pick the end-of-sequence token mid-test.
