@@ -89,8 +89,30 @@ class DraftInput:
         return self.draft_layout.input_ids
 
 
+class _LayoutScoring:
+    """What both paths share: their limit, and scoring as prepare -> draft -> finish (:func:`score_layout`).
+    Subclasses are dataclasses with ``context_length``, ``look_ahead`` and ``max_tokens``."""
+
+    context_length: int | None
+    look_ahead: int
+    max_tokens: int | None
+
+    @property
+    def token_limit(self) -> int | None:
+        """Most draft prompt tokens one request may have (``max_tokens`` and the context, look-ahead off)."""
+        return draft_token_limit(self.context_length, self.max_tokens, self.look_ahead)
+
+    def importance(self, layout: PromptLayout) -> torch.Tensor:
+        """``[L]`` float32 importance of the layout's tokens (0 outside documents on the mapped path)."""
+        return self.score(layout).importance
+
+    def score(self, layout: PromptLayout) -> DraftScore:
+        """:meth:`importance`, with the leading draft tokens its prefix cache supplied."""
+        return score_layout(self, layout)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
-class DirectScoring:
+class DirectScoring(_LayoutScoring):
     """The draft reads the layout's own token ids (``direct``, or ``self`` for the main model's layers).
 
     Attributes:
@@ -106,19 +128,6 @@ class DirectScoring:
     max_tokens: int | None = None
     path: DraftPath = "direct"
 
-    @property
-    def token_limit(self) -> int | None:
-        """Most draft prompt tokens one request may have (``max_tokens`` and the context, look-ahead off)."""
-        return draft_token_limit(self.context_length, self.max_tokens, self.look_ahead)
-
-    def importance(self, layout: PromptLayout) -> torch.Tensor:
-        """``[L]`` float32 importance of the layout's tokens."""
-        return self.score(layout).importance
-
-    def score(self, layout: PromptLayout) -> DraftScore:
-        """:meth:`importance`, with the leading draft tokens its prefix cache supplied."""
-        return score_layout(self, layout)
-
     def prepare(self, layout: PromptLayout) -> DraftInput:
         """What the draft reads (the layout's own ids); raises if they do not fit the draft's context."""
         check_draft_context(len(layout), self.look_ahead, self.context_length, self.max_tokens)
@@ -130,7 +139,7 @@ class DirectScoring:
 
 
 @dataclass(frozen=True)
-class MappedScoring:
+class MappedScoring(_LayoutScoring):
     """A draft of another vocabulary reads the layout's content rendered its own way (``mapped``).
 
     Attributes:
@@ -149,19 +158,6 @@ class MappedScoring:
     max_tokens: int | None = None
     reduce: Reduce = DEFAULT_REDUCE
     path: DraftPath = "mapped"
-
-    @property
-    def token_limit(self) -> int | None:
-        """Most draft prompt tokens one request may have (``max_tokens`` and the context, look-ahead off)."""
-        return draft_token_limit(self.context_length, self.max_tokens, self.look_ahead)
-
-    def importance(self, layout: PromptLayout) -> torch.Tensor:
-        """``[L]`` float32 importance of the layout's tokens (0 outside documents)."""
-        return self.score(layout).importance
-
-    def score(self, layout: PromptLayout) -> DraftScore:
-        """:meth:`importance`, with the leading draft tokens its prefix cache supplied."""
-        return score_layout(self, layout)
 
     def prepare(self, layout: PromptLayout) -> DraftInput:
         """The layout rendered for the draft; raises if it does not fit the draft's context."""
