@@ -26,7 +26,7 @@ from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
 from .draft_cache import DraftPrefixCache, shared_prefix_cache
 from .errors import ContextLengthError, InvalidRequestError
-from .layout_scoring import DirectScoring, MappedScoring, draft_scoring
+from .layout_scoring import DirectScoring, DraftInput, MappedScoring, draft_scoring
 from .models import LoadedModel, load_tokenizer, model_lock, shared_model
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
 from .results import DraftPath, GenerationResult, KeepPolicy, Selection, StreamChunk
@@ -195,16 +195,19 @@ class SpecPrefillEngine:
             return ImportanceMass(config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling)
         return FixedRate(float(keep_rate))
 
-    def select(self, layout: PromptLayout, keep_rate: RequestKeepRate = None) -> Selection:
+    def select(
+        self, layout: PromptLayout, keep_rate: RequestKeepRate = None, prepared: DraftInput | None = None
+    ) -> Selection:
         """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed), the
-        prompt tokens the draft took from its prefix cache and the keep policy asked for."""
+        prompt tokens the draft took from its prefix cache and the keep policy asked for. ``prepared``:
+        ``draft_scoring.prepare(layout)`` when the caller already ran it, so the prompt is rendered once."""
         checked = check_keep_rate(keep_rate)
         rate = self.config.keep_rate if checked is None else checked
         policy: KeepPolicy = "auto" if rate == AUTO else "fixed"
         if not self.compresses(layout, rate, self.config.max_document_tokens):
             return Selection(torch.arange(len(layout)), keep_policy=policy)
         started = time.perf_counter()
-        scored = self.draft_scoring.score(layout)
+        scored = self.draft_scoring.score(layout, prepared)
         draft_ms = _milliseconds(started)
         kept = select_kept(
             scored.importance,
@@ -282,20 +285,24 @@ class SpecPrefillEngine:
         if prompt_tokens + max_new_tokens > context:
             raise ContextLengthError(prompt_tokens, max_new_tokens, context)
 
-    def _check_request(self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate) -> None:
+    def _check_request(
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate
+    ) -> DraftInput | None:
         """Refuse a request before any model runs: bad layout or keep rate, too long for the main model's
-        context, or for the draft (its context, ``max_draft_tokens``)."""
+        context, or for the draft (its context, ``max_draft_tokens``). Returns what the draft will read
+        (None when no draft runs), for :meth:`select`."""
         check_layout(layout, len(self.tokenizer))
         rate = check_keep_rate(keep_rate)
         self.check_length(len(layout), params.max_new_tokens)
         if self.compresses(layout, self.config.keep_rate if rate is None else rate, self.config.max_document_tokens):
-            self.draft_scoring.prepare(layout)  # raises DraftContextLengthError or DraftLimitError
+            return self.draft_scoring.prepare(layout)  # raises DraftContextLengthError or DraftLimitError
+        return None
 
     def _stream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
     ) -> Iterator[StreamChunk]:
-        self._check_request(layout, params, keep_rate)
-        return self._decode(layout, params, keep_rate, started)
+        prepared = self._check_request(layout, params, keep_rate)
+        return self._decode(layout, params, keep_rate, started, prepared)
 
     def _decoding(self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float) -> Decoding:
         kept, draft_ms, cached = chosen.kept, chosen.draft_ms, chosen.draft_cached_tokens
@@ -303,9 +310,10 @@ class SpecPrefillEngine:
         return Decoding(self.tokenizer, layout, params, kept, draft_ms, started, path, cached, chosen.keep_policy)
 
     def _decode(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float,
+        prepared: DraftInput | None,
     ) -> Iterator[StreamChunk]:
-        chosen = self.select(layout, keep_rate)
+        chosen = self.select(layout, keep_rate, prepared)
         decoding = self._decoding(layout, params, chosen, started)
         generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, chosen.kept), params)
         try:
@@ -360,13 +368,14 @@ class SpecPrefillEngine:
     def _astream(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        self._check_request(layout, params, keep_rate)
-        return self._adecode(layout, params, keep_rate, started)
+        prepared = self._check_request(layout, params, keep_rate)
+        return self._adecode(layout, params, keep_rate, started, prepared)
 
     async def _adecode(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float,
+        prepared: DraftInput | None,
     ) -> AsyncGenerator[StreamChunk, None]:
-        chosen = await asyncio.to_thread(self.select, layout, keep_rate)
+        chosen = await asyncio.to_thread(self.select, layout, keep_rate, prepared)
         async with aclosing(self._astream_kept(layout, params, chosen, started)) as chunks:
             async for chunk in chunks:
                 yield chunk

@@ -61,9 +61,12 @@ def draft_score(draft: TokenScorer, input_ids: torch.Tensor) -> DraftScore:
     return DraftScore(scored.importance.cpu(), scored.cached_tokens)
 
 
-def score_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) -> DraftScore:
-    """Prepare what the draft reads, score it (under the draft's lock), and carry it onto ``layout``."""
-    prepared = scoring.prepare(layout)
+def score_layout(
+    scoring: DirectScoring | MappedScoring, layout: PromptLayout, prepared: DraftInput | None = None
+) -> DraftScore:
+    """Prepare what the draft reads (unless ``prepared``, from ``scoring.prepare(layout)``, is given), score
+    it under the draft's lock, and carry it onto ``layout``."""
+    prepared = prepared or scoring.prepare(layout)
     scored = draft_score(scoring.draft, prepared.token_ids)
     return DraftScore(scoring.finish(prepared, scored.importance), scored.cached_tokens)
 
@@ -106,9 +109,10 @@ class _LayoutScoring:
         """``[L]`` float32 importance of the layout's tokens (0 outside documents on the mapped path)."""
         return self.score(layout).importance
 
-    def score(self, layout: PromptLayout) -> DraftScore:
-        """:meth:`importance`, with the leading draft tokens its prefix cache supplied."""
-        return score_layout(self, layout)  # type: ignore[arg-type]
+    def score(self, layout: PromptLayout, prepared: DraftInput | None = None) -> DraftScore:
+        """:meth:`importance`, with the leading draft tokens its prefix cache supplied; ``prepared``: this
+        layout's :meth:`prepare`, when the caller already has it (the mapped path renders the prompt there)."""
+        return score_layout(self, layout, prepared)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

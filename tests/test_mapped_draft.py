@@ -1,6 +1,7 @@
 """A draft of another vocabulary through the engine: the mapped path, end to end on tiny random models
 with two tokenizers built in the test, and on the vLLM client against a stand-in server."""
 
+import asyncio
 import json
 from dataclasses import replace
 
@@ -52,6 +53,18 @@ def test_a_draft_of_another_vocabulary_scores_through_characters(mapped, tokeniz
     assert torch.equal(result.kept_positions, expected)  # the main tokens' chunks, ranked by the mapped scores
     draft_layout = mapped.draft_scoring.draft_layout(layout)
     assert len(draft_layout) != len(layout) and (draft_layout.input_ids < len(mapped.draft_scoring.tokenizer)).all()
+
+
+def test_each_request_renders_the_prompt_for_the_draft_once(mapped, monkeypatch):
+    # the request's checks render it (to refuse a prompt too long for the draft) and hand it to the scoring
+    renders = []
+    render = MappedScoring.draft_layout
+    monkeypatch.setattr(MappedScoring, "draft_layout", lambda self, layout: renders.append(1) or render(self, layout))
+    documents = random_documents(4, 80)
+    mapped.generate(QUESTION, documents, max_new_tokens=2)
+    assert len(renders) == 1
+    asyncio.run(mapped.agenerate(QUESTION, documents, max_new_tokens=2))
+    assert len(renders) == 2
 
 
 def test_with_the_same_tokenizer_the_mapped_path_keeps_what_the_direct_one_keeps(tiny_model, tiny_draft, tokenizer):
