@@ -55,6 +55,27 @@ def gateway_card(base_url: str, timeout: float, api_key: str | None = None) -> d
     return card if isinstance(marker, dict) and marker.get("gateway") is True else None
 
 
+def find_gateway(backend: str, timeout: float, api_key: SecretStr | None) -> GatewayClient | None:
+    """A client of the SpecPrefill gateway at ``backend``, or None when the answers come from an engine in
+    this process: ``backend`` is ``"transformers"`` or another OpenAI server (a vLLM server with the plugin).
+    The adapters' one way to decide; raises :class:`GatewayClientError` when a URL does not answer."""
+    if backend == "transformers":
+        return None
+    key = api_key.get_secret_value() if api_key else None
+    card = gateway_card(backend, timeout, key)
+    return GatewayClient(backend, card, timeout, key) if card else None
+
+
+def engine_here(config: Any, backend: str, timeout: float, is_gateway: bool) -> Any:
+    """The process's shared :class:`~specprefill_rag.SpecPrefillEngine` for an adapter's ``config``
+    (imports torch); refused when ``backend`` is a gateway (``is_gateway``), whose engine runs there."""
+    if is_gateway:
+        raise InvalidRequestError(f"{backend} is a SpecPrefill gateway: the engine runs there, not here")
+    from . import SpecPrefillEngine
+
+    return SpecPrefillEngine.shared(config, backend, timeout)
+
+
 def api_key_from_environment() -> SecretStr | None:
     """``$SPECPREFILL_API_KEY``, the default API key of the adapters' gateway backend."""
     key = os.environ.get("SPECPREFILL_API_KEY")

@@ -42,6 +42,13 @@ def test_query_engine_through_the_gateway_equals_in_process(gateway, tiny_engine
     assert remote.metadata.context_window == tiny_engine.backend.context_length
 
 
+def test_the_engine_of_a_gateway_backend_runs_there_not_here(gateway):
+    from specprefill_rag.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="is a SpecPrefill gateway: the engine runs there"):
+        SpecPrefillLLM(backend=gateway).engine
+
+
 def test_complete_with_documents_and_streaming(gateway, tiny_engine):
     remote = SpecPrefillLLM(backend=gateway, max_new_tokens=8)
     local = SpecPrefillLLM.from_engine(tiny_engine, max_new_tokens=8)

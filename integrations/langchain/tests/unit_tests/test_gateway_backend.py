@@ -46,6 +46,14 @@ def test_gateway_answers_equal_the_in_process_answers(gateway, tiny_engine):
     assert remote.get_num_tokens(QUESTION) == local.get_num_tokens(QUESTION)
 
 
+def test_the_engine_of_a_gateway_backend_runs_there_not_here(gateway):
+    from specprefill_rag.errors import InvalidRequestError
+
+    for adapter in (ChatSpecPrefill, SpecPrefillLLM):
+        with pytest.raises(InvalidRequestError, match="is a SpecPrefill gateway: the engine runs there"):
+            adapter(backend=gateway).engine
+
+
 def test_markers_and_blocks_become_document_parts(gateway, tiny_engine):
     remote = ChatSpecPrefill(backend=gateway, max_tokens=6)
     marked = HumanMessage(f"Context:\n{format_docs(TEXTS)}\n\nQuestion: {QUESTION}")

@@ -41,7 +41,7 @@ from pydantic import SecretStr
 from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, KeepRate, SpecPrefillConfig, adapter_config
 from specprefill_rag.arguments import check_text, generation_params
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.gateway_client import GatewayClient, api_key_from_environment, gateway_card
+from specprefill_rag.gateway_client import api_key_from_environment, engine_here, find_gateway
 from specprefill_rag.results import StreamChunk
 
 from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Reply, Request
@@ -198,11 +198,7 @@ class SpecPrefillLLM(CustomLLM):
     def engine(self) -> SpecPrefillEngine:
         """Loaded on first use, shared by every instance with the same settings."""
         if self._engine is None:
-            from specprefill_rag import SpecPrefillEngine
-
-            if not self.session.runs_here:
-                raise InvalidRequestError(f"{self.backend} is a SpecPrefill gateway: the engine runs there, not here")
-            self._engine = SpecPrefillEngine.shared(self._config, self.backend, self.timeout)
+            self._engine = engine_here(self._config, self.backend, self.timeout, not self.session.runs_here)
         return self._engine
 
     @property
@@ -210,11 +206,8 @@ class SpecPrefillLLM(CustomLLM):
         """Where answers come from, decided on first use: a gateway when ``backend`` is a gateway's URL
         (it says so in /v1/models), else the engine in this process."""
         if self._session is None:
-            key = self.api_key.get_secret_value() if self.api_key else None
-            card = None if self._engine is not None or self.backend == "transformers" else \
-                gateway_card(self.backend, self.timeout, key)
-            self._session = GatewaySession(GatewayClient(self.backend, card, self.timeout, key), self) if card \
-                else LocalSession(self)
+            gateway = None if self._engine is not None else find_gateway(self.backend, self.timeout, self.api_key)
+            self._session = GatewaySession(gateway, self) if gateway else LocalSession(self)
         return self._session
 
     @property
