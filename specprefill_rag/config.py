@@ -32,6 +32,9 @@ AUTO = "auto"
 DEFAULT_AUTO_KEEP_SHARE = 0.8
 DEFAULT_AUTO_KEEP_FLOOR = 0.1
 DEFAULT_AUTO_KEEP_CEILING = 0.5
+# Below this many prompt tokens the draft costs more than the prefill it saves (BENCHMARKS.md, "When
+# SpecPrefill pays"), so the prompt is prefilled whole.
+DEFAULT_MIN_PROMPT_TOKENS = 1024
 
 
 def _keep_rate_value(value: Any) -> Any:
@@ -116,7 +119,7 @@ class SpecPrefillConfig(BaseModel):
     pool_kernel: int = Field(13, ge=1, description="Average-pooling kernel along the prompt (odd).")
     chunk_size: int = Field(32, ge=1, description="Document tokens are kept or dropped in chunks of this size.")
     min_prompt_tokens: int = Field(
-        1024, ge=0, description="Prompts shorter than this are prefilled whole (compression would not pay)."
+        DEFAULT_MIN_PROMPT_TOKENS, ge=0, description="Prompts shorter than this are prefilled whole (compression would not pay)."
     )
     protect_tail_tokens: int = Field(
         64, ge=1, description="For raw prompts without roles: the last tokens that are always kept."
@@ -244,6 +247,9 @@ def adapter_config(backend: str, draft: str, look_ahead: int, **fields: object) 
     is_self = draft == SELF_DRAFT or draft.startswith(SELF_DRAFT_PREFIX)
     if backend != "transformers" and is_self:
         raise ValueError(f"draft {draft!r} needs the main model in-process; with a vLLM server use a separate draft")
+    if backend == "transformers" and fields.get("tokenizer") is not None:
+        raise ValueError("tokenizer names the served model's tokenizer of a vLLM backend; in-process the main "
+                         "model's own is used: leave it unset")
     if not is_self:
         fields["look_ahead"] = look_ahead
     return SpecPrefillConfig(draft=draft, **fields)  # type: ignore[arg-type]

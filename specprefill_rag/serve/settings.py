@@ -11,6 +11,7 @@ from ..config import (
     DEFAULT_AUTO_KEEP_CEILING,
     DEFAULT_AUTO_KEEP_FLOOR,
     DEFAULT_AUTO_KEEP_SHARE,
+    DEFAULT_MIN_PROMPT_TOKENS,
     DEFAULT_MODEL,
     KeepRate,
     SpecPrefillConfig,
@@ -47,7 +48,7 @@ class GatewaySettings(BaseModel):
     auto_keep_ceiling: float = Field(DEFAULT_AUTO_KEEP_CEILING, gt=0.0, le=1.0,
                                      description="keep_rate 'auto': most share of document tokens kept.")
     max_document_tokens: int | None = Field(None, ge=0, description="Default cap on kept document tokens.")
-    min_prompt_tokens: int = Field(1024, ge=0, description="Shorter prompts are sent whole (no draft).")
+    min_prompt_tokens: int = Field(DEFAULT_MIN_PROMPT_TOKENS, ge=0, description="Shorter prompts are sent whole (no draft).")
     look_ahead: int = Field(8, ge=1, le=64)
     protect_tail_tokens: int = Field(64, ge=1, description="Without found documents: the last tokens always kept.")
     device: str = Field("auto", description="Draft device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:1'...")

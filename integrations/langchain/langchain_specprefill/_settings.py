@@ -8,7 +8,17 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import BaseMessage
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 from specprefill_rag.arguments import generation_params
-from specprefill_rag.config import DEFAULT_MODEL, GenerationParams, KeepRate, SpecPrefillConfig, adapter_config
+from specprefill_rag.config import (
+    DEFAULT_AUTO_KEEP_CEILING,
+    DEFAULT_AUTO_KEEP_FLOOR,
+    DEFAULT_AUTO_KEEP_SHARE,
+    DEFAULT_MIN_PROMPT_TOKENS,
+    DEFAULT_MODEL,
+    GenerationParams,
+    KeepRate,
+    SpecPrefillConfig,
+    adapter_config,
+)
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.gateway_client import api_key_from_environment, engine_here, find_gateway
 from specprefill_rag.results import GenerationResult
@@ -42,10 +52,18 @@ class SpecPrefillSettings(BaseModel):
         0.3, description="Fraction of document tokens the main model prefills, in (0, 1], or 'auto' (the engine "
         "chooses it per request from the draft's importance; stats report the chosen share)."
     )
+    auto_keep_share: float = Field(DEFAULT_AUTO_KEEP_SHARE, description="keep_rate 'auto': share of the draft's "
+                                   "importance mass kept.")
+    auto_keep_floor: float = Field(DEFAULT_AUTO_KEEP_FLOOR, description="keep_rate 'auto': least share kept.")
+    auto_keep_ceiling: float = Field(DEFAULT_AUTO_KEEP_CEILING, description="keep_rate 'auto': most share kept.")
     max_document_tokens: int | None = Field(None, description="Hard cap on kept document tokens.")
     look_ahead: int = Field(8, description="Draft queries: last prompt token + look_ahead-1 draft tokens.")
-    min_prompt_tokens: int = Field(1024, description="Shorter prompts are prefilled whole.")
+    min_prompt_tokens: int = Field(DEFAULT_MIN_PROMPT_TOKENS, description="Shorter prompts are prefilled whole.")
     protect_tail_tokens: int = Field(64, description="Without marked documents, the last tokens always kept.")
+    tokenizer: str | None = Field(
+        None, description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default the "
+        "draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped)."
+    )
     device: str = Field("cpu", description="torch device, e.g. 'cpu' or 'cuda'.")
     dtype: str = Field("auto", description="'auto', 'float32', 'bfloat16' or 'float16'.")
     temperature: float = Field(0.0, description="0 = greedy.")
@@ -63,8 +81,10 @@ class SpecPrefillSettings(BaseModel):
     def _validate_specprefill(self) -> SpecPrefillSettings:
         self._config = adapter_config(
             self.backend, self.draft_model, self.look_ahead, main=self.model, keep_rate=self.keep_rate,
-            max_document_tokens=self.max_document_tokens, min_prompt_tokens=self.min_prompt_tokens,
-            protect_tail_tokens=self.protect_tail_tokens, device=self.device, dtype=self.dtype,
+            auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
+            auto_keep_ceiling=self.auto_keep_ceiling, max_document_tokens=self.max_document_tokens,
+            min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
+            tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
         )
         GenerationParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                          seed=self.seed, stop=tuple(self.stop or ()))

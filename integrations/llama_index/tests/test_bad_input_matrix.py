@@ -103,6 +103,9 @@ CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
     ("timeout: 0", {"timeout": 0}, "timeout\n.*greater than 0"),
     ("backend: not a URL", {"backend": "ftp://x"}, "neither 'transformers'"),
     ("device: not a device", {"device": "gpu0"}, "device 'gpu0' is not a torch device"),
+    ("tokenizer: in-process", {"tokenizer": "smollm2-135m"}, "tokenizer names the served model's tokenizer of a vLLM backend"),
+    ("auto_keep_floor: above the ceiling", {"auto_keep_floor": 0.6, "auto_keep_ceiling": 0.5},
+     "auto_keep_floor \\(0.6\\) is above auto_keep_ceiling"),
     ("unknown setting", {"max_tokens": 8}, "max_tokens\n.*Extra inputs are not permitted"),
 ]
 

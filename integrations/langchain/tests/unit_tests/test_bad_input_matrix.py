@@ -111,6 +111,9 @@ CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
     ("backend: not a URL", {"backend": "grpc://host:1"}, "neither 'transformers' .* nor the http\\(s\\) URL"),
     ("draft_model: bad self", {"draft_model": "self:x"}, "draft 'self:x': use 'self:<n>'"),
     ("device: not a device", {"device": "gpu0"}, "device 'gpu0' is not a torch device"),
+    ("tokenizer: in-process", {"tokenizer": "smollm2-135m"}, "tokenizer names the served model's tokenizer of a vLLM backend"),
+    ("auto_keep_floor: above the ceiling", {"auto_keep_floor": 0.6, "auto_keep_ceiling": 0.5},
+     "auto_keep_floor \\(0.6\\) is above auto_keep_ceiling"),
     ("unknown setting", {"keeprate": 0.2}, "keeprate\n.*Extra inputs are not permitted"),
 ]
 
