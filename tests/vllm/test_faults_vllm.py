@@ -9,11 +9,7 @@ the same port, the same engine serves again. No client thread or socket outlives
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from contextlib import contextmanager
 
 import pytest
@@ -22,6 +18,7 @@ from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.backends.vllm import VLLMServerError
 from specprefill_rag.testing import random_documents
 from tests.leaks import nothing_left_behind
+from tests.vllm.server import free_port, server_command, wait_until_serving
 
 TIMEOUT = 5.0  # the client's timeout
 # A stream that outlasts the faults (checked below): a warm server decodes the tiny model at well over
@@ -48,43 +45,21 @@ def endless_folder(tiny_folder, tmp_path_factory):
     return folder
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def vllm_server(folder, port):
     """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` in a new session; killed with
     its whole process group on exit."""
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--host", "127.0.0.1",
-               "--port", str(port), "--max-model-len", str(CONTEXT), "--dtype", "float32", "--enforce-eager",
-               "--gpu-memory-utilization", "0.2",
-               # Every request of this test recomputes its prompt: a prefix-cache hit rounds differently, and
-               # the tiny model's near-zero logits could then pick the end-of-sequence token mid-test.
-               "--no-enable-prefix-caching"]
+    # Every request of this test recomputes its prompt: a prefix-cache hit rounds differently, and the tiny
+    # model's near-zero logits could then pick the end-of-sequence token mid-test.
+    command = server_command(folder, port, "--max-model-len", str(CONTEXT), "--no-enable-prefix-caching")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_until_serving(process, f"http://127.0.0.1:{port}")
+        wait_until_serving(process, f"http://127.0.0.1:{port}")
         yield process
     finally:
         _signal_group(process, signal.SIGCONT)
         _signal_group(process, signal.SIGKILL)
         process.wait(timeout=60)
-
-
-def _wait_until_serving(process, url, limit_s=600):
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {process.returncode}")
-        try:
-            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
-            return
-        except OSError:
-            time.sleep(2)
-    raise RuntimeError(f"vLLM server did not start within {limit_s} s")
 
 
 def _signal_group(process, sig):
@@ -121,7 +96,7 @@ def _request(engine, layout, mode, params=GenerationParams(max_new_tokens=4)):
 
 
 def test_frozen_killed_and_restarted_server(tiny_folder, endless_folder):
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     with vllm_server(endless_folder, port) as process:
         engine = SpecPrefillEngine.for_vllm(url, draft=str(tiny_folder), timeout=TIMEOUT, keep_rate=0.3, dtype="float32",
