@@ -89,7 +89,7 @@ def peak_memory_mb(runs: dict) -> dict[str, float]:
     return peaks
 
 
-def run_length(engine, compressor, length: int, args) -> dict:
+def run_length(engine, compressor, length: int, args, probe_memory: bool = True) -> dict:
     study = methods(engine, compressor, documents_of(engine.tokenizer, length), args)
     samples: dict[str, list[float]] = {name: [] for name in study["runs"]}
     for _ in range(args.repeats):
@@ -97,7 +97,7 @@ def run_length(engine, compressor, length: int, args) -> dict:
             samples[name].append(clock(fn, "cpu"))
         print(length, {k: round(v[-1]) for k, v in samples.items()}, flush=True)
     median = {name: statistics.median(values) for name, values in samples.items()}
-    memory = peak_memory_mb(study["runs"])
+    memory = peak_memory_mb(study["runs"]) if probe_memory else {}
     bound = 1.0 / (args.keep_rate + median["draft_scoring"] / median["full"])
     return {
         "length": length, "prompt_tokens": study["prompt_tokens"], "document_tokens": study["document_tokens"],
