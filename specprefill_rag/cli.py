@@ -118,6 +118,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     serve.add_argument("--on-draft-error", dest="on_draft_error", choices=["full", "fail"],
                        help="a failed draft: send the request whole (default) or answer 500")
     serve.add_argument("--on-missing-plugin", dest="on_missing_plugin", choices=["error", "full_prompt"])
+    serve.add_argument("--max-draft-tokens", dest="max_draft_tokens", type=int,
+                       help="most prompt tokens one request may send through the draft (default: its context)")
+    serve.add_argument("--draft-cache-mb", dest="draft_cache_mb", type=int,
+                       help="draft prefix KV cache in MiB, 0 = off (default 2048)")
     serve.add_argument("--queue-size", dest="queue_size", type=int, help="requests waiting at most (more: 429)")
     serve.add_argument("--draft-batch-size", dest="draft_batch_size", type=int,
                        help="prompts per draft forward (default: 1 on CPU, 8 on a GPU)")

@@ -63,6 +63,7 @@ def test_ask_reports_bad_input_without_traceback(tmp_path, tiny_model_dir, capsy
 
 def test_serve_options_fill_the_gateway_settings(monkeypatch):
     from specprefill_rag.cli import parser, serve_settings
+    from specprefill_rag.config import DEFAULT_DRAFT_CACHE_MB
 
     monkeypatch.setenv("SPECPREFILL_API_KEY", "from-env")
     args = parser().parse_args(["serve", "--port", "9001", "--keep-rate", "0.2", "--draft-batch-size", "8",
@@ -79,6 +80,9 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
     config = auto.engine_config()
     assert config.keep_rate == "auto" and (config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling) \
         == (0.7, 0.2, 0.4)
+    bounded = serve_settings(parser().parse_args(["serve", "--max-draft-tokens", "2048", "--draft-cache-mb", "0"]))
+    assert (bounded.engine_config().max_draft_tokens, bounded.engine_config().draft_cache_mb) == (2048, 0)
+    assert serve_settings(parser().parse_args(["serve"])).engine_config().draft_cache_mb == DEFAULT_DRAFT_CACHE_MB
 
 
 def test_serve_reports_bad_settings_without_traceback(capsys):

@@ -11,6 +11,7 @@ from ..config import (
     DEFAULT_AUTO_KEEP_CEILING,
     DEFAULT_AUTO_KEEP_FLOOR,
     DEFAULT_AUTO_KEEP_SHARE,
+    DEFAULT_DRAFT_CACHE_MB,
     DEFAULT_MIN_PROMPT_TOKENS,
     DEFAULT_MODEL,
     KeepRate,
@@ -58,6 +59,13 @@ class GatewaySettings(BaseModel):
     )
     on_missing_plugin: Literal["error", "full_prompt"] = Field(
         "error", description="A vLLM main without the plugin: refuse to start, or send every prompt whole."
+    )
+    max_draft_tokens: int | None = Field(
+        None, ge=1, description="Most prompt tokens one request may send through the draft (its memory; README "
+        "'Resource bounds'); None: the draft's context. Longer prompts follow on_draft_error."
+    )
+    draft_cache_mb: int = Field(
+        DEFAULT_DRAFT_CACHE_MB, ge=0, description="Draft prefix KV cache, MiB (0 = off); budget it in the host's memory."
     )
     queue_size: int = Field(256, ge=1, description="Requests waiting for the draft at most; more get 429.")
     draft_batch_size: int | None = Field(
@@ -110,6 +118,7 @@ class GatewaySettings(BaseModel):
             auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
             auto_keep_ceiling=self.auto_keep_ceiling,
             min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
+            max_draft_tokens=self.max_draft_tokens, draft_cache_mb=self.draft_cache_mb,
             device=self.resolved_device(), dtype=self.dtype,
         )
         # look_ahead does not apply to a 'self:<n>' draft (the config refuses it being set there)
