@@ -147,7 +147,10 @@ def overhead(url: str, args: argparse.Namespace) -> dict:
     from specprefill_rag import GenerationParams, SpecPrefillEngine
     from specprefill_rag.chat import ChatMessage, chat_layout
 
-    engine = SpecPrefillEngine(main=args.main, draft=args.draft, device=args.device, min_prompt_tokens=0)
+    # No draft prefix cache here: the async call repeats the blocking call's prompt and would start from its
+    # cached KV, while the gateway sees each prompt once (a miss), as both in-process calls then do.
+    engine = SpecPrefillEngine(main=args.main, draft=args.draft, device=args.device, min_prompt_tokens=0,
+                               draft_cache_mb=0)
     params = GenerationParams(max_new_tokens=args.max_tokens)
     times: dict[str, list[float]] = {"gateway": [], "engine": [], "engine_async": []}
 
