@@ -29,14 +29,20 @@ CONTEXT = 8192
 
 @pytest.fixture(scope="module")
 def endless_folder(tiny_folder, tmp_path_factory):
-    """The tiny model with its end-of-sequence logit pinned at 0 (its output row zeroed): greedy decoding
-    never ends a stream early, so every fault lands mid-stream."""
+    """The tiny model with the logits of its end-of-sequence token and of every token that is not printable
+    ASCII text pinned at 0 (their output rows zeroed): greedy decoding never ends a stream early, and each
+    token is text the engine streams at once (a run of partial UTF-8 bytes would hold every chunk back
+    until the end, and the fault sent after the first chunk would then land after the stream)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_folder)
     model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
+    silent = [i for i in range(model.lm_head.weight.shape[0])
+              if i >= len(tokenizer) or not (text := tokenizer.decode([i])).strip() or not text.isascii()
+              or not text.isprintable()]
     with torch.no_grad():
+        model.lm_head.weight[silent] = 0.0
         model.lm_head.weight[tokenizer.eos_token_id] = 0.0
     model.config.max_position_embeddings = CONTEXT  # room for LONG (rotary positions extend as they are)
     folder = tmp_path_factory.mktemp("tiny-endless")
