@@ -59,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
                      help="fraction of document tokens to prefill (0, 1], or 'auto' (chosen per prompt)")
     ask.add_argument("--main", default=DEFAULT_MODEL, help="HF id, model folder, .gguf file or 'smollm2-135m'")
     ask.add_argument("--draft", default=DEFAULT_MODEL, help="same forms as --main, or 'self:<n>'")
-    ask.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS, help="shorter prompts are not compressed")
+    ask.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
+                     help="shorter prompts are not compressed")
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--device", default="cpu")

@@ -119,7 +119,8 @@ class SpecPrefillConfig(BaseModel):
     pool_kernel: int = Field(13, ge=1, description="Average-pooling kernel along the prompt (odd).")
     chunk_size: int = Field(32, ge=1, description="Document tokens are kept or dropped in chunks of this size.")
     min_prompt_tokens: int = Field(
-        DEFAULT_MIN_PROMPT_TOKENS, ge=0, description="Prompts shorter than this are prefilled whole (compression would not pay)."
+        DEFAULT_MIN_PROMPT_TOKENS, ge=0,
+        description="Prompts shorter than this are prefilled whole (compression would not pay).",
     )
     protect_tail_tokens: int = Field(
         64, ge=1, description="For raw prompts without roles: the last tokens that are always kept."

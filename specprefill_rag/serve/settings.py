@@ -49,7 +49,8 @@ class GatewaySettings(BaseModel):
     auto_keep_ceiling: float = Field(DEFAULT_AUTO_KEEP_CEILING, gt=0.0, le=1.0,
                                      description="keep_rate 'auto': most share of document tokens kept.")
     max_document_tokens: int | None = Field(None, ge=0, description="Default cap on kept document tokens.")
-    min_prompt_tokens: int = Field(DEFAULT_MIN_PROMPT_TOKENS, ge=0, description="Shorter prompts are sent whole (no draft).")
+    min_prompt_tokens: int = Field(DEFAULT_MIN_PROMPT_TOKENS, ge=0,
+                                   description="Shorter prompts are sent whole (no draft).")
     look_ahead: int = Field(8, ge=1, le=64)
     protect_tail_tokens: int = Field(64, ge=1, description="Without found documents: the last tokens always kept.")
     device: str = Field("auto", description="Draft device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:1'...")
@@ -65,7 +66,8 @@ class GatewaySettings(BaseModel):
         "'Resource bounds'); None: the draft's context. Longer prompts follow on_draft_error."
     )
     draft_cache_mb: int = Field(
-        DEFAULT_DRAFT_CACHE_MB, ge=0, description="Draft prefix KV cache, MiB (0 = off); budget it in the host's memory."
+        DEFAULT_DRAFT_CACHE_MB, ge=0,
+        description="Draft prefix KV cache, MiB (0 = off); budget it in the host's memory.",
     )
     queue_size: int = Field(256, ge=1, description="Requests waiting for the draft at most; more get 429.")
     draft_batch_size: int | None = Field(

@@ -105,8 +105,8 @@ def test_frozen_killed_and_restarted_server(tiny_folder, endless_folder):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with vllm_server(endless_folder, port) as process:
-        engine = SpecPrefillEngine.for_vllm(url, draft=str(tiny_folder), timeout=TIMEOUT, keep_rate=0.3, dtype="float32",
-                                            min_prompt_tokens=0, look_ahead=2)
+        engine = SpecPrefillEngine.for_vllm(url, draft=str(tiny_folder), timeout=TIMEOUT, keep_rate=0.3,
+                                            dtype="float32", min_prompt_tokens=0, look_ahead=2)
         layout = engine.layout("When did the bridge open?", random_documents(3, 30))
         whole = _request(engine, layout, "sync", LONG)
         assert whole.finish_reason == "length", "the stream must outlast the faults below"

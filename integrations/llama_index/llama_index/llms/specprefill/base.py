@@ -166,10 +166,12 @@ class SpecPrefillLLM(CustomLLM):
     auto_keep_share: float = Field(default=DEFAULT_AUTO_KEEP_SHARE, description="keep_rate 'auto': share of the "
                                    "draft's importance mass kept.")
     auto_keep_floor: float = Field(default=DEFAULT_AUTO_KEEP_FLOOR, description="keep_rate 'auto': least share kept.")
-    auto_keep_ceiling: float = Field(default=DEFAULT_AUTO_KEEP_CEILING, description="keep_rate 'auto': most share kept.")
+    auto_keep_ceiling: float = Field(default=DEFAULT_AUTO_KEEP_CEILING,
+                                     description="keep_rate 'auto': most share kept.")
     max_document_tokens: int | None = Field(default=None, description="Hard cap on kept context tokens.")
     look_ahead: int = Field(default=8, description="Draft queries: last prompt token + look_ahead-1 tokens.")
-    min_prompt_tokens: int = Field(default=DEFAULT_MIN_PROMPT_TOKENS, description="Shorter prompts are prefilled whole.")
+    min_prompt_tokens: int = Field(default=DEFAULT_MIN_PROMPT_TOKENS,
+                                   description="Shorter prompts are prefilled whole.")
     protect_tail_tokens: int = Field(default=64, description="Without known context, the last tokens kept.")
     tokenizer: str | None = Field(
         default=None, description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default "
