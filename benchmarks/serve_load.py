@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -29,6 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = sorted((ROOT / "examples" / "documents").glob("*.txt"))
 QUESTION = "In what year did the Brooklyn Bridge open to traffic?"
+PHASES = ("batching", "load", "overhead", "rss")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,9 +50,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true",
                         help="main and draft = a tiny random Llama saved to a temporary folder: the model work is "
                         "near zero, so what is left is the gateway's own cost (answers are meaningless)")
-    parser.add_argument("--draft-only", action="store_true", help="only the draft batching comparison")
+    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                        help="what to measure (default: all); 'overhead' and 'rss' use the last --batch-sizes value")
+    parser.add_argument("--draft-only", action="store_true", help="only the draft batching comparison (--phases batching)")
+    parser.add_argument("--draft-cache-mb", type=int, default=None,
+                        help="the gateway's --draft-cache-mb (default: serve's default)")
     parser.add_argument("--draft-prompts", type=int, default=0, help="prompts in the batching comparison (2 x largest batch)")
     args = parser.parse_args(argv)
+    if args.draft_only:
+        args.phases = ["batching"]
     if args.tiny:
         args.main = args.draft = tiny_model_folder()
     if args.quick:
@@ -83,13 +91,15 @@ def body(index: int, args: argparse.Namespace, stream: bool) -> dict:
             "temperature": 0, "stream": stream, "spec_prefill": {"documents": documents_for(index, args.words)}}
 
 
-def start_gateway(args: argparse.Namespace, batch_size: int) -> tuple[subprocess.Popen, str]:
+def start_gateway(args: argparse.Namespace, batch_size: int, draft_cache_mb: int | None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "specprefill_rag.cli", "serve", "--main", args.main, "--draft", args.draft,
                "--device", args.device, "--port", str(port), "--draft-batch-size", str(batch_size),
                "--min-prompt-tokens", "0", "--queue-size", "4096", "--log-level", "warning"]
+    if draft_cache_mb is not None:
+        command += ["--draft-cache-mb", str(draft_cache_mb)]
     process = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -147,8 +157,9 @@ def overhead(url: str, args: argparse.Namespace) -> dict:
     from specprefill_rag import GenerationParams, SpecPrefillEngine
     from specprefill_rag.chat import ChatMessage, chat_layout
 
-    # No draft prefix cache here: the async call repeats the blocking call's prompt and would start from its
-    # cached KV, while the gateway sees each prompt once (a miss), as both in-process calls then do.
+    # No draft prefix cache on either side (run_gateway starts this gateway with --draft-cache-mb 0): the async
+    # call repeats the blocking call's prompt and would start from its cached KV, and the cache's own cost is
+    # the engine's, the same in-process and behind the gateway.
     engine = SpecPrefillEngine(main=args.main, draft=args.draft, device=args.device, min_prompt_tokens=0,
                                draft_cache_mb=0)
     params = GenerationParams(max_new_tokens=args.max_tokens)
@@ -180,6 +191,14 @@ def overhead(url: str, args: argparse.Namespace) -> dict:
     return result
 
 
+def gauge(client: httpx.Client, url: str, name: str) -> float:
+    """One unlabelled gauge's value from the gateway's ``/metrics``."""
+    for line in client.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise RuntimeError(f"/metrics has no {name}")
+
+
 def resident_memory(url: str, pid: int, args: argparse.Namespace) -> dict:
     """The gateway process's RSS, sampled ten times over ``args.rss_requests`` sequential requests."""
     import psutil
@@ -190,7 +209,9 @@ def resident_memory(url: str, pid: int, args: argparse.Namespace) -> dict:
         for index in range(args.rss_requests):
             client.post(url + "/v1/chat/completions", json=body(20_000 + index, args, stream=False)).raise_for_status()
             if index % every == 0 or index == args.rss_requests - 1:
-                samples.append({"after_requests": index + 1, "rss_mb": process.memory_info().rss / 2**20})
+                cache_mb = gauge(client, url, "specprefill_draft_cache_bytes") / 2**20
+                samples.append({"after_requests": index + 1, "rss_mb": process.memory_info().rss / 2**20,
+                                "draft_cache_mb": cache_mb})
     return {"requests": args.rss_requests, "samples": samples,
             "growth_mb_after_first_tenth": samples[-1]["rss_mb"] - samples[1 if len(samples) > 1 else 0]["rss_mb"]}
 
@@ -227,15 +248,26 @@ def draft_batching(args: argparse.Namespace) -> list[dict]:
 
 
 def run_gateway(args: argparse.Namespace, batch_size: int, measure_extras: bool) -> dict:
-    process, url = start_gateway(args, batch_size)
+    result: dict = {"draft_batch_size": batch_size}
+    with gateway_process(args, batch_size, args.draft_cache_mb) as (process, url):
+        if "load" in args.phases:
+            result["levels"] = [asyncio.run(load_level(url, args, streams, offset=1000 * streams))
+                                for streams in args.streams]
+        if measure_extras and "rss" in args.phases:
+            result["rss"] = resident_memory(url, process.pid, args)
+    if measure_extras and "overhead" in args.phases:
+        with gateway_process(args, batch_size, 0) as (_, url):  # see overhead(): no draft cache on either side
+            result["overhead"] = overhead(url, args)
+    return result
+
+
+@contextlib.contextmanager
+def gateway_process(args: argparse.Namespace, batch_size: int, draft_cache_mb: int | None):
+    """A started, warmed-up gateway: ``(process, url)``; terminated on exit."""
+    process, url = start_gateway(args, batch_size, draft_cache_mb)
     try:
         asyncio.run(load_level(url, args, 1, offset=90_000))  # warm-up
-        levels = [asyncio.run(load_level(url, args, streams, offset=1000 * streams)) for streams in args.streams]
-        result = {"draft_batch_size": batch_size, "levels": levels}
-        if measure_extras:
-            result["overhead"] = overhead(url, args)
-            result["rss"] = resident_memory(url, process.pid, args)
-        return result
+        yield process, url
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -250,30 +282,39 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "machine_before": machine(), "runs": []}
-    report["draft_batching"] = draft_batching(args)
-    for row in report["draft_batching"]:
-        print(f"draft batch {row['batch_size']}: {row['ms_per_prompt_median']:.0f} ms per prompt "
-              f"({row['ms_per_prompt_min']:.0f}-{row['ms_per_prompt_max']:.0f}), {row['mean_prompt_tokens']:.0f} tokens")
-    if args.draft_only:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        return
-    for position, batch_size in enumerate(args.batch_sizes):
-        report["runs"].append(run_gateway(args, batch_size, measure_extras=position == len(args.batch_sizes) - 1))
+    if "batching" in args.phases:
+        report["draft_batching"] = draft_batching(args)
+        for row in report["draft_batching"]:
+            print(f"draft batch {row['batch_size']}: {row['ms_per_prompt_median']:.0f} ms per prompt "
+                  f"({row['ms_per_prompt_min']:.0f}-{row['ms_per_prompt_max']:.0f}), "
+                  f"{row['mean_prompt_tokens']:.0f} tokens")
+    sizes = args.batch_sizes if "load" in args.phases else args.batch_sizes[-1:]
+    if {"load", "overhead", "rss"} & set(args.phases):
+        for position, batch_size in enumerate(sizes):
+            report["runs"].append(run_gateway(args, batch_size, measure_extras=position == len(sizes) - 1))
     report["machine_after"] = machine()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
-    for run in report["runs"]:
-        for level in run["levels"]:
-            print(f"batch {run['draft_batch_size']}: {level['streams']:>3} streams  {level['requests_per_s']:.2f} req/s  "
-                  f"TTFT p50 {level['ttft_p50_ms']:.0f} ms  p99 {level['ttft_p99_ms']:.0f} ms")
-    extras = report["runs"][-1]
-    cost = extras["overhead"]
-    print(f"overhead per request: {cost['overhead_vs_engine_ms']['median']:.1f} ms against the blocking engine, "
-          f"{cost['overhead_vs_engine_async_ms']['median']:.1f} ms against its async path (gateway "
-          f"{cost['gateway_ms_median']:.0f} ms, engine {cost['engine_ms_median']:.0f} / {cost['engine_async_ms_median']:.0f} ms)")
-    print(f"RSS: {[round(s['rss_mb']) for s in extras['rss']['samples']]} MB")
+    print_summary(report["runs"])
     print(f"wrote {args.out}")
+
+
+def print_summary(runs: list[dict]) -> None:
+    for run in runs:
+        for level in run.get("levels", []):
+            print(f"batch {run['draft_batch_size']}: {level['streams']:>3} streams  {level['requests_per_s']:.2f} "
+                  f"req/s  TTFT p50 {level['ttft_p50_ms']:.0f} ms  p99 {level['ttft_p99_ms']:.0f} ms")
+    extras = runs[-1] if runs else {}
+    if "overhead" in extras:
+        cost = extras["overhead"]
+        print(f"overhead per request: {cost['overhead_vs_engine_ms']['median']:.1f} ms against the blocking engine, "
+              f"{cost['overhead_vs_engine_async_ms']['median']:.1f} ms against its async path (gateway "
+              f"{cost['gateway_ms_median']:.0f} ms, engine {cost['engine_ms_median']:.0f} / "
+              f"{cost['engine_async_ms_median']:.0f} ms)")
+    if "rss" in extras:
+        samples = extras["rss"]["samples"]
+        print(f"RSS: {[round(s['rss_mb']) for s in samples]} MB; draft cache "
+              f"{[round(s['draft_cache_mb']) for s in samples]} MB")
 
 
 if __name__ == "__main__":

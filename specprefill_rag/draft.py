@@ -229,7 +229,7 @@ class ModelDraft:
 
         Prompts the prefix cache can serve are scored alone (only their remainder is computed, which is
         cheaper than a padded row); the rest share one forward."""
-        alone = [self._has_cached_prefix(p) or len(prompts) == 1 for p in prompts]
+        alone = [len(prompts) == 1 or self._has_cached_prefix(p) for p in prompts]
         batched = [p for p, single in zip(prompts, alone) if not single]
         from .batch_draft import score_model_batch
 

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .prefix_index import BLOCK_TOKENS, PrefixIndex, block_hashes
+
 # A hit covering less of the prompt is a miss. After cached keys the draft's prefill runs through SDPA's
 # masked kernel, about 1.3x its causal kernel per score on CPU, so a short hit can cost more than it saves:
 # SmolLM2-135M broke even at 10% of a 2k prompt and 30% of a 4k one (BENCHMARKS.md, "Draft prefix cache").
@@ -66,6 +68,7 @@ class DraftIdentity:
 class _Entry:
     draft: DraftIdentity
     token_ids: torch.Tensor  # [T] long, CPU
+    hashes: list[int]  # block_hashes(draft, token_ids)
     layers: KVLayers  # per layer: keys, values [1, H_kv, >= T, d]
     nbytes: int
 
@@ -85,6 +88,11 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(differ[0, 0]) if differ.numel() else length
 
 
+def _starts(token_ids: torch.Tensor, prefix: torch.Tensor) -> bool:
+    """Whether the 1-D ``token_ids`` begin with all of ``prefix``."""
+    return prefix.numel() <= token_ids.numel() and common_prefix_length(prefix, token_ids) == prefix.numel()
+
+
 def _storage_bytes(layers: KVLayers) -> int:
     """Bytes of the distinct storages behind ``layers`` (a view keeps its whole storage alive)."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for layer in layers for t in layer}
@@ -102,7 +110,10 @@ class DraftPrefixCache:
     def __init__(self, max_bytes: int, min_reuse_share: float = MIN_REUSE_SHARE) -> None:
         self.max_bytes = max_bytes
         self.min_reuse_share = min_reuse_share
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # oldest first
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
+        self._last_use: dict[int, int] = {}  # entry -> when it was last used (larger: more recent)
+        self._uses = itertools.count()
+        self._index = PrefixIndex()
         self._next_entry = itertools.count()
         self._watched: set[int] = set()
         self._lock = threading.Lock()
@@ -114,16 +125,23 @@ class DraftPrefixCache:
     def lookup(self, draft: DraftIdentity, token_ids: torch.Tensor, max_tokens: int) -> PrefixHit | None:
         """The longest cached prefix of ``token_ids`` ([L] long) for ``draft``, at most ``max_tokens`` long."""
         token_ids = token_ids.cpu()
+        hashes = block_hashes(draft, token_ids)
+        needed = max(1.0, self.min_reuse_share * token_ids.numel())
         with self._lock:
-            best, best_length = None, 0
-            for number, entry in reversed(self._entries.items()):  # most recent first: it wins ties
+            blocks, numbers = self._index.deepest(hashes)
+            within_reach = token_ids.numel() if blocks == len(hashes) - 1 else (blocks + 1) * BLOCK_TOKENS - 1
+            if min(within_reach, max_tokens) < needed:
+                return None  # no entry can share enough of the prompt: skip comparing ids
+            best, best_length, best_use = None, 0, -1
+            for number in numbers:
+                entry, use = self._entries[number], self._last_use[number]
                 if entry.draft == draft:
                     length = min(common_prefix_length(entry.token_ids, token_ids), max_tokens)
-                    if length > best_length:
-                        best, best_length = number, length
-            if best is None or best_length < self.min_reuse_share * token_ids.numel():
+                    if length > best_length or (length == best_length and use > best_use):  # recent wins ties
+                        best, best_length, best_use = number, length, use
+            if best is None or best_length < needed:
                 return None
-            self._entries.move_to_end(best)
+            self._touch(best)
             layers = tuple((k[:, :, :best_length], v[:, :, :best_length]) for k, v in self._entries[best].layers)
         return PrefixHit(best_length, layers)
 
@@ -134,20 +152,24 @@ class DraftPrefixCache:
         would); if ``token_ids`` is a prefix of an entry, nothing is added.
         """
         token_ids = token_ids.cpu()
-        entry = _Entry(draft, token_ids, layers, _storage_bytes(layers))
+        entry = _Entry(draft, token_ids, block_hashes(draft, token_ids), layers, _storage_bytes(layers))
         if entry.nbytes > self.max_bytes:
             return
+        length = token_ids.numel()
         with self._lock:
-            for number, held in list(self._entries.items()):
-                if held.draft != draft:
-                    continue
-                shared = common_prefix_length(held.token_ids, token_ids)
-                if shared == token_ids.numel():
-                    self._entries.move_to_end(number)
+            for number in list(self._index.extending(entry.hashes)):
+                held = self._entries[number]
+                if held.draft == draft and common_prefix_length(held.token_ids, token_ids) == length:
+                    self._touch(number)
                     return
-                if shared == held.token_ids.numel():
+            for number in list(self._index.ending_along(entry.hashes)):
+                held = self._entries[number]
+                if held.draft == draft and _starts(token_ids, held.token_ids):
                     self._remove(number)
-            self._entries[next(self._next_entry)] = entry
+            number = next(self._next_entry)
+            self._entries[number] = entry
+            self._index.add(number, entry.hashes)
+            self._touch(number)
             self.nbytes += entry.nbytes
             while self.nbytes > self.max_bytes:
                 self._remove(next(iter(self._entries)))
@@ -157,10 +179,20 @@ class DraftPrefixCache:
         """Drop every entry (e.g. after changing a draft's weights in place)."""
         with self._lock:
             self._entries.clear()
+            self._last_use.clear()
+            self._index = PrefixIndex()
             self.nbytes = 0
 
+    def _touch(self, number: int) -> None:
+        """Mark entry ``number`` the most recently used."""
+        self._entries.move_to_end(number)
+        self._last_use[number] = next(self._uses)
+
     def _remove(self, number: int) -> None:
-        self.nbytes -= self._entries.pop(number).nbytes
+        entry = self._entries.pop(number)
+        del self._last_use[number]
+        self._index.remove(number, entry.hashes)
+        self.nbytes -= entry.nbytes
 
     def _watch(self, model: nn.Module, model_id: int) -> None:
         """Free a model's entries when the model is garbage collected (its id is never reused)."""

@@ -189,6 +189,10 @@ def test_models_health_tokenize_and_metrics(gateway, client, engine):
     assert 'specprefill_requests_total{endpoint="chat",outcome="ok"}' in metrics
     assert "specprefill_queue_depth 0.0" in metrics and "specprefill_draft_ms_count" in metrics
     assert "specprefill_ttft_ms_count" in metrics and "specprefill_kept_share_count" in metrics
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    cache = engine.draft.prefix_cache
+    assert float(values["specprefill_draft_cache_bytes"]) == cache.nbytes > 0
+    assert float(values["specprefill_draft_cache_entries"]) == len(cache) > 0
 
 
 def test_api_key_is_required_on_v1_but_not_on_health(engine):

@@ -82,7 +82,7 @@ class Gateway:
         self.engine = engine
         self.queue = DraftQueue(self._score_batch, settings.queue_size, settings.resolved_draft_batch_size(),
                                 settings.draft_batch_tokens, settings.batch_window_ms / 1000.0)
-        self.metrics = GatewayMetrics(lambda: self.queue.depth)
+        self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache)
         self.queue.on_batch = self.metrics.batch
 
     def _score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | Exception]:

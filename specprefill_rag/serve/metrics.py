@@ -12,9 +12,10 @@ _SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 
 class GatewayMetrics:
-    """Requests by outcome, queue depth, draft time and batch size, kept share, TTFT, draft errors."""
+    """Requests by outcome, queue depth, draft time and batch size, kept share, TTFT, draft errors, and
+    the draft prefix cache's bytes and entries (``draft_cache``: a ``DraftPrefixCache``, or ``None``)."""
 
-    def __init__(self, queue_depth: Callable[[], int]) -> None:
+    def __init__(self, queue_depth: Callable[[], int], draft_cache: Any | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -32,6 +33,12 @@ class GatewayMetrics:
                                  registry=self.registry)
         self.draft_errors = Counter("specprefill_draft_errors", "Draft failures, by error type and policy.",
                                     ["error", "policy"], registry=self.registry)
+        cache_bytes = Gauge("specprefill_draft_cache_bytes", "Bytes held by the draft prefix cache.",
+                            registry=self.registry)
+        cache_bytes.set_function(lambda: float(draft_cache.nbytes if draft_cache is not None else 0))
+        cache_entries = Gauge("specprefill_draft_cache_entries", "Prompts held by the draft prefix cache.",
+                              registry=self.registry)
+        cache_entries.set_function(lambda: float(len(draft_cache) if draft_cache is not None else 0))
         for endpoint in ("chat", "completions"):
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)  # every series exists from the start (0)
