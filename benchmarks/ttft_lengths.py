@@ -172,7 +172,7 @@ def main() -> None:
     options.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     options.add_argument("--repeats", type=int, default=2)
     options.add_argument("--keep-rate", type=float, default=0.1)
-    options.add_argument("--self-layers", type=int, help="default: what draft='self' takes (40% of the layers)")
+    options.add_argument("--self-layers", type=int, help="default: what draft='self' takes (40%% of the layers)")
     options.add_argument("--main", default=SHAPE_MAIN, help=f"{SHAPE_MAIN} (random weights) or a model spec")
     options.add_argument("--draft", default="smollm2-135m", help="model spec; another vocabulary: the mapped path")
     options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="of loaded models")
