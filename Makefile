@@ -107,23 +107,23 @@ bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md 
 PAIR := --main qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
 PAIR_QUALITY := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rates 0.1 0.3 --resume \
 	--methods specprefill self contiguous longllmlingua random
-PAIR_MAPPED := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rates 0.1 0.3 --resume \
-	--extra-drafts smollm2-135m --methods specprefill-smollm2-135m
+# Three drafts on the same samples (the 0.5B sibling, SmolLM2-135M through the mapped path, self) and contiguous positions
+PAIR_DRAFTS := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rates 0.1 0.3 --resume \
+	--extra-drafts smollm2-135m --self-layers 11 --self-windows 16 \
+	--methods specprefill specprefill-smollm2-135m self-11-w16 contiguous
 ROUND1 := --only-samples 0 1 2 3 4 5 6 7 8 9 10 11
 ROUND2 := --only-samples $(shell seq 12 29)
 bench-pair: install
 	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-niah-4k
 	$(PAIR_QUALITY) --task squad --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-squad
-	$(PAIR_MAPPED) --task niah --length 4000 --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-niah-4k-mapped
-	$(PAIR_MAPPED) --task squad --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-squad-mapped
+	$(PAIR_DRAFTS) --task squad --samples 30 --out benchmarks/results/pair-drafts-squad
+	$(PAIR_DRAFTS) --task niah --length 4000 --samples 12 --out benchmarks/results/pair-drafts-niah-4k
 	$(PAIR_QUALITY) --task hotpotqa --samples 10 --out benchmarks/results/pair-quality-hotpotqa
 	$(PAIR_QUALITY) --task nq --samples 10 --out benchmarks/results/pair-quality-nq
 	$(PAIR_QUALITY) --task niah --length 8000 --samples 6 --out benchmarks/results/pair-quality-niah-8k
 	$(PAIR_QUALITY) --task longbench --length 4000 --samples 6 --out benchmarks/results/pair-quality-longbench
 	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-niah-4k
 	$(PAIR_QUALITY) --task squad --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-squad
-	$(PAIR_MAPPED) --task niah --length 4000 --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-niah-4k-mapped
-	$(PAIR_MAPPED) --task squad --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-squad-mapped
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_V2_VENV) *.egg-info .pytest_cache
