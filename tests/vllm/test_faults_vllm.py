@@ -8,6 +8,7 @@ the same port, the same engine serves again. No client thread or socket outlives
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 from contextlib import contextmanager
@@ -22,8 +23,9 @@ from tests.vllm.server import free_port, server_command, wait_until_serving
 
 TIMEOUT = 5.0  # the client's timeout
 # A stream that outlasts the faults (checked below): a warm server decodes the tiny model at well over
-# 500 tokens a second, and a fault sent after the first chunk must land before the stream ends.
-LONG = GenerationParams(max_new_tokens=4000)
+# 500 tokens a second, and a fault sent after the first chunk must land before the stream ends (the
+# prompt's ~200 tokens and these fit in CONTEXT).
+LONG = GenerationParams(max_new_tokens=7000)
 CONTEXT = 8192
 
 
@@ -95,6 +97,27 @@ def _stream_until_first_chunk_then(engine, layout, mode, act):
     return len(received)
 
 
+def _freeze_mid_stream(engine, layout, mode, process, tries=3):
+    """Freeze the server after the first chunk: the stream must end in the client's timeout error.
+
+    A server that sent the whole stream before the freeze landed (the client read its first chunk late, on a
+    loaded machine) leaves nothing to test; that try is repeated, and at least one of ``tries`` must fail
+    mid-stream with the typed error."""
+    for _ in range(tries):
+        try:
+            with nothing_left_behind():
+                try:
+                    chunks = _stream_until_first_chunk_then(engine, layout, mode,
+                                                            lambda: _signal_group(process, signal.SIGSTOP))
+                except VLLMServerError as error:
+                    assert re.search(r"failed mid-stream after \d+ tokens", str(error)), str(error)
+                    return
+        finally:
+            _signal_group(process, signal.SIGCONT)
+        assert chunks > 1, "a stream that outran the freeze still came whole"
+    pytest.fail(f"the server had sent the whole stream before each of {tries} freezes landed")
+
+
 def _request(engine, layout, mode, params=GenerationParams(max_new_tokens=4)):
     if mode == "sync":
         return engine.generate_layout(layout, params)
@@ -121,11 +144,7 @@ def test_frozen_killed_and_restarted_server(tiny_folder, endless_folder):
             assert len(_request(engine, layout, mode).token_ids) == 4
 
         for mode in ("sync", "async"):  # frozen mid-stream
-            try:
-                with nothing_left_behind(), pytest.raises(VLLMServerError, match="failed mid-stream after \\d+ tokens"):
-                    _stream_until_first_chunk_then(engine, layout, mode, lambda: _signal_group(process, signal.SIGSTOP))
-            finally:
-                _signal_group(process, signal.SIGCONT)
+            _freeze_mid_stream(engine, layout, mode, process)
             assert len(_request(engine, layout, mode).token_ids) == 4
 
         with nothing_left_behind(), pytest.raises(VLLMServerError, match="(failed mid-stream|closed the stream) after"):
