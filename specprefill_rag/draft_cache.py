@@ -71,6 +71,7 @@ class _Entry:
     hashes: list[int]  # block_hashes(draft, token_ids)
     layers: KVLayers  # per layer: keys, values [1, H_kv, >= T, d]
     nbytes: int
+    last_use: int = -1  # when it was last stored or hit (larger: more recent)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,6 @@ class DraftPrefixCache:
         self.max_bytes = max_bytes
         self.min_reuse_share = min_reuse_share
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
-        self._last_use: dict[int, int] = {}  # entry -> when it was last used (larger: more recent)
         self._uses = itertools.count()
         self._index = PrefixIndex()
         self._next_entry = itertools.count()
@@ -134,11 +134,12 @@ class DraftPrefixCache:
                 return None  # no entry can share enough of the prompt: skip comparing ids
             best, best_length, best_use = None, 0, -1
             for number in numbers:
-                entry, use = self._entries[number], self._last_use[number]
+                entry = self._entries[number]
                 if entry.draft == draft:
                     length = min(common_prefix_length(entry.token_ids, token_ids), max_tokens)
-                    if length > best_length or (length == best_length and use > best_use):  # recent wins ties
-                        best, best_length, best_use = number, length, use
+                    recent = entry.last_use > best_use
+                    if length > best_length or (length == best_length and recent):  # recent wins ties
+                        best, best_length, best_use = number, length, entry.last_use
             if best is None or best_length < needed:
                 return None
             self._touch(best)
@@ -155,11 +156,10 @@ class DraftPrefixCache:
         entry = _Entry(draft, token_ids, block_hashes(draft, token_ids), layers, _storage_bytes(layers))
         if entry.nbytes > self.max_bytes:
             return
-        length = token_ids.numel()
         with self._lock:
             for number in list(self._index.extending(entry.hashes)):
                 held = self._entries[number]
-                if held.draft == draft and common_prefix_length(held.token_ids, token_ids) == length:
+                if held.draft == draft and _starts(held.token_ids, token_ids):
                     self._touch(number)
                     return
             for number in list(self._index.ending_along(entry.hashes)):
@@ -179,18 +179,16 @@ class DraftPrefixCache:
         """Drop every entry (e.g. after changing a draft's weights in place)."""
         with self._lock:
             self._entries.clear()
-            self._last_use.clear()
             self._index = PrefixIndex()
             self.nbytes = 0
 
     def _touch(self, number: int) -> None:
         """Mark entry ``number`` the most recently used."""
         self._entries.move_to_end(number)
-        self._last_use[number] = next(self._uses)
+        self._entries[number].last_use = next(self._uses)
 
     def _remove(self, number: int) -> None:
         entry = self._entries.pop(number)
-        del self._last_use[number]
         self._index.remove(number, entry.hashes)
         self.nbytes -= entry.nbytes
 
