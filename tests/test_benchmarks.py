@@ -259,3 +259,28 @@ def test_held_out_pairs_auto_with_the_fixed_rate_per_sample():
     report["records"].append({**report["records"][1], "keep_rate": 0.3})
     with pytest.raises(SystemExit, match="one fixed specprefill rate"):
         held_out(report, ["contains"])
+
+
+def test_ttft_lengths_bound_counts_the_tokens_kept_whole(monkeypatch, tiny_model, tiny_draft, tokenizer):
+    """The bound divides by what the main model prefills: documents at keep_rate plus the instructions, question
+    and template kept whole, so the share exceeds keep_rate; the paper's keep-rate bound is reported beside it."""
+    import argparse
+
+    import ttft_lengths
+    from specprefill_rag import SpecPrefillEngine
+
+    text = (Path(__file__).parent.parent / "examples" / "documents" / "brooklyn_bridge.txt").read_text()
+    monkeypatch.setattr(ttft_lengths, "documents_of", lambda _tokenizer, _length: [text[:600], text[600:1200]])
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, draft_tokenizer=tokenizer,
+                                           min_prompt_tokens=0, draft_cache_mb=0)
+    args = argparse.Namespace(keep_rate=0.1, repeats=1, self_layers=1)
+    row = ttft_lengths.run_length(engine, None, 0, args, probe_memory=False)
+    assert set(row["kept_tokens"]) == {"specprefill", "self-1"}
+    assert row["kept_share"] == row["kept_tokens"]["specprefill"] / row["prompt_tokens"]
+    assert row["kept_tokens"]["specprefill"] >= row["prompt_tokens"] - row["document_tokens"]
+    assert row["kept_share"] > args.keep_rate
+    median = {name: timing["median"] for name, timing in row["timings_ms"].items()}
+    draft_share = median["draft_scoring"] / median["full"]
+    assert row["bound"] == pytest.approx(1 / (row["kept_share"] + draft_share))
+    assert row["bound_at_keep_rate"] == pytest.approx(1 / (args.keep_rate + draft_share))
+    assert row["bound_at_keep_rate"] > row["bound"]
