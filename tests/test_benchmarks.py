@@ -284,3 +284,35 @@ def test_ttft_lengths_bound_counts_the_tokens_kept_whole(monkeypatch, tiny_model
     assert row["bound"] == pytest.approx(1 / (row["kept_share"] + draft_share))
     assert row["bound_at_keep_rate"] == pytest.approx(1 / (args.keep_rate + draft_share))
     assert row["bound_at_keep_rate"] > row["bound"]
+
+
+def _headline_study(task: str, scores: dict[str, list[float]]) -> dict:
+    """A quality report: method -> per-sample scores at keep 0.1 (full at 1.0)."""
+    records = [{"sample": i, "method": method, "keep_rate": 1.0 if method == "full" else 0.1, "contains": value,
+                "logprob": -1.0, "answer_kept": value, "gold_document_kept": 1.0, "kept_share": 0.1}
+               for method, values in scores.items() for i, value in enumerate(values)]
+    settings = {"task": task, "max_new_tokens": 16}
+    return {"task": task, "samples": len(scores["full"]), "records": records, "settings": settings}
+
+
+def test_headline_reads_each_study_and_the_ttft_row_of_its_keep_rate():
+    from headline import quality_table, versus_table
+
+    studies = {"niah": _headline_study("niah", {"full": [1, 1, 1, 1], "specprefill": [1, 1, 1, 1],
+                                                "self": [1, 1, 1, 0], "longllmlingua": [0, 0, 0, 0]}),
+               "squad": _headline_study("squad", {"full": [1, 1, 0, 1], "specprefill": [1, 0, 0, 1],
+                                                  "longllmlingua": [1, 1, 0, 0]})}
+    ttft = {"keep_rate": 0.1, "results": [{"length": 2048, "bound": 3.0, "speedup": {"specprefill": 9.9}},
+                                          {"length": 4096, "bound": 2.0, "speedup": {"specprefill": 1.8,
+                                                                                      "self-11": 1.9}}]}
+    table = quality_table(studies, [ttft], 4096, [0.1, 0.3]).splitlines()
+    specprefill = next(line for line in table if line.startswith("| specprefill | 0.1 |"))
+    assert "| 1.00, 100% (100%-100%) | 0.50, 67% " in specprefill and "1.80x (bound 2.00x)" in specprefill
+    assert not any(line.startswith("| specprefill | 0.3 |") for line in table)  # no study ran keep 0.3
+    assert next(line for line in table if line.startswith("| full |")).endswith("| 1.00x |")
+    # self: the ttft run's self-<layers> row, without the bound (it is the --draft model's); not run on squad
+    self_row = next(line for line in table if line.startswith("| self | 0.1 |"))
+    assert self_row.endswith("| 0.75, 75% (25%-100%) | not run | 1.90x |")
+    versus = versus_table(studies, "specprefill", "longllmlingua").splitlines()
+    assert versus[2] == "| niah | 0.1 | 4 | +1.000 (+1.00 to +1.00) | above |"
+    assert versus[3].startswith("| squad | 0.1 | 4 | +0.000") and versus[3].endswith("| no |")

@@ -1,0 +1,101 @@
+"""The headline table of BENCHMARKS.md, built from saved results (nothing is run).
+
+One row per method and keep rate: each task's score and retention (95% CI) from its quality study, and
+the TTFT speed-up over full prefill at one prompt length from ``ttft_lengths.py`` runs (one per keep
+rate). A second table gives SpecPrefill minus LongLLMLingua per task, paired per sample.
+
+    python benchmarks/headline.py --length 4096 \\
+        --quality niah-4k=benchmarks/results/pair-quality-niah-4k.json \\
+                  squad=benchmarks/results/pair-quality-squad.json \\
+        --ttft benchmarks/results/pair-ttft-lengths-quiet.json benchmarks/results/pair-ttft-lengths-keep-0.3.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from compare import paired_differences
+from quality import bootstrap_interval, summarise, table_metrics
+
+METHODS = ["full", "specprefill", "self", "contiguous", "longllmlingua", "random"]
+# ttft_lengths.py names the self draft by its layer count; contiguous prefills specprefill's tokens (same cost)
+TTFT_NAMES = {"self": "self-", "contiguous": "specprefill"}
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def main_metric(report: dict) -> str:
+    return table_metrics(report["task"], report["settings"]["max_new_tokens"])[0]
+
+
+def quality_cell(row: dict | None) -> str:
+    if row is None:
+        return "not run"
+    low, high = row["retention_ci"]
+    interval = "" if row["method"] == "full" else f" ({low:.0%}-{high:.0%})"
+    return f"{row['score']:.2f}, {row['retention']:.0%}{interval}"
+
+
+def ttft_speedup(runs: list[dict], length: int, method: str, keep_rate: float) -> str:
+    """``method``'s speed-up at the row of ``length`` tokens in the run made at ``keep_rate``."""
+    if method == "full":
+        return "1.00x"
+    for run in runs:
+        row = next((r for r in run["results"] if r["length"] == length), None)
+        if run["keep_rate"] != keep_rate or row is None:
+            continue
+        prefix = TTFT_NAMES.get(method, method)
+        found = [v for k, v in row["speedup"].items() if k == prefix or (prefix.endswith("-") and k.startswith(prefix))]
+        if found:  # the bound is the --draft model's: specprefill's row
+            return f"{found[0]:.2f}x" + (f" (bound {row['bound']:.2f}x)" if method == "specprefill" else "")
+    return "not measured"
+
+
+def quality_table(studies: dict[str, dict], runs: list[dict], length: int, keep_rates: list[float]) -> str:
+    summaries = {task: {(r["method"], r["keep_rate"]): r for r in summarise(report, main_metric(report))}
+                 for task, report in studies.items()}
+    header = ["method", "keep"] + [f"{task} ({main_metric(studies[task])}, n={studies[task]['samples']})"
+                                   for task in studies] + [f"TTFT speed-up at {length:,} tokens"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for method in METHODS:
+        for keep_rate in [1.0] if method == "full" else keep_rates:
+            cells = [quality_cell(summaries[task].get((method, keep_rate))) for task in studies]
+            if all(c == "not run" for c in cells):
+                continue
+            lines.append(f"| {method} | {keep_rate:g} | " + " | ".join(cells)
+                         + f" | {ttft_speedup(runs, length, method, keep_rate)} |")
+    return "\n".join(lines)
+
+
+def versus_table(studies: dict[str, dict], first: str, second: str) -> str:
+    lines = [f"| task | keep | n | {first} - {second} (95% CI) | beyond the interval |", "|---|---|---|---|---|"]
+    for task, report in studies.items():
+        differences = paired_differences(report["records"], first, second, main_metric(report))
+        for keep_rate, values in sorted(differences.items()):
+            low, high = bootstrap_interval(values)
+            verdict = "above" if low > 0 else "below" if high < 0 else "no"
+            lines.append(f"| {task} | {keep_rate:g} | {len(values)} | {sum(values) / len(values):+.3f} "
+                         f"({low:+.2f} to {high:+.2f}) | {verdict} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("--quality", nargs="+", required=True, metavar="TASK=JSON")
+    options.add_argument("--ttft", type=Path, nargs="*", default=[], help="ttft_lengths.py results, one per keep rate")
+    options.add_argument("--length", type=int, default=4096, help="the TTFT row (ttft_lengths.py --lengths value)")
+    options.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
+    args = options.parse_args()
+    studies = {task: load(Path(path)) for task, path in (item.split("=", 1) for item in args.quality)}
+    runs = [load(path) for path in args.ttft]
+    print(quality_table(studies, runs, args.length, args.keep_rates))
+    print()
+    print(versus_table(studies, "specprefill", "longllmlingua"))
+
+
+if __name__ == "__main__":
+    main()
