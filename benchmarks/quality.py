@@ -365,8 +365,10 @@ def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
     if not args.resume or not path.is_file():
         return []
     earlier = json.loads(path.read_text())
-    study = ("task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods",
-             "max_new_tokens", "auto_shares", "auto_floors", "auto_ceilings")
+    study = ["task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods",
+             "max_new_tokens"]
+    if AUTO in args.methods:  # auto's settings change no other method's records (runs before they existed lack them)
+        study += ["auto_shares", "auto_floors", "auto_ceilings"]
     differing = [k for k in study if earlier["settings"].get(k) != vars(args).get(k)]
     if differing:
         raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out")

@@ -316,3 +316,29 @@ def test_headline_reads_each_study_and_the_ttft_row_of_its_keep_rate():
     versus = versus_table(studies, "specprefill", "longllmlingua").splitlines()
     assert versus[2] == "| niah | 0.1 | 4 | +1.000 (+1.00 to +1.00) | above |"
     assert versus[3].startswith("| squad | 0.1 | 4 | +0.000") and versus[3].endswith("| no |")
+
+
+def test_resume_compares_only_the_settings_that_shape_the_methods_run(tmp_path):
+    """A run saved before the auto options existed resumes when auto is not among its methods, and not otherwise."""
+    import argparse
+    import json
+
+    from quality import AUTO, resumed_records
+
+    settings = {"task": "niah", "samples": 30, "documents": 5, "length": 4000, "seed": 0, "main": "m", "draft": "d",
+                "keep_rates": [0.1, 0.3], "methods": ["specprefill", "random"], "max_new_tokens": 16}
+    records = [{"sample": 0, "method": "full", "keep_rate": 1.0}]
+    (tmp_path / "study.json").write_text(json.dumps({"settings": settings, "records": records}))
+
+    def resume(**changes) -> list[dict]:
+        args = argparse.Namespace(**{**settings, "resume": True, "auto_shares": [0.8], "auto_floors": [0.1],
+                                     "auto_ceilings": [0.5], **changes})
+        return resumed_records(args, tmp_path / "study")
+
+    assert resume() == records
+    with pytest.raises(SystemExit, match="keep_rates"):
+        resume(keep_rates=[0.1])
+    settings["methods"] = ["specprefill", AUTO]  # the same run with auto: its saved run has no auto settings
+    (tmp_path / "study.json").write_text(json.dumps({"settings": settings, "records": records}))
+    with pytest.raises(SystemExit, match=r"\['auto_shares', 'auto_floors', 'auto_ceilings'\]"):
+        resume()
