@@ -224,13 +224,26 @@ def measure_memory(args, length: int) -> dict:
     return result
 
 
+def cpu_model() -> str:
+    """The CPU's model name and its bfloat16 instructions (AMX, AVX512-BF16), which set the dtype's speed."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    bf16 = [label for flag, label in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+    return f"{name} ({', '.join(bf16) or 'no bfloat16 instructions'})"
+
+
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     import os
 
     cores = f"{os.cpu_count()} CPU threads ({torch.get_num_threads()} used by torch)"
-    return f"{platform.processor() or platform.machine()}, {cores}, torch {torch.__version__}"
+    return f"{cpu_model()}, {cores}, torch {torch.__version__}"
 
 
 def main() -> None:
