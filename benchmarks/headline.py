@@ -7,7 +7,7 @@ rate). A second table gives SpecPrefill minus LongLLMLingua per task, paired per
     python benchmarks/headline.py --length 4096 \\
         --quality niah-4k=benchmarks/results/pair-quality-niah-4k.json \\
                   squad=benchmarks/results/pair-quality-squad.json \\
-        --ttft benchmarks/results/pair-ttft-lengths-quiet.json benchmarks/results/pair-ttft-lengths-keep-0.3.json
+        --ttft benchmarks/results/pair-ttft-lengths.json benchmarks/results/pair-ttft-lengths-keep-0.3.json
 """
 
 from __future__ import annotations
