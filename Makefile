@@ -101,29 +101,32 @@ bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md 
 	$(QUALITY) --task nq --samples 40 --out benchmarks/results/smollm2-quality-nq
 	$(QUALITY) --task longbench --samples 20 --out benchmarks/results/smollm2-quality-longbench
 
-# The real pair (make models): quality of every method at keep 0.1 and 0.3, saved after every sample and
-# resumable (--resume). Many CPU hours on 2 cores, so the studies run in rounds: the first samples of
-# every task, then more of the ones the targets are on (BENCHMARKS.md says what each run took).
+# The real pair (make models): TTFT first (it needs the machine to itself: nothing else running), then the
+# quality of every method at keep 0.1 and 0.3, saved after every sample and resumable (--resume: run the
+# target again and it continues where it stopped). Many CPU hours on 2 cores; BENCHMARKS.md says what each
+# run took and how many samples each study has so far. The headline table is built from these files.
 PAIR := --main qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+PAIR_TTFT := $(BIN)/python benchmarks/ttft_lengths.py $(PAIR) --repeats 2
 PAIR_QUALITY := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rates 0.1 0.3 --resume \
 	--methods specprefill self contiguous longllmlingua random
 # Three drafts on the same samples (the 0.5B sibling, SmolLM2-135M through the mapped path, self) and contiguous positions
 PAIR_DRAFTS := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rates 0.1 0.3 --resume \
 	--extra-drafts smollm2-135m --self-layers 11 --self-windows 16 \
 	--methods specprefill specprefill-smollm2-135m self-11-w16 contiguous
-ROUND1 := --only-samples 0 1 2 3 4 5 6 7 8 9 10 11
-ROUND2 := --only-samples $(shell seq 12 29)
+RESULTS := benchmarks/results
 bench-pair: install
-	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-niah-4k
-	$(PAIR_QUALITY) --task squad --samples 30 $(ROUND1) --out benchmarks/results/pair-quality-squad
-	$(PAIR_DRAFTS) --task squad --samples 30 --out benchmarks/results/pair-drafts-squad
-	$(PAIR_DRAFTS) --task niah --length 4000 --samples 12 --out benchmarks/results/pair-drafts-niah-4k
-	$(PAIR_QUALITY) --task hotpotqa --samples 10 --out benchmarks/results/pair-quality-hotpotqa
-	$(PAIR_QUALITY) --task nq --samples 10 --out benchmarks/results/pair-quality-nq
-	$(PAIR_QUALITY) --task niah --length 8000 --samples 6 --out benchmarks/results/pair-quality-niah-8k
-	$(PAIR_QUALITY) --task longbench --length 4000 --samples 6 --out benchmarks/results/pair-quality-longbench
-	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-niah-4k
-	$(PAIR_QUALITY) --task squad --samples 30 $(ROUND2) --out benchmarks/results/pair-quality-squad
+	$(PAIR_TTFT) --lengths 1024 2048 4096 8192 --out $(RESULTS)/pair-ttft-lengths
+	$(PAIR_TTFT) --lengths 4096 --keep-rate 0.3 --out $(RESULTS)/pair-ttft-lengths-keep-0.3
+	$(PAIR_QUALITY) --task squad --samples 30 --out $(RESULTS)/pair-quality-squad
+	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 --out $(RESULTS)/pair-quality-niah-4k
+	$(PAIR_DRAFTS) --task squad --samples 30 --out $(RESULTS)/pair-drafts-squad
+	$(PAIR_DRAFTS) --task niah --length 4000 --samples 12 --out $(RESULTS)/pair-drafts-niah-4k
+	$(PAIR_QUALITY) --task hotpotqa --samples 10 --out $(RESULTS)/pair-quality-hotpotqa
+	$(PAIR_QUALITY) --task nq --samples 10 --out $(RESULTS)/pair-quality-nq
+	$(PAIR_QUALITY) --task niah --length 8000 --samples 6 --out $(RESULTS)/pair-quality-niah-8k
+	$(PAIR_QUALITY) --task longbench --length 4000 --samples 6 --out $(RESULTS)/pair-quality-longbench
+	$(BIN)/python benchmarks/headline.py --ttft $(RESULTS)/pair-ttft-lengths.json $(RESULTS)/pair-ttft-lengths-keep-0.3.json \
+		--quality $(foreach t,niah-4k squad hotpotqa nq niah-8k longbench,$(t)=$(RESULTS)/pair-quality-$(t).json)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_V2_VENV) *.egg-info .pytest_cache
