@@ -125,7 +125,8 @@ bench-pair: install
 	$(PAIR_QUALITY) --task nq --samples 10 --out $(RESULTS)/pair-quality-nq
 	$(PAIR_QUALITY) --task niah --length 8000 --samples 6 --out $(RESULTS)/pair-quality-niah-8k
 	$(PAIR_QUALITY) --task longbench --length 4000 --samples 6 --out $(RESULTS)/pair-quality-longbench
-	$(BIN)/python benchmarks/headline.py --ttft $(RESULTS)/pair-ttft-lengths.json $(RESULTS)/pair-ttft-lengths-keep-0.3.json \
+	$(BIN)/python benchmarks/headline.py \
+		--ttft $(RESULTS)/pair-ttft-lengths.json $(RESULTS)/pair-ttft-lengths-keep-0.3.json \
 		--quality $(foreach t,niah-4k squad hotpotqa nq niah-8k longbench,$(t)=$(RESULTS)/pair-quality-$(t).json)
 
 clean:

@@ -2,7 +2,8 @@
 
 One row per method and keep rate: each task's score and retention (95% CI) from its quality study, and
 the TTFT speed-up over full prefill at one prompt length from ``ttft_lengths.py`` runs (one per keep
-rate). A second table gives SpecPrefill minus LongLLMLingua per task, paired per sample.
+rate). A second table gives SpecPrefill minus LongLLMLingua per task, paired per sample, and a third
+SpecPrefill minus every other method (main metric and answer log-probability).
 
     python benchmarks/headline.py --length 4096 \\
         --quality niah-4k=benchmarks/results/pair-quality-niah-4k.json \\
@@ -83,6 +84,26 @@ def versus_table(studies: dict[str, dict], first: str, second: str) -> str:
     return "\n".join(lines)
 
 
+def difference_cell(values: list[float]) -> str:
+    """Mean and 95% interval of paired differences, bold where the interval excludes 0."""
+    low, high = bootstrap_interval(values)
+    cell = f"{sum(values) / len(values):+.3f} ({low:+.2f} to {high:+.2f})"
+    return f"**{cell}**" if low > 0 or high < 0 else cell
+
+
+def paired_table(studies: dict[str, dict], first: str, others: list[str]) -> str:
+    """``first`` minus each of ``others`` per task and keep rate: the main metric and the answer log-probability."""
+    lines = ["| method | task | keep | n | main metric | answer logprob |", "|---|---|---|---|---|---|"]
+    for other in others:
+        for task, report in studies.items():
+            main = paired_differences(report["records"], first, other, main_metric(report))
+            logprob = paired_differences(report["records"], first, other, "logprob")
+            for keep_rate, values in sorted(main.items()):
+                lines.append(f"| {first} - {other} | {task} | {keep_rate:g} | {len(values)} | "
+                             f"{difference_cell(values)} | {difference_cell(logprob[keep_rate])} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     options.add_argument("--quality", nargs="+", required=True, metavar="TASK=JSON")
@@ -95,6 +116,8 @@ def main() -> None:
     print(quality_table(studies, runs, args.length, args.keep_rates))
     print()
     print(versus_table(studies, "specprefill", "longllmlingua"))
+    print()
+    print(paired_table(studies, "specprefill", [m for m in METHODS if m not in ("full", "specprefill")]))
 
 
 if __name__ == "__main__":
