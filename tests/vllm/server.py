@@ -40,6 +40,19 @@ def wait_until_serving(process: subprocess.Popen, url: str, limit_s: float = 600
     raise RuntimeError(f"vLLM server did not start within {limit_s:g} s")
 
 
+def wait_until_idle(url: str, limit_s: float = 120) -> float:
+    """Seconds until the server at ``url`` runs and queues no request (vLLM's /metrics gauges): a stream
+    whose client went away is aborted only when the server next writes to it. Raises after ``limit_s``."""
+    started = time.monotonic()
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    while time.monotonic() - started < limit_s:
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        if not any(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(gauges)):
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise RuntimeError(f"vLLM server at {url} still had requests after {limit_s:g} s")
+
+
 @contextmanager
 def openai_server(model_folder: Path, start_timeout_s: float = 600) -> Iterator[str]:
     """Serve ``model_folder`` (16-token prefill chunks, 1,024-token context); yields the base URL."""

@@ -19,7 +19,7 @@ from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.backends.vllm import VLLMServerError
 from specprefill_rag.testing import random_documents
 from tests.leaks import nothing_left_behind
-from tests.vllm.server import free_port, server_command, wait_until_serving
+from tests.vllm.server import free_port, server_command, wait_until_idle, wait_until_serving
 
 TIMEOUT = 5.0  # the client's timeout
 # A stream that outlasts the faults (checked below): a warm server decodes the tiny model at well over
@@ -145,6 +145,9 @@ def test_frozen_killed_and_restarted_server(tiny_folder, endless_folder):
 
         for mode in ("sync", "async"):  # frozen mid-stream
             _freeze_mid_stream(engine, layout, mode, process)
+            # right after a freeze the server still runs the abandoned 7,000-token stream (busy at the first poll
+            # when this was measured), and a request sent then once got no token within the 5 s timeout
+            wait_until_idle(url)
             assert len(_request(engine, layout, mode).token_ids) == 4
 
         with nothing_left_behind(), pytest.raises(VLLMServerError, match="(failed mid-stream|closed the stream) after"):
