@@ -2,8 +2,8 @@
 
 One row per method and keep rate: each task's score and retention (95% CI) from its quality study, and
 the TTFT speed-up over full prefill at one prompt length from ``ttft_lengths.py`` runs (one per keep
-rate). A second table gives SpecPrefill minus LongLLMLingua per task, paired per sample, and a third
-SpecPrefill minus every other method (main metric and answer log-probability).
+rate). Then SpecPrefill minus LongLLMLingua per task, paired per sample, and SpecPrefill minus each other
+method (main metric and answer log-probability, bold where the 95% interval excludes 0).
 
     python benchmarks/headline.py --length 4096 \\
         --quality niah-4k=benchmarks/results/pair-quality-niah-4k.json \\
@@ -72,18 +72,6 @@ def quality_table(studies: dict[str, dict], runs: list[dict], length: int, keep_
     return "\n".join(lines)
 
 
-def versus_table(studies: dict[str, dict], first: str, second: str) -> str:
-    lines = [f"| task | keep | n | {first} - {second} (95% CI) | beyond the interval |", "|---|---|---|---|---|"]
-    for task, report in studies.items():
-        differences = paired_differences(report["records"], first, second, main_metric(report))
-        for keep_rate, values in sorted(differences.items()):
-            low, high = bootstrap_interval(values)
-            verdict = "above" if low > 0 else "below" if high < 0 else "no"
-            lines.append(f"| {task} | {keep_rate:g} | {len(values)} | {sum(values) / len(values):+.3f} "
-                         f"({low:+.2f} to {high:+.2f}) | {verdict} |")
-    return "\n".join(lines)
-
-
 def difference_cell(values: list[float]) -> str:
     """Mean and 95% interval of paired differences, bold where the interval excludes 0."""
     low, high = bootstrap_interval(values)
@@ -115,9 +103,10 @@ def main() -> None:
     runs = [load(path) for path in args.ttft]
     print(quality_table(studies, runs, args.length, args.keep_rates))
     print()
-    print(versus_table(studies, "specprefill", "longllmlingua"))
+    print(paired_table(studies, "specprefill", ["longllmlingua"]))
     print()
-    print(paired_table(studies, "specprefill", [m for m in METHODS if m not in ("full", "specprefill")]))
+    others = [m for m in METHODS if m not in ("full", "specprefill", "longllmlingua")]
+    print(paired_table(studies, "specprefill", others))
 
 
 if __name__ == "__main__":
