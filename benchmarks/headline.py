@@ -21,8 +21,8 @@ from compare import paired_differences
 from quality import bootstrap_interval, summarise, table_metrics
 
 METHODS = ["full", "specprefill", "self", "contiguous", "longllmlingua", "random"]
-# ttft_lengths.py names the self draft by its layer count; contiguous prefills specprefill's tokens (same cost)
-TTFT_NAMES = {"self": "self-", "contiguous": "specprefill"}
+# ttft_lengths.py names the self draft by its layer count (self-11); contiguous prefills specprefill's tokens
+TTFT_NAMES = {"contiguous": "specprefill"}
 
 
 def load(path: Path) -> dict:
@@ -49,8 +49,8 @@ def ttft_speedup(runs: list[dict], length: int, method: str, keep_rate: float) -
         row = next((r for r in run["results"] if r["length"] == length), None)
         if run["keep_rate"] != keep_rate or row is None:
             continue
-        prefix = TTFT_NAMES.get(method, method)
-        found = [v for k, v in row["speedup"].items() if k == prefix or (prefix.endswith("-") and k.startswith(prefix))]
+        name = TTFT_NAMES.get(method, method)
+        found = [v for k, v in row["speedup"].items() if k == name or k.startswith(f"{name}-")]
         if found:  # the bound is the --draft model's: specprefill's row
             return f"{found[0]:.2f}x" + (f" (bound {row['bound']:.2f}x)" if method == "specprefill" else "")
     return "not measured"
