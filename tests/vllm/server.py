@@ -40,15 +40,15 @@ def wait_until_serving(process: subprocess.Popen, url: str, limit_s: float = 600
     raise RuntimeError(f"vLLM server did not start within {limit_s:g} s")
 
 
-def wait_until_idle(url: str, limit_s: float = 120) -> float:
-    """Seconds until the server at ``url`` runs and queues no request (vLLM's /metrics gauges): a stream
-    whose client went away is aborted only when the server next writes to it. Raises after ``limit_s``."""
-    started = time.monotonic()
+def wait_until_idle(url: str, limit_s: float = 120) -> None:
+    """Return once the server at ``url`` runs and queues no request (vLLM's /metrics gauges), e.g. after a
+    client abandoned a stream; raise after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
     gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-    while time.monotonic() - started < limit_s:
+    while time.monotonic() < deadline:
         metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
         if not any(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(gauges)):
-            return time.monotonic() - started
+            return
         time.sleep(0.2)
     raise RuntimeError(f"vLLM server at {url} still had requests after {limit_s:g} s")
 
