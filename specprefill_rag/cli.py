@@ -114,6 +114,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     serve.add_argument("--max-document-tokens", dest="max_document_tokens", type=int)
     serve.add_argument("--min-prompt-tokens", dest="min_prompt_tokens", type=int, help="shorter prompts are sent whole")
     serve.add_argument("--look-ahead", dest="look_ahead", type=int)
+    serve.add_argument("--positions", choices=["original", "contiguous"],
+                       help="kept tokens' position ids: original (default) or contiguous 0..K-1 (no vLLM plugin needed)")
     serve.add_argument("--device", help="draft device: auto (a GPU when present), cpu, cuda, cuda:1...")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     serve.add_argument("--on-draft-error", dest="on_draft_error", choices=["full", "fail"],

@@ -35,6 +35,11 @@ DEFAULT_AUTO_KEEP_CEILING = 0.5
 # Below this many prompt tokens the draft costs more than the prefill it saves (BENCHMARKS.md, "When
 # SpecPrefill pays"), so the prompt is prefilled whole.
 DEFAULT_MIN_PROMPT_TOKENS = 1024
+# Position ids of the kept tokens. "original" (the paper's): each at its place in the full prompt.
+# "contiguous": renumbered 0..K-1, an ordinary shorter prompt. On the Qwen2.5-Coder pair the two answer
+# equally often; contiguous raised the answer's log-probability on held-out NIAH and HotpotQA at keep 0.1
+# (BENCHMARKS.md, "Original or contiguous positions").
+Positions = Literal["original", "contiguous"]
 
 
 def _keep_rate_value(value: Any) -> Any:
@@ -125,6 +130,12 @@ class SpecPrefillConfig(BaseModel):
     protect_tail_tokens: int = Field(
         64, ge=1, description="For raw prompts without roles: the last tokens that are always kept."
     )
+    positions: Positions = Field(
+        "original",
+        description="Position ids of the kept tokens: 'original' (each at its place in the full prompt, the paper's) "
+        "or 'contiguous' (renumbered 0..K-1: an ordinary shorter prompt, so a vLLM server needs no plugin). "
+        "BENCHMARKS.md compares them.",
+    )
     tokenizer: str | None = Field(
         None,
         description="Main model on vLLM only: the served model's tokenizer (HF id, folder, .gguf or 'smollm2-135m'); "
@@ -137,7 +148,9 @@ class SpecPrefillConfig(BaseModel):
     )
     device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="'auto' = float32 on CPU, bfloat16 on CUDA (float16 where the GPU lacks bfloat16)."
+        "auto",
+        description="'auto' = bfloat16 on a CPU that computes it natively (AVX512-BF16 or AMX), float32 on other CPUs; "
+        "bfloat16 on CUDA (float16 where the GPU lacks bfloat16).",
     )
 
     @field_validator("device")

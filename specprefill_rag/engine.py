@@ -140,7 +140,8 @@ class SpecPrefillEngine:
         **settings: Any,
     ) -> SpecPrefillEngine:
         """An engine whose main model runs on vLLM: ``server`` is the URL of an OpenAI-compatible vLLM
-        server, or an in-process ``vllm.LLM``; both need this package installed next to vLLM (plugin).
+        server, or an in-process ``vllm.LLM``; both need this package installed next to vLLM (plugin),
+        except with ``positions="contiguous"``, whose kept tokens go as an ordinary prompt.
         The draft (``config.draft``) runs here. The main model's tokenizer is ``config.tokenizer`` (the
         served model's name or folder), by default the draft's; the server's ``/tokenize`` checks it.
         A draft of another vocabulary than that tokenizer scores through the mapped path."""
@@ -149,6 +150,8 @@ class SpecPrefillEngine:
         config = _make_config(config, settings)
         if config.is_self_draft:
             raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
+        if config.positions == "contiguous":
+            on_missing_plugin = "full_prompt"  # its prompts are ordinary ones: without the plugin it still compresses
         backend = connect(server, timeout, on_missing_plugin)  # type: ignore[arg-type]
         draft = shared_model(config.draft, config.device, config.dtype)
         draft_eos = eos_token_ids(draft.model, draft.tokenizer)
@@ -184,7 +187,8 @@ class SpecPrefillEngine:
         """Whether this request is worth a draft: something to drop ("auto" always may), a long enough prompt,
         a backend that prefills sparse prompts."""
         whole = keep_rate != AUTO and keep_rate >= 1.0 and max_document_tokens is None
-        unsupported = not self.backend.supports_sparse_prefill
+        # renumbered kept tokens are an ordinary prompt: a vLLM server without the plugin prefills them too
+        unsupported = self.config.positions == "original" and not self.backend.supports_sparse_prefill
         return not (whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0)
 
     def keep_budget(self, keep_rate: float | Literal["auto"]) -> KeepBudget:
@@ -217,6 +221,13 @@ class SpecPrefillEngine:
             max_document_tokens=self.config.max_document_tokens,
         )
         return Selection(kept, draft_ms, scored.cached_tokens, policy)
+
+    def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor) -> SparsePrompt:
+        """What the main model prefills: the ``[K]`` kept tokens at their original positions, or renumbered
+        ``0..K-1`` with ``config.positions="contiguous"``."""
+        if self.config.positions == "contiguous":
+            return SparsePrompt.renumbered(layout.input_ids, kept)
+        return SparsePrompt.kept(layout.input_ids, kept)
 
     @property
     def max_draft_tokens(self) -> int:
@@ -315,7 +326,7 @@ class SpecPrefillEngine:
     ) -> Iterator[StreamChunk]:
         chosen = self.select(layout, keep_rate, prepared)
         decoding = self._decoding(layout, params, chosen, started)
-        generated = self.backend.generate(SparsePrompt.kept(layout.input_ids, chosen.kept), params)
+        generated = self.backend.generate(self.sparse_prompt(layout, chosen.kept), params)
         try:
             for token in generated:
                 if chunk := decoding.push(token):
@@ -392,7 +403,7 @@ class SpecPrefillEngine:
         self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
         decoding = self._decoding(layout, params, chosen, started)
-        prompt = SparsePrompt.kept(layout.input_ids, chosen.kept)
+        prompt = self.sparse_prompt(layout, chosen.kept)
         async with aclosing(self.backend.agenerate(prompt, params)) as generated:
             async for token in generated:
                 if chunk := decoding.push(token):

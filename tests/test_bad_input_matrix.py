@@ -210,6 +210,8 @@ ROWS += [
         "look_ahead\n"),
     Row("SpecPrefillEngine(...)", "device: not a device", lambda s: s.configure(device="gpu0"), ValidationError,
         "device 'gpu0' is not a torch device; use e.g. 'cpu'"),
+    Row("SpecPrefillEngine(...)", "positions: unknown", lambda s: s.configure(positions="middle"), ValidationError,
+        "positions\n.*'original' or 'contiguous'"),
     Row("SpecPrefillEngine(...)", "unknown setting", lambda s: s.configure(keeprate=0.2), ValidationError,
         "keeprate\n.*Extra inputs are not permitted"),
     Row("SpecPrefillEngine(...)", "config and settings both", lambda s: s.configure(config=SpecPrefillConfig(), keep_rate=0.2),

@@ -83,6 +83,9 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
     bounded = serve_settings(parser().parse_args(["serve", "--max-draft-tokens", "2048", "--draft-cache-mb", "0"]))
     assert (bounded.engine_config().max_draft_tokens, bounded.engine_config().draft_cache_mb) == (2048, 0)
     assert serve_settings(parser().parse_args(["serve"])).engine_config().draft_cache_mb == DEFAULT_DRAFT_CACHE_MB
+    assert serve_settings(parser().parse_args(["serve"])).engine_config().positions == "original"
+    renumbered = serve_settings(parser().parse_args(["serve", "--positions", "contiguous"]))
+    assert renumbered.engine_config().positions == "contiguous"
 
 
 def test_serve_reports_bad_settings_without_traceback(capsys):

@@ -161,6 +161,19 @@ def test_plugin_detection_and_fallback(stand_in, tiny_model_dir):
     assert body["stream"] is True and body["return_token_ids"] is True
 
 
+def test_contiguous_positions_compress_without_the_plugin_as_ordinary_prompts(stand_in, tiny_model_dir):
+    url, handler = stand_in
+    settings = {"draft": str(tiny_model_dir), "keep_rate": 0.2, "min_prompt_tokens": 0, "look_ahead": 2}
+    engine = SpecPrefillEngine.for_vllm(url, positions="contiguous", **settings)  # no plugin needed, none refused
+    layout = engine.layout("When?", random_documents(3, 60))
+    result = engine.generate_layout(layout)
+    kept = result.kept_positions
+    assert result.stats.compressed and kept.numel() < len(layout)
+    body = handler.bodies[-1]
+    assert body["prompt"] == layout.input_ids[kept].tolist()
+    assert "vllm_xargs" not in body and "cache_salt" not in body
+
+
 # -- async client ------------------------------------------------------------------------------------
 
 PROMPT = SparsePrompt.full(torch.arange(3, 40))

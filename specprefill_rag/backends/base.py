@@ -18,12 +18,13 @@ from ..config import GenerationParams
 
 @dataclass(frozen=True)
 class SparsePrompt:
-    """Prompt tokens the main model prefills, each at its original position.
+    """Prompt tokens the main model prefills, each at an explicit position.
 
     Attributes:
         token_ids: ``[K]`` long, the kept tokens.
-        position_ids: ``[K]`` long, strictly increasing original positions, all ``< prompt_length``.
-        prompt_length: ``L``, the full prompt length; the first generated token sits at position ``L``.
+        position_ids: ``[K]`` long, strictly increasing positions, all ``< prompt_length``: the original ones
+            (:meth:`kept`) or ``0..K-1`` (:meth:`renumbered`, where ``prompt_length`` is ``K``).
+        prompt_length: ``L``, the length the positions count in; the first generated token sits at position ``L``.
     """
 
     token_ids: torch.Tensor
@@ -39,6 +40,12 @@ class SparsePrompt:
     def kept(cls, token_ids: torch.Tensor, kept: torch.Tensor) -> SparsePrompt:
         """The tokens of ``token_ids`` at the sorted indices ``kept``."""
         return cls(token_ids[kept], kept, int(token_ids.numel()))
+
+    @classmethod
+    def renumbered(cls, token_ids: torch.Tensor, kept: torch.Tensor) -> SparsePrompt:
+        """The tokens of ``token_ids`` at the sorted indices ``kept`` as an ordinary prompt of their own:
+        positions ``0..K-1``, generation from ``K`` (``positions="contiguous"``)."""
+        return cls.full(token_ids[kept])
 
 
 class MainBackend(Protocol):

@@ -15,6 +15,7 @@ from ..config import (
     DEFAULT_MIN_PROMPT_TOKENS,
     DEFAULT_MODEL,
     KeepRate,
+    Positions,
     SpecPrefillConfig,
     check_auto_bounds,
 )
@@ -53,13 +54,17 @@ class GatewaySettings(BaseModel):
                                    description="Shorter prompts are sent whole (no draft).")
     look_ahead: int = Field(8, ge=1, le=64)
     protect_tail_tokens: int = Field(64, ge=1, description="Without found documents: the last tokens always kept.")
+    positions: Positions = Field(
+        "original", description="Kept tokens' position ids: 'original' or 'contiguous' (0..K-1, no plugin needed)."
+    )
     device: str = Field("auto", description="Draft device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:1'...")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     on_draft_error: Literal["full", "fail"] = Field(
         "full", description="A failed draft: send the request uncompressed ('full') or answer 500 ('fail')."
     )
     on_missing_plugin: Literal["error", "full_prompt"] = Field(
-        "error", description="A vLLM main without the plugin: refuse to start, or send every prompt whole."
+        "error", description="A vLLM main without the plugin: refuse to start, or send every prompt whole "
+        "(positions 'contiguous' needs no plugin: compressed prompts go as ordinary ones).",
     )
     max_draft_tokens: int | None = Field(
         None, ge=1, description="Most prompt tokens one request may send through the draft (its memory; README "
@@ -120,7 +125,7 @@ class GatewaySettings(BaseModel):
             auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
             auto_keep_ceiling=self.auto_keep_ceiling,
             min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
-            max_draft_tokens=self.max_draft_tokens, draft_cache_mb=self.draft_cache_mb,
+            positions=self.positions, max_draft_tokens=self.max_draft_tokens, draft_cache_mb=self.draft_cache_mb,
             device=self.resolved_device(), dtype=self.dtype,
         )
         # look_ahead does not apply to a 'self:<n>' draft (the config refuses it being set there)

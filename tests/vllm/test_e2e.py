@@ -91,6 +91,21 @@ def test_server_engine_matches_transformers_engine(server, tiny_folder):
     assert awaited.token_ids == expected.token_ids and awaited.text == expected.text
 
 
+def test_contiguous_positions_on_the_server_match_transformers(server, tiny_folder):
+    settings = {"draft": str(tiny_folder), "keep_rate": 0.3, "min_prompt_tokens": 0, "look_ahead": 2,
+                "positions": "contiguous"}
+    remote = SpecPrefillEngine.for_vllm(server, **settings)
+    local = SpecPrefillEngine(main=str(tiny_folder), **settings)
+    layout = remote.layout("When did the bridge open?", random_documents(3, 80))
+    # 8 tokens: at the 10th this random model's top two logits are 0.017 apart, a tie either kernel may break
+    params = GenerationParams(max_new_tokens=8)
+    got, expected = remote.generate_layout(layout, params), local.generate_layout(layout, params)
+    assert got.stats.compressed and torch.equal(got.kept_positions, expected.kept_positions)
+    assert got.token_ids == expected.token_ids
+    original = SpecPrefillEngine(main=str(tiny_folder), **{**settings, "positions": "original"})
+    assert original.generate_layout(layout, params).token_ids != got.token_ids, "the positions must matter here"
+
+
 def test_server_refuses_bad_positions_and_keeps_serving(server, tiny_folder):
     from specprefill_rag.backends.vllm import VLLMServerBackend
 

@@ -16,6 +16,7 @@ from specprefill_rag.config import (
     DEFAULT_MODEL,
     GenerationParams,
     KeepRate,
+    Positions,
     SpecPrefillConfig,
     adapter_config,
 )
@@ -60,6 +61,10 @@ class SpecPrefillSettings(BaseModel):
     look_ahead: int = Field(8, description="Draft queries: last prompt token + look_ahead-1 draft tokens.")
     min_prompt_tokens: int = Field(DEFAULT_MIN_PROMPT_TOKENS, description="Shorter prompts are prefilled whole.")
     protect_tail_tokens: int = Field(64, description="Without marked documents, the last tokens always kept.")
+    positions: Positions = Field(
+        "original", description="Kept tokens' position ids: 'original' (the paper's) or 'contiguous' (0..K-1, an "
+        "ordinary shorter prompt; a vLLM server then needs no plugin). Set on the gateway with a gateway backend."
+    )
     tokenizer: str | None = Field(
         None, description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default the "
         "draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped)."
@@ -84,7 +89,7 @@ class SpecPrefillSettings(BaseModel):
             auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
             auto_keep_ceiling=self.auto_keep_ceiling, max_document_tokens=self.max_document_tokens,
             min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
-            tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
+            positions=self.positions, tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
         )
         GenerationParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                          seed=self.seed, stop=tuple(self.stop or ()))
@@ -155,6 +160,6 @@ class SpecPrefillSettings(BaseModel):
     def _specprefill_params(self) -> dict[str, Any]:
         return {"model": self.model, "draft_model": self.draft_model, "backend": self.backend,
                 "keep_rate": self.keep_rate, "timeout": self.timeout, "max_document_tokens": self.max_document_tokens,
-                "look_ahead": self.look_ahead, "min_prompt_tokens": self.min_prompt_tokens,
+                "look_ahead": self.look_ahead, "min_prompt_tokens": self.min_prompt_tokens, "positions": self.positions,
                 "temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
                 "stop": self.stop}

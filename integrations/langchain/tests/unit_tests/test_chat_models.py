@@ -28,11 +28,13 @@ def test_construction_loads_nothing():
 def test_tokenizer_and_auto_keep_settings_reach_the_engine_config():
     # a draft of another vocabulary for a model on vLLM needs the served model's tokenizer
     settings = dict(backend="http://127.0.0.1:9", tokenizer="qwen2.5-coder-1.5b", keep_rate="auto",
-                    auto_keep_share=0.7, auto_keep_floor=0.2, auto_keep_ceiling=0.4, min_prompt_tokens=256)
+                    auto_keep_share=0.7, auto_keep_floor=0.2, auto_keep_ceiling=0.4, min_prompt_tokens=256,
+                    positions="contiguous")
     for adapter in (ChatSpecPrefill, SpecPrefillLLM):
         config = adapter(**settings)._config
         assert (config.tokenizer, config.keep_rate, config.min_prompt_tokens) == ("qwen2.5-coder-1.5b", "auto", 256)
         assert (config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling) == (0.7, 0.2, 0.4)
+        assert config.positions == "contiguous"
 
 
 def test_documents_argument_is_compressed_and_reported(chat):

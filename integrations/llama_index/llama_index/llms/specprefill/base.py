@@ -46,6 +46,7 @@ from specprefill_rag.config import (
     DEFAULT_MODEL,
     GenerationParams,
     KeepRate,
+    Positions,
     SpecPrefillConfig,
     adapter_config,
 )
@@ -173,6 +174,10 @@ class SpecPrefillLLM(CustomLLM):
     min_prompt_tokens: int = Field(default=DEFAULT_MIN_PROMPT_TOKENS,
                                    description="Shorter prompts are prefilled whole.")
     protect_tail_tokens: int = Field(default=64, description="Without known context, the last tokens kept.")
+    positions: Positions = Field(
+        default="original", description="Kept tokens' position ids: 'original' (the paper's) or 'contiguous' (0..K-1, an "
+        "ordinary shorter prompt; a vLLM server then needs no plugin). Set on the gateway with a gateway backend."
+    )
     tokenizer: str | None = Field(
         default=None, description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default "
         "the draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped)."
@@ -198,7 +203,7 @@ class SpecPrefillLLM(CustomLLM):
             auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
             auto_keep_ceiling=self.auto_keep_ceiling, max_document_tokens=self.max_document_tokens,
             min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
-            tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
+            positions=self.positions, tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
         )
         GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                          seed=self.seed, stop=tuple(self.stop or ()))
