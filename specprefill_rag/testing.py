@@ -99,8 +99,13 @@ def build_family_tokenizer(family: str, vocab_size: int = 400) -> Any:
     return tokenizer
 
 
-def build_model(tokenizer: Any, layers: int = 2, max_positions: int = 1024, seed: int = 0) -> Any:
-    """A random Llama: hidden 64, 4 query heads sharing 2 KV heads (GQA), SDPA attention."""
+def build_model(
+    tokenizer: Any, layers: int = 2, max_positions: int = 1024, seed: int = 0, initializer_range: float = 0.02
+) -> Any:
+    """A random Llama: hidden 64, 4 query heads sharing 2 KV heads (GQA), SDPA attention.
+
+    At the default ``initializer_range`` attention is almost uniform, so greedy tokens rarely depend on
+    positions; 0.2 makes it sharp enough that they do (tests of position ids)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -116,6 +121,7 @@ def build_model(tokenizer: Any, layers: int = 2, max_positions: int = 1024, seed
         bos_token_id=tokenizer.bos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
+        initializer_range=initializer_range,
     )
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).eval()

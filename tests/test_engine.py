@@ -11,7 +11,7 @@ from specprefill_rag.errors import ContextLengthError
 from specprefill_rag.prompt import Role
 from specprefill_rag.selection import select_kept
 
-from specprefill_rag.testing import random_documents
+from specprefill_rag.testing import build_model, random_documents
 
 QUESTION = "When did the bridge open?"
 
@@ -206,21 +206,23 @@ def test_auto_compresses_and_short_prompts_still_go_whole(engine, tiny_model, to
     assert not stats.compressed and stats.keep_rate == 1.0 and stats.keep_policy == "auto"
 
 
-def test_contiguous_positions_prefill_the_same_kept_tokens_as_an_ordinary_prompt(engine, tiny_model, tiny_draft,
-                                                                                   tokenizer):
-    contiguous = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, keep_rate=0.2, min_prompt_tokens=0,
-                                               look_ahead=3, positions="contiguous")
+def test_contiguous_positions_prefill_the_same_kept_tokens_as_an_ordinary_prompt(tiny_draft, tokenizer):
+    sharp = build_model(tokenizer, initializer_range=0.2)  # attention sharp enough that positions change tokens
+    settings = {"keep_rate": 0.2, "min_prompt_tokens": 0, "look_ahead": 3}
+    original = SpecPrefillEngine.from_models(sharp, tokenizer, tiny_draft, **settings)
+    contiguous = SpecPrefillEngine.from_models(sharp, tokenizer, tiny_draft, positions="contiguous", **settings)
     layout = contiguous.layout(QUESTION, random_documents(4, 80))
     params = GenerationParams(max_new_tokens=12)
-    result = contiguous.generate_layout(layout, params)
+    result, at_original = contiguous.generate_layout(layout, params), original.generate_layout(layout, params)
     kept = result.kept_positions
-    assert result.stats.compressed and torch.equal(kept, engine.generate_layout(layout, params).kept_positions)
+    assert result.stats.compressed and torch.equal(kept, at_original.kept_positions)
     prompt = contiguous.sparse_prompt(layout, kept)
     assert torch.equal(prompt.position_ids, torch.arange(kept.numel())) and prompt.prompt_length == kept.numel()
     with torch.no_grad():  # the kept tokens alone, as transformers numbers any prompt: 0..K-1
-        expected = tiny_model.generate(layout.input_ids[kept][None], max_new_tokens=12, do_sample=False)
+        expected = sharp.generate(layout.input_ids[kept][None], max_new_tokens=12, do_sample=False)
     expected = expected[0, kept.numel():].tolist()
     eos = tokenizer.eos_token_id
     assert result.token_ids == (expected[: expected.index(eos)] if eos in expected else expected)
-    original = engine.sparse_prompt(layout, kept)
-    assert torch.equal(original.position_ids, kept) and original.prompt_length == len(layout)
+    assert result.token_ids != at_original.token_ids
+    renumbered_original = original.sparse_prompt(layout, kept)
+    assert torch.equal(renumbered_original.position_ids, kept) and renumbered_original.prompt_length == len(layout)

@@ -10,7 +10,7 @@ import pytest
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.chat import ChatMessage, chat_layout
-from specprefill_rag.testing import random_documents
+from specprefill_rag.testing import build_model, random_documents
 from tests.serve_helpers import MODEL, QUESTION, SYSTEM, chat_messages, reference_text, running_gateway, tiny_engine
 
 DOCUMENTS = random_documents(3, 60)
@@ -45,6 +45,18 @@ def test_chat_answer_equals_the_in_process_engine(client, engine):
     assert stats["compressed"] and stats["document_source"] == "argument-inserted" and stats["n_documents"] == 3
     assert response.usage.prompt_tokens == stats["prompt_tokens"] > stats["kept_tokens"]  # the full prompt counts
     assert response.usage.completion_tokens == stats["completion_tokens"]
+
+
+def test_a_contiguous_positions_engine_answers_through_the_gateway_as_in_process(tokenizer, tiny_draft):
+    sharp = build_model(tokenizer, initializer_range=0.2)  # attention sharp enough that positions change tokens
+    original = tiny_engine(tokenizer, sharp, tiny_draft)
+    contiguous = SpecPrefillEngine.from_models(sharp, tokenizer, tiny_draft, config=original.config.model_copy(
+        update={"positions": "contiguous"}))
+    expected = reference_text(contiguous, DOCUMENTS)
+    assert expected != reference_text(original, DOCUMENTS), "the positions must matter for this check"
+    with running_gateway(contiguous) as url:
+        renumbered = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert ask(renumbered).choices[0].message.content == expected
 
 
 def test_streamed_and_async_answers_equal_the_whole_one(client, gateway, engine):
