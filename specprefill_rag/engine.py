@@ -150,7 +150,7 @@ class SpecPrefillEngine:
         config = _make_config(config, settings)
         if config.is_self_draft:
             raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
-        if config.positions == "contiguous":
+        if config.positions == "contiguous" and on_missing_plugin == "error":
             on_missing_plugin = "full_prompt"  # its prompts are ordinary ones: without the plugin it still compresses
         backend = connect(server, timeout, on_missing_plugin)  # type: ignore[arg-type]
         draft = shared_model(config.draft, config.device, config.dtype)

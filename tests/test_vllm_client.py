@@ -172,6 +172,8 @@ def test_contiguous_positions_compress_without_the_plugin_as_ordinary_prompts(st
     body = handler.bodies[-1]
     assert body["prompt"] == layout.input_ids[kept].tolist()
     assert "vllm_xargs" not in body and "cache_salt" not in body
+    with pytest.raises(InvalidRequestError, match="on_missing_plugin must be 'error' or 'full_prompt'"):
+        SpecPrefillEngine.for_vllm(url, positions="contiguous", on_missing_plugin="ignore", **settings)
 
 
 # -- async client ------------------------------------------------------------------------------------
