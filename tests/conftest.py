@@ -28,6 +28,12 @@ def tiny_draft(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def position_sensitive_model(tokenizer):
+    """A tiny main model whose greedy tokens change with position ids (``tiny_model``'s hardly do)."""
+    return build_model(tokenizer, initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer, tiny_model):
     """The tiny model and tokenizer saved as a model folder, as a user would pass one."""
     folder = tmp_path_factory.mktemp("tiny-llama")

@@ -11,7 +11,7 @@ from specprefill_rag.errors import ContextLengthError
 from specprefill_rag.prompt import Role
 from specprefill_rag.selection import select_kept
 
-from specprefill_rag.testing import build_model, random_documents
+from specprefill_rag.testing import random_documents
 
 QUESTION = "When did the bridge open?"
 
@@ -23,14 +23,18 @@ def engine(tiny_model, tiny_draft, tokenizer):
     )
 
 
+def greedy_tokens(model, prompt_ids: torch.Tensor, max_new_tokens: int, eos: int) -> list[int]:
+    """transformers' greedy ``generate`` on ``prompt_ids`` ``[L]``: the new tokens, up to end-of-sequence."""
+    with torch.no_grad():
+        generated = model.generate(prompt_ids[None], max_new_tokens=max_new_tokens, do_sample=False)
+    tokens = generated[0, prompt_ids.numel():].tolist()
+    return tokens[: tokens.index(eos)] if eos in tokens else tokens
+
+
 def test_keep_rate_one_equals_plain_greedy_generation(engine, tiny_model):
     layout = engine.layout(QUESTION, random_documents(3, 60))
     result = engine.generate_layout(layout, GenerationParams(max_new_tokens=16), keep_rate=1.0)
-    with torch.no_grad():
-        expected = tiny_model.generate(layout.input_ids[None], max_new_tokens=16, do_sample=False)
-    expected = expected[0, len(layout) :].tolist()
-    eos = engine.tokenizer.eos_token_id
-    assert result.token_ids == (expected[: expected.index(eos)] if eos in expected else expected)
+    assert result.token_ids == greedy_tokens(tiny_model, layout.input_ids, 16, engine.tokenizer.eos_token_id)
     assert not result.stats.compressed and result.stats.draft_ms == 0.0
 
 
@@ -206,11 +210,12 @@ def test_auto_compresses_and_short_prompts_still_go_whole(engine, tiny_model, to
     assert not stats.compressed and stats.keep_rate == 1.0 and stats.keep_policy == "auto"
 
 
-def test_contiguous_positions_prefill_the_same_kept_tokens_as_an_ordinary_prompt(tiny_draft, tokenizer):
-    sharp = build_model(tokenizer, initializer_range=0.2)  # attention sharp enough that positions change tokens
+def test_contiguous_positions_prefill_the_same_kept_tokens_as_an_ordinary_prompt(position_sensitive_model, tiny_draft,
+                                                                                   tokenizer):
+    main = position_sensitive_model
     settings = {"keep_rate": 0.2, "min_prompt_tokens": 0, "look_ahead": 3}
-    original = SpecPrefillEngine.from_models(sharp, tokenizer, tiny_draft, **settings)
-    contiguous = SpecPrefillEngine.from_models(sharp, tokenizer, tiny_draft, positions="contiguous", **settings)
+    original = SpecPrefillEngine.from_models(main, tokenizer, tiny_draft, **settings)
+    contiguous = SpecPrefillEngine.from_models(main, tokenizer, tiny_draft, positions="contiguous", **settings)
     layout = contiguous.layout(QUESTION, random_documents(4, 80))
     params = GenerationParams(max_new_tokens=12)
     result, at_original = contiguous.generate_layout(layout, params), original.generate_layout(layout, params)
@@ -218,11 +223,8 @@ def test_contiguous_positions_prefill_the_same_kept_tokens_as_an_ordinary_prompt
     assert result.stats.compressed and torch.equal(kept, at_original.kept_positions)
     prompt = contiguous.sparse_prompt(layout, kept)
     assert torch.equal(prompt.position_ids, torch.arange(kept.numel())) and prompt.prompt_length == kept.numel()
-    with torch.no_grad():  # the kept tokens alone, as transformers numbers any prompt: 0..K-1
-        expected = sharp.generate(layout.input_ids[kept][None], max_new_tokens=12, do_sample=False)
-    expected = expected[0, kept.numel():].tolist()
-    eos = tokenizer.eos_token_id
-    assert result.token_ids == (expected[: expected.index(eos)] if eos in expected else expected)
+    # the kept tokens alone, as transformers numbers any prompt: 0..K-1
+    assert result.token_ids == greedy_tokens(main, layout.input_ids[kept], 12, tokenizer.eos_token_id)
     assert result.token_ids != at_original.token_ids
-    renumbered_original = original.sparse_prompt(layout, kept)
-    assert torch.equal(renumbered_original.position_ids, kept) and renumbered_original.prompt_length == len(layout)
+    at_original_positions = original.sparse_prompt(layout, kept)
+    assert torch.equal(at_original_positions.position_ids, kept) and at_original_positions.prompt_length == len(layout)

@@ -10,7 +10,7 @@ import pytest
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.chat import ChatMessage, chat_layout
-from specprefill_rag.testing import build_model, random_documents
+from specprefill_rag.testing import random_documents
 from tests.serve_helpers import MODEL, QUESTION, SYSTEM, chat_messages, reference_text, running_gateway, tiny_engine
 
 DOCUMENTS = random_documents(3, 60)
@@ -47,10 +47,10 @@ def test_chat_answer_equals_the_in_process_engine(client, engine):
     assert response.usage.completion_tokens == stats["completion_tokens"]
 
 
-def test_a_contiguous_positions_engine_answers_through_the_gateway_as_in_process(tokenizer, tiny_draft):
-    sharp = build_model(tokenizer, initializer_range=0.2)  # attention sharp enough that positions change tokens
-    original = tiny_engine(tokenizer, sharp, tiny_draft)
-    contiguous = SpecPrefillEngine.from_models(sharp, tokenizer, tiny_draft, config=original.config.model_copy(
+def test_a_contiguous_positions_engine_answers_through_the_gateway_as_in_process(tokenizer, tiny_draft,
+                                                                                 position_sensitive_model):
+    original = tiny_engine(tokenizer, position_sensitive_model, tiny_draft)
+    contiguous = SpecPrefillEngine.from_models(position_sensitive_model, tokenizer, tiny_draft, config=original.config.model_copy(
         update={"positions": "contiguous"}))
     expected = reference_text(contiguous, DOCUMENTS)
     assert expected != reference_text(original, DOCUMENTS), "the positions must matter for this check"
