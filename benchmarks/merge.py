@@ -29,6 +29,8 @@ def merge(reports: list[dict]) -> dict:
     first = reports[0]["settings"]
     for report in reports[1:]:
         differing = [k for k in SAME_SAMPLES if report["settings"].get(k) != first.get(k)]
+        if report["settings"].get("sampler", 1) != first.get("sampler", 1):  # runs before versions drew with 1
+            differing.append("sampler")
         if differing:
             raise MergeError(f"runs differ in {differing}: their sample i is not the same prompt; "
                              "merge only runs made with the same --task/--seed/--documents/--length/--max-new-tokens")
@@ -41,7 +43,7 @@ def merge(reports: list[dict]) -> dict:
                                  "they were not made the same way; merge only one of them")
             records.setdefault(key, record)
     merged = sorted(records.values(), key=lambda r: (r["sample"], r["method"] != "full"))
-    settings = {k: first.get(k) for k in SAME_SAMPLES}
+    settings = {k: first.get(k) for k in SAME_SAMPLES} | {"sampler": first.get("sampler", 1)}
     return {"task": first["task"], "samples": len({r["sample"] for r in merged}), "records": merged, "settings": settings}
 
 

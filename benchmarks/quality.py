@@ -34,6 +34,7 @@ text. Retention = score / full-prefill score.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -359,33 +360,57 @@ def bootstrap_ratio_interval(values: list[float], references: list[float], seed:
     return ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios))]
 
 
-def resumed_records(args: argparse.Namespace, out: Path) -> list[dict]:
-    """Records of an earlier run of the same study at ``out`` (``--resume``); a run with other settings is refused."""
+def resumed_report(args: argparse.Namespace, out: Path) -> dict | None:
+    """An earlier run of the same study at ``out`` (``--resume``), or None; a run with other settings is refused.
+    ``--samples`` may grow: ``run`` then checks that the earlier samples are the first ones drawn now."""
     path = Path(f"{out}.json")
     if not args.resume or not path.is_file():
-        return []
+        return None
     earlier = json.loads(path.read_text())
-    study = ["task", "samples", "documents", "length", "seed", "main", "draft", "keep_rates", "methods",
-             "max_new_tokens"]
+    study = ["task", "documents", "length", "seed", "main", "draft", "keep_rates", "methods", "max_new_tokens"]
     if AUTO in args.methods:  # auto's settings change no other method's records (runs before they existed lack them)
         study += ["auto_shares", "auto_floors", "auto_ceilings"]
     differing = [k for k in study if earlier["settings"].get(k) != vars(args).get(k)]
+    if earlier["settings"].get("sampler", 1) != args.sampler:  # runs before samplers had versions drew with 1
+        differing.append("sampler")
+    if earlier["settings"]["samples"] > args.samples:
+        differing.append("samples")
     if differing:
-        raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out")
-    return earlier["records"]
+        raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out"
+                         " (--samples may grow, not shrink)")
+    return earlier
 
 
-def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[dict] | None = None) -> dict:
+def sample_digest(sample: dict) -> str:
+    """A short fingerprint of one sample: its question, documents, answers and the rest, as drawn."""
+    return hashlib.sha256(json.dumps(sample, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def check_resumed_samples(earlier: dict, digests: list[str], drawn_at: Callable[[int], list[str]]) -> None:
+    """Refuse to resume unless the earlier run's samples are the first of ``digests`` (the samples drawn now).
+    ``drawn_at(n)``: the digests this sampler draws for n samples, for runs saved before digests were kept."""
+    saved = earlier.get("sample_digests") or drawn_at(earlier["settings"]["samples"])
+    for index, (then, now) in enumerate(zip(saved, digests)):
+        if then != now:
+            raise SystemExit(f"--resume: sample {index} is not the one the earlier run evaluated (this task draws other"
+                             f" samples at --samples {len(digests)}); resume with --samples {len(saved)} or use another --out")
+
+
+def run(args: argparse.Namespace, save: Callable[[dict], None], earlier: dict | None = None) -> dict:
     """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped).
-    ``records``: an earlier run's, whose samples are not evaluated again."""
+    ``earlier``: an earlier run's report, whose samples are not evaluated again."""
     # draft_cache_mb=0: every sample is scored cold, as in the earlier runs these tables merge with (samples that
     # share a haystack prefix would otherwise start from each other's draft KV)
     engine = SpecPrefillEngine(
         main=args.main, draft=args.draft, dtype=args.dtype, min_prompt_tokens=0, draft_cache_mb=0
     )
     samples = load_samples(args, engine.tokenizer)
+    digests = [sample_digest(sample) for sample in samples]
+    if earlier:
+        check_resumed_samples(earlier, digests, lambda count: [
+            sample_digest(s) for s in load_samples(argparse.Namespace(**{**vars(args), "samples": count}), engine.tokenizer)])
     methods = make_methods(engine, args)
-    records = list(records or [])
+    records = list(earlier["records"] if earlier else [])
     done = {r["sample"] for r in records}
     chosen = [i for i in range(len(samples)) if not args.only_samples or i in args.only_samples]
     layouts = {i: sample_layout(engine, samples[i]) for i in chosen}
@@ -414,13 +439,15 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], records: list[di
                 result = evaluated[key]
                 records.append({"sample": index, "method": name, "keep_rate": keep_rate, **result,
                                 "seconds": time.perf_counter() - method_started})
-        save(make_report(args, index + 1, records))
-    return make_report(args, len(samples), records)
+        save(make_report(args, digests[: index + 1], records))
+    return make_report(args, digests, records)
 
 
-def make_report(args: argparse.Namespace, n_samples: int, records: list[dict]) -> dict:
+def make_report(args: argparse.Namespace, digests: list[str], records: list[dict]) -> dict:
+    """``digests``: the samples so far, as ``sample_digest``s (a resumed run checks its samples against them)."""
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return {"task": args.task, "samples": n_samples, "records": records, "settings": settings}
+    return {"task": args.task, "samples": len(digests), "sample_digests": digests, "records": records,
+            "settings": settings}
 
 
 def summarise(report: dict, metric: str) -> list[dict]:
@@ -559,6 +586,7 @@ def main() -> None:
     options.add_argument("--out", type=Path)
     options.add_argument("--resume", action="store_true", help="keep the samples an earlier run of this study saved at --out")
     args = options.parse_args()
+    args.sampler = tasks.sampler_version(args.task)
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
     if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
@@ -568,7 +596,7 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
     out.parent.mkdir(parents=True, exist_ok=True)
     metrics = table_metrics(args.task, args.max_new_tokens)
-    final = run(args, lambda partial: write_tables(partial, out, metrics), resumed_records(args, out))
+    final = run(args, lambda partial: write_tables(partial, out, metrics), resumed_report(args, out))
     plot(final, metrics, Path(f"{out}.png"))
     print(markdown(final, metrics[0]))
 

@@ -28,6 +28,13 @@ NEEDLES = [
      ["teapot"]),
 ]
 LONGBENCH_TASKS = ("hotpotqa", "multifieldqa_en", "qasper", "narrativeqa", "triviaqa")
+# Bumped when a task draws other samples from the same seed, so that a saved study is not resumed or merged
+# with samples of another draw. 2: hotpotqa and nq draw sample i independently of the count (2026-12-01).
+SAMPLER_VERSIONS = {"hotpotqa": 2, "nq": 2}
+
+
+def sampler_version(task: str) -> int:
+    return SAMPLER_VERSIONS.get(task, 1)
 
 
 def require_data() -> None:
@@ -37,6 +44,15 @@ def require_data() -> None:
 
 def _insert_at(items: list, item: Any, depth: int) -> list:
     return items[:depth] + [item] + items[depth:]
+
+
+def _first_of_shuffled(rng: random.Random, items: list, count: int, what: str) -> list:
+    """``count`` distinct items; item i does not depend on ``count``, so a study can grow and resume."""
+    if count > len(items):
+        raise ValueError(f"{count} samples asked for, but {what} has only {len(items)}: ask for at most {len(items)}")
+    order = list(items)
+    rng.shuffle(order)
+    return order[:count]
 
 
 def squad(count: int, n_documents: int, seed: int) -> list[dict]:
@@ -61,7 +77,7 @@ def hotpotqa(count: int, seed: int) -> list[dict]:
     rows = json.loads((DATA / "hotpotqa" / "hotpotqa_train_distractor_100.json").read_text())
     rng = random.Random(seed)
     samples = []
-    for row in rng.sample(rows, min(count, len(rows))):
+    for row in _first_of_shuffled(rng, rows, count, "the HotpotQA file"):
         titles = [title for title, _ in row["context"]]
         gold = sorted({titles.index(title) for title, _ in row["supporting_facts"] if title in titles})
         documents = [f"{title}: {''.join(sentences)}" for title, sentences in row["context"]]
@@ -80,7 +96,7 @@ def nq(count: int, n_documents: int, seed: int) -> list[dict]:
         rows = [json.loads(line) for line in lines]
     rng = random.Random(seed)
     samples = []
-    for index in rng.sample(range(len(rows)), count):
+    for index in _first_of_shuffled(rng, list(range(len(rows))), count, "NQ-open"):
         others = [_nq_passage(rows[i]) for i in rng.sample(range(len(rows)), n_documents) if i != index][: n_documents - 1]
         depth = rng.randrange(n_documents)
         samples.append({"question": rows[index]["question"], "documents": _insert_at(others, _nq_passage(rows[index]), depth),
@@ -132,7 +148,9 @@ def longbench(count: int, tokenizer: Any, max_tokens: int, seed: int) -> list[di
         rows += [json.loads(line) for line in (DATA / "longbench" / f"{task}.jsonl").read_text().splitlines()]
     rng = random.Random(seed)
     samples = []
-    for row in rng.sample(rows, min(count, len(rows))):
+    if count > len(rows):
+        raise ValueError(f"{count} samples asked for, but LongBench's {len(LONGBENCH_TASKS)} tasks have {len(rows)}")
+    for row in rng.sample(rows, count):  # a resumed study checks that its first samples are the same
         context = _truncate_middle(row["context"], tokenizer, max_tokens)
         samples.append({"question": row["input"], "documents": _passages(context), "answers": row["answers"],
                         "gold_documents": [], "prompt": prompts[row["dataset"]].replace("{input}", row["input"]),

@@ -101,6 +101,20 @@ def test_hotpotqa_marks_both_gold_paragraphs(task_data):
         assert len(sample["documents"]) == 10 and sample["gold_documents"] == [2, 7]
 
 
+def test_samples_do_not_depend_on_how_many_are_drawn(task_data, tokenizer):
+    """A study grows by resuming with a larger --samples: sample i must be the same prompt at every count."""
+    draws = {
+        "squad": lambda n: task_data.squad(n, 4, seed=3),
+        "hotpotqa": lambda n: task_data.hotpotqa(n, seed=3),
+        "nq": lambda n: task_data.nq(n, 4, seed=3),
+        "longbench": lambda n: task_data.longbench(n, tokenizer, max_tokens=200, seed=3),
+    }
+    for task, draw in draws.items():
+        assert draw(2) == draw(5)[:2], task
+    with pytest.raises(ValueError, match="7 samples asked for, but the HotpotQA file has only 6"):
+        task_data.hotpotqa(7, seed=0)  # not silently fewer
+
+
 def test_longbench_keeps_the_official_prompt_and_splits_passages(task_data, tokenizer):
     samples = task_data.longbench(30, tokenizer, max_tokens=4000, seed=0)
     assert {s["dataset"] for s in samples} == set(task_data.LONGBENCH_TASKS)
@@ -325,22 +339,49 @@ def test_resume_compares_only_the_settings_that_shape_the_methods_run(tmp_path):
     import argparse
     import json
 
-    from quality import AUTO, resumed_records
+    from quality import AUTO, resumed_report
 
     settings = {"task": "niah", "samples": 30, "documents": 5, "length": 4000, "seed": 0, "main": "m", "draft": "d",
                 "keep_rates": [0.1, 0.3], "methods": ["specprefill", "random"], "max_new_tokens": 16}
     records = [{"sample": 0, "method": "full", "keep_rate": 1.0}]
-    (tmp_path / "study.json").write_text(json.dumps({"settings": settings, "records": records}))
+    (tmp_path / "study.json").write_text(json.dumps({"samples": 1, "settings": settings, "records": records}))
 
     def resume(**changes) -> list[dict]:
         args = argparse.Namespace(**{**settings, "resume": True, "auto_shares": [0.8], "auto_floors": [0.1],
-                                     "auto_ceilings": [0.5], **changes})
-        return resumed_records(args, tmp_path / "study")
+                                     "auto_ceilings": [0.5], "sampler": 1, **changes})
+        return resumed_report(args, tmp_path / "study")["records"]
 
     assert resume() == records
     with pytest.raises(SystemExit, match="keep_rates"):
         resume(keep_rates=[0.1])
+    with pytest.raises(SystemExit, match=r"\['samples'\].*may grow, not shrink"):
+        resume(samples=20)
+    with pytest.raises(SystemExit, match=r"\['sampler'\]"):  # saved before the sampler changed: other samples
+        resume(sampler=2)
+    assert resume(samples=40) == records
     settings["methods"] = ["specprefill", AUTO]  # the same run with auto: its saved run has no auto settings
-    (tmp_path / "study.json").write_text(json.dumps({"settings": settings, "records": records}))
+    (tmp_path / "study.json").write_text(json.dumps({"samples": 1, "settings": settings, "records": records}))
     with pytest.raises(SystemExit, match=r"\['auto_shares', 'auto_floors', 'auto_ceilings'\]"):
         resume()
+
+
+def test_resume_refuses_when_the_earlier_samples_are_not_drawn_first():
+    from quality import check_resumed_samples
+
+    drawn = ["a", "b", "c", "d"]
+    check_resumed_samples({"sample_digests": ["a", "b"]}, drawn, drawn_at=lambda n: pytest.fail("digests were saved"))
+    with pytest.raises(SystemExit, match="sample 1 is not the one the earlier run evaluated.*--samples 2"):
+        check_resumed_samples({"sample_digests": ["a", "x"]}, drawn, drawn_at=lambda n: [])
+    # saved before digests were kept: compared with this sampler's draw at the count the earlier run asked for
+    check_resumed_samples({"settings": {"samples": 3}}, drawn, drawn_at=lambda n: drawn[:n])
+    with pytest.raises(SystemExit, match="sample 0"):
+        check_resumed_samples({"settings": {"samples": 3}}, drawn, drawn_at=lambda n: ["z", "b", "c"][:n])
+
+
+def test_merge_refuses_runs_of_another_sampler():
+    from merge import MergeError, merge
+
+    newer = _run([1], "specprefill", 0.2)
+    newer["settings"]["sampler"] = 2
+    with pytest.raises(MergeError, match="sampler"):
+        merge([_run([0], "specprefill", 0.1), newer])
