@@ -121,10 +121,10 @@ bench-pair: install
 	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 --out $(RESULTS)/pair-quality-niah-4k
 	$(PAIR_DRAFTS) --task squad --samples 30 --out $(RESULTS)/pair-drafts-squad
 	$(PAIR_DRAFTS) --task niah --length 4000 --samples 12 --out $(RESULTS)/pair-drafts-niah-4k
-	$(PAIR_QUALITY) --task hotpotqa --samples 10 --out $(RESULTS)/pair-quality-hotpotqa
-	$(PAIR_QUALITY) --task nq --samples 10 --out $(RESULTS)/pair-quality-nq
-	$(PAIR_QUALITY) --task niah --length 8000 --samples 6 --out $(RESULTS)/pair-quality-niah-8k
-	$(PAIR_QUALITY) --task longbench --length 4000 --samples 6 --out $(RESULTS)/pair-quality-longbench
+	$(PAIR_QUALITY) --task hotpotqa --samples 30 --out $(RESULTS)/pair-quality-hotpotqa
+	$(PAIR_QUALITY) --task nq --samples 30 --out $(RESULTS)/pair-quality-nq
+	$(PAIR_QUALITY) --task niah --length 8000 --samples 30 --out $(RESULTS)/pair-quality-niah-8k
+	$(PAIR_QUALITY) --task longbench --length 4000 --samples 30 --out $(RESULTS)/pair-quality-longbench
 	$(BIN)/python benchmarks/headline.py \
 		--ttft $(RESULTS)/pair-ttft-lengths.json $(RESULTS)/pair-ttft-lengths-keep-0.3.json \
 		--quality $(foreach t,niah-4k squad hotpotqa nq niah-8k longbench,$(t)=$(RESULTS)/pair-quality-$(t).json)

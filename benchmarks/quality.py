@@ -386,14 +386,20 @@ def sample_digest(sample: dict) -> str:
     return hashlib.sha256(json.dumps(sample, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def drawn_digests(args: argparse.Namespace, count: int, tokenizer) -> list[str]:
+    """The digests of the samples this task draws with ``args`` but ``count`` samples."""
+    return [sample_digest(s) for s in load_samples(argparse.Namespace(**{**vars(args), "samples": count}), tokenizer)]
+
+
 def check_resumed_samples(earlier: dict, digests: list[str], drawn_at: Callable[[int], list[str]]) -> None:
     """Refuse to resume unless the earlier run's samples are the first of ``digests`` (the samples drawn now).
     ``drawn_at(n)``: the digests this sampler draws for n samples, for runs saved before digests were kept."""
     saved = earlier.get("sample_digests") or drawn_at(earlier["settings"]["samples"])
     for index, (then, now) in enumerate(zip(saved, digests)):
         if then != now:
-            raise SystemExit(f"--resume: sample {index} is not the one the earlier run evaluated (this task draws other"
-                             f" samples at --samples {len(digests)}); resume with --samples {len(saved)} or use another --out")
+            raise SystemExit(f"--resume: sample {index} is not the one the earlier run evaluated (this task draws"
+                             f" other samples at --samples {len(digests)}); resume with --samples {len(saved)}"
+                             " or use another --out")
 
 
 def run(args: argparse.Namespace, save: Callable[[dict], None], earlier: dict | None = None) -> dict:
@@ -407,8 +413,7 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], earlier: dict | 
     samples = load_samples(args, engine.tokenizer)
     digests = [sample_digest(sample) for sample in samples]
     if earlier:
-        check_resumed_samples(earlier, digests, lambda count: [
-            sample_digest(s) for s in load_samples(argparse.Namespace(**{**vars(args), "samples": count}), engine.tokenizer)])
+        check_resumed_samples(earlier, digests, lambda count: drawn_digests(args, count, engine.tokenizer))
     methods = make_methods(engine, args)
     records = list(earlier["records"] if earlier else [])
     done = {r["sample"] for r in records}
@@ -584,7 +589,8 @@ def main() -> None:
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--only-samples", type=int, nargs="*", help="evaluate these sample indices only (re-checks)")
     options.add_argument("--out", type=Path)
-    options.add_argument("--resume", action="store_true", help="keep the samples an earlier run of this study saved at --out")
+    options.add_argument("--resume", action="store_true",
+                         help="keep the samples an earlier run of this study saved at --out (a larger --samples adds some)")
     args = options.parse_args()
     args.sampler = tasks.sampler_version(args.task)
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
