@@ -6,7 +6,9 @@ Runs are merged only when they drew their samples the same way (task, seed, docu
 generated the same way (max new tokens): then sample ``i`` is the same prompt in every run. A record
 given by two runs (the full-prefill record every run repeats, or a sample evaluated again after a run
 stopped) is kept once if the two agree on every result (the run time aside); if they differ, that is
-an error rather than a silent choice between them.
+an error rather than a silent choice between them. Runs of one study split over processes (say
+``--only-samples 20 ... 29`` beside the main run) keep that study's settings and sample digests, so
+``quality.py --resume`` continues the merged file like one run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from quality import markdown, plot, table_metrics, write_tables
 
 SAME_SAMPLES = ("task", "seed", "documents", "length", "max_new_tokens")
+# Settings that only say how one study was split over runs (processes, stops, sample ranges)
+HOW_SPLIT = ("samples", "only_samples", "out", "resume", "merged_from")
 
 
 class MergeError(ValueError):
@@ -43,8 +47,29 @@ def merge(reports: list[dict]) -> dict:
                                  "they were not made the same way; merge only one of them")
             records.setdefault(key, record)
     merged = sorted(records.values(), key=lambda r: (r["sample"], r["method"] != "full"))
-    settings = {k: first.get(k) for k in SAME_SAMPLES} | {"sampler": first.get("sampler", 1)}
-    return {"task": first["task"], "samples": len({r["sample"] for r in merged}), "records": merged, "settings": settings}
+    return {"task": first["task"], "samples": len({r["sample"] for r in merged}), "records": merged,
+            "settings": merged_settings(reports), "sample_digests": merged_digests(reports)}
+
+
+def merged_settings(reports: list[dict]) -> dict:
+    """One study split over runs keeps its settings (so ``quality.py --resume`` continues it); others keep
+    only what makes their samples the same."""
+    first = reports[0]["settings"]
+    study = {k: v for k, v in first.items() if k not in HOW_SPLIT}
+    if all({k: v for k, v in r["settings"].items() if k not in HOW_SPLIT} == study for r in reports):
+        samples = max(r["settings"].get("samples", r["samples"]) for r in reports)
+        return study | {"samples": samples, "only_samples": None}
+    return {k: first.get(k) for k in SAME_SAMPLES} | {"sampler": first.get("sampler", 1)}
+
+
+def merged_digests(reports: list[dict]) -> list[str]:
+    """The longest run's sample digests, after checking that every run's agree with it."""
+    digests = max((r.get("sample_digests", []) for r in reports), key=len)
+    for report in reports:
+        drawn = report.get("sample_digests", [])
+        if drawn != digests[: len(drawn)]:
+            raise MergeError("two runs drew different samples (their sample digests differ): merge only one of them")
+    return digests
 
 
 def same_results(first: dict, second: dict, tolerance: float = 1e-4) -> bool:

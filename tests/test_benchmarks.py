@@ -385,3 +385,32 @@ def test_merge_refuses_runs_of_another_sampler():
     newer["settings"]["sampler"] = 2
     with pytest.raises(MergeError, match="sampler"):
         merge([_run([0], "specprefill", 0.1), newer])
+
+
+def test_merge_keeps_the_settings_of_one_study_split_over_runs(tmp_path):
+    """Samples 0-1 in one process and 2-3 in another: the merged study resumes like one run."""
+    import argparse
+    import json
+
+    from merge import MergeError, merge
+    from quality import resumed_report
+
+    settings = {"task": "niah", "seed": 0, "documents": 5, "length": 1500, "max_new_tokens": 16, "main": "m",
+                "draft": "d", "keep_rates": [0.1], "methods": ["specprefill"], "sampler": 1, "samples": 4}
+    head, tail = _run([0, 1], "specprefill", 0.1), _run([2, 3], "specprefill", 0.1)
+    head["settings"] = settings | {"out": "study"}
+    tail["settings"] = settings | {"only_samples": [2, 3], "out": "tail"}
+    head["sample_digests"], tail["sample_digests"] = ["a", "b"], ["a", "b", "c", "d"]
+    merged = merge([head, tail])
+    assert merged["settings"] == settings | {"only_samples": None} and merged["sample_digests"] == ["a", "b", "c", "d"]
+    (tmp_path / "study.json").write_text(json.dumps(merged))
+    args = argparse.Namespace(**settings, resume=True)
+    assert resumed_report(args, tmp_path / "study")["records"] == merged["records"]
+
+    tail["sample_digests"] = ["a", "x", "c", "d"]
+    with pytest.raises(MergeError, match="drew different samples"):
+        merge([head, tail])
+    tail["settings"] = settings | {"keep_rates": [0.3]}  # another study on the same samples: only those settings
+    tail["sample_digests"] = ["a", "b", "c", "d"]
+    assert set(merge([head, tail])["settings"]) == {"task", "seed", "documents", "length", "max_new_tokens", "sampler"}
+
