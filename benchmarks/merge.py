@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from quality import markdown, plot, table_metrics, write_tables
+from tasks import recorded_sampler
 
 SAME_SAMPLES = ("task", "seed", "documents", "length", "max_new_tokens")
 # Settings that only say how one study was split over runs (processes, stops, sample ranges)
@@ -33,7 +34,7 @@ def merge(reports: list[dict]) -> dict:
     first = reports[0]["settings"]
     for report in reports[1:]:
         differing = [k for k in SAME_SAMPLES if report["settings"].get(k) != first.get(k)]
-        if report["settings"].get("sampler", 1) != first.get("sampler", 1):  # runs before versions drew with 1
+        if recorded_sampler(report["settings"]) != recorded_sampler(first):
             differing.append("sampler")
         if differing:
             raise MergeError(f"runs differ in {differing}: their sample i is not the same prompt; "
@@ -59,7 +60,7 @@ def merged_settings(reports: list[dict]) -> dict:
     if all({k: v for k, v in r["settings"].items() if k not in HOW_SPLIT} == study for r in reports):
         samples = max(r["settings"].get("samples", r["samples"]) for r in reports)
         return study | {"samples": samples, "only_samples": None}
-    return {k: first.get(k) for k in SAME_SAMPLES} | {"sampler": first.get("sampler", 1)}
+    return {k: first.get(k) for k in SAME_SAMPLES} | {"sampler": recorded_sampler(first)}
 
 
 def merged_digests(reports: list[dict]) -> list[str]:

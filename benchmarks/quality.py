@@ -371,9 +371,9 @@ def resumed_report(args: argparse.Namespace, out: Path) -> dict | None:
     if AUTO in args.methods:  # auto's settings change no other method's records (runs before they existed lack them)
         study += ["auto_shares", "auto_floors", "auto_ceilings"]
     differing = [k for k in study if earlier["settings"].get(k) != vars(args).get(k)]
-    if earlier["settings"].get("sampler", 1) != args.sampler:  # runs before samplers had versions drew with 1
+    if tasks.recorded_sampler(earlier["settings"]) != args.sampler:
         differing.append("sampler")
-    if earlier["settings"]["samples"] > args.samples:
+    if earlier["settings"].get("samples", math.inf) > args.samples:  # a merge of other studies keeps no count
         differing.append("samples")
     if differing:
         raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out"
@@ -590,7 +590,7 @@ def main() -> None:
     options.add_argument("--only-samples", type=int, nargs="*", help="evaluate these sample indices only (re-checks)")
     options.add_argument("--out", type=Path)
     options.add_argument("--resume", action="store_true",
-                         help="keep the samples an earlier run of this study saved at --out (a larger --samples adds some)")
+                         help="keep the samples an earlier run saved at --out (a larger --samples adds some)")
     args = options.parse_args()
     args.sampler = tasks.sampler_version(args.task)
     unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}

@@ -37,6 +37,11 @@ def sampler_version(task: str) -> int:
     return SAMPLER_VERSIONS.get(task, 1)
 
 
+def recorded_sampler(settings: dict) -> int:
+    """The sampler a saved study drew with: runs from before samplers had versions drew with 1."""
+    return settings.get("sampler", 1)
+
+
 def require_data() -> None:
     if not DATA.is_dir():
         raise SystemExit(f"evaluation data not found at {DATA}: the benchmarks read ../shared/data next to the repository")
@@ -46,10 +51,14 @@ def _insert_at(items: list, item: Any, depth: int) -> list:
     return items[:depth] + [item] + items[depth:]
 
 
+def _require_count(count: int, available: int, what: str) -> None:
+    if count > available:
+        raise ValueError(f"{count} samples asked for, but {what} has only {available}: ask for at most {available}")
+
+
 def _first_of_shuffled(rng: random.Random, items: list, count: int, what: str) -> list:
     """``count`` distinct items; item i does not depend on ``count``, so a study can grow and resume."""
-    if count > len(items):
-        raise ValueError(f"{count} samples asked for, but {what} has only {len(items)}: ask for at most {len(items)}")
+    _require_count(count, len(items), what)
     order = list(items)
     rng.shuffle(order)
     return order[:count]
@@ -148,8 +157,7 @@ def longbench(count: int, tokenizer: Any, max_tokens: int, seed: int) -> list[di
         rows += [json.loads(line) for line in (DATA / "longbench" / f"{task}.jsonl").read_text().splitlines()]
     rng = random.Random(seed)
     samples = []
-    if count > len(rows):
-        raise ValueError(f"{count} samples asked for, but LongBench's {len(LONGBENCH_TASKS)} tasks have {len(rows)}")
+    _require_count(count, len(rows), f"LongBench ({', '.join(LONGBENCH_TASKS)})")
     for row in rng.sample(rows, count):  # a resumed study checks that its first samples are the same
         context = _truncate_middle(row["context"], tokenizer, max_tokens)
         samples.append({"question": row["input"], "documents": _passages(context), "answers": row["answers"],

@@ -50,8 +50,9 @@ def test_chat_answer_equals_the_in_process_engine(client, engine):
 def test_a_contiguous_positions_engine_answers_through_the_gateway_as_in_process(tokenizer, tiny_draft,
                                                                                  position_sensitive_model):
     original = tiny_engine(tokenizer, position_sensitive_model, tiny_draft)
-    contiguous = SpecPrefillEngine.from_models(position_sensitive_model, tokenizer, tiny_draft, config=original.config.model_copy(
-        update={"positions": "contiguous"}))
+    contiguous_config = original.config.model_copy(update={"positions": "contiguous"})
+    contiguous = SpecPrefillEngine.from_models(position_sensitive_model, tokenizer, tiny_draft,
+                                               config=contiguous_config)
     expected = reference_text(contiguous, DOCUMENTS)
     assert expected != reference_text(original, DOCUMENTS), "the positions must matter for this check"
     with running_gateway(contiguous) as url:
