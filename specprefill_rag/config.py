@@ -40,6 +40,18 @@ DEFAULT_MIN_PROMPT_TOKENS = 1024
 # equally often; contiguous raised the answer's log-probability on held-out NIAH and HotpotQA at keep 0.1
 # (BENCHMARKS.md, "Original or contiguous positions").
 Positions = Literal["original", "contiguous"]
+# Sampling temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them overflows float32 (1e-45 gives
+# inf and then NaN probabilities), and below 0.01 sampling is greedy in all but name. vLLM raises such values to
+# 0.01 with a warning; here nothing is changed silently, so they are refused with the fix (0 = greedy).
+MIN_TEMPERATURE = 0.01
+
+
+def check_temperature(value: float) -> float:
+    """``value`` if it is 0 (greedy) or at least :data:`MIN_TEMPERATURE`; else ``ValueError`` with the fix."""
+    if 0.0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"temperature {value:g} is below {MIN_TEMPERATURE}, where sampling is numerically degenerate; "
+                         f"use 0 for greedy decoding or a temperature of at least {MIN_TEMPERATURE}")
+    return value
 
 
 def _keep_rate_value(value: Any) -> Any:
@@ -63,6 +75,17 @@ def _keep_rate_value(value: Any) -> Any:
 
 # A keep rate: a fraction of document tokens in (0, 1], or "auto" (the engine chooses it per request).
 KeepRate = Annotated[Union[float, Literal["auto"]], BeforeValidator(_keep_rate_value)]
+
+
+def _strict_keep_rate_value(value: Any) -> Any:
+    if isinstance(value, str) and value != AUTO:
+        raise ValueError(f"keep_rate must be a number or 'auto', got {value[:20]!r}; send a number as a JSON number "
+                         "(0.3, not \"0.3\"), or 'auto'")
+    return _keep_rate_value(value)
+
+
+# A keep rate in a request: as KeepRate, but a number sent as a string ("0.3") is refused, not parsed.
+StrictKeepRate = Annotated[Union[float, Literal["auto"]], BeforeValidator(_strict_keep_rate_value)]
 
 
 def check_auto_bounds(floor: float, ceiling: float) -> None:
@@ -220,12 +243,17 @@ class GenerationParams(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     max_new_tokens: int = Field(128, ge=1, strict=True)
-    temperature: float = Field(0.0, ge=0.0, strict=True, description="0 = greedy.")
+    temperature: float = Field(0.0, ge=0.0, strict=True, description=f"0 = greedy; else at least {MIN_TEMPERATURE}.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     seed: int | None = Field(
         None, ge=0, lt=2**63, strict=True, description="Seed for sampling, 0 <= seed < 2**63; None = nondeterministic."
     )
     stop: tuple[str, ...] = Field((), description="Stop strings; the returned text ends before the first match.")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        return check_temperature(value)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -20,6 +20,7 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = torch.cumsum(sorted_probs, 0) - sorted_probs >= top_p
+        outside[0] = False  # the most likely token always stays: a top_p below float32's resolution (1e-300) is greedy
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
