@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from .config import AUTO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL
 from .errors import SpecPrefillError
 from .prompt import Document
+from .serve.settings import GatewaySettings
 
 DEFAULT_INSTRUCTIONS = "Answer the question using the documents. Be brief."
 
@@ -132,13 +133,32 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     serve.add_argument("--batch-window-ms", dest="batch_window_ms", type=float, help="wait for more requests to batch")
     serve.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="deadline of a request, s")
     serve.add_argument("--upstream-timeout", dest="upstream_timeout_s", type=float, help="vLLM connect/read timeout, s")
+    _add_limit_options(serve)
     serve.add_argument("--log-level", dest="log_level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _described(field: str) -> str:
+    """A serve option's help: its settings field's description and default."""
+    info = GatewaySettings.model_fields[field]
+    return f"{info.description} (default: {info.default})".replace("%", "%%")
+
+
+def _add_limit_options(serve: argparse.ArgumentParser) -> None:
+    """What one client may cost the gateway, and who may call it."""
+    for flag, field, kind in [("--max-body-bytes", "max_body_bytes", int),
+                              ("--max-concurrent-requests", "max_concurrent_requests", int),
+                              ("--max-connections", "max_connections", int),
+                              ("--header-timeout", "header_timeout_s", float),
+                              ("--body-timeout", "body_timeout_s", float)]:
+        serve.add_argument(flag, dest=field, type=kind, help=_described(field))
+    serve.add_argument("--allowed-host", dest="allowed_hosts", action="append", metavar="HOST",
+                       help=_described("allowed_hosts") + "; repeat for more")
+    serve.add_argument("--cors-origin", dest="cors_origins", action="append", metavar="ORIGIN",
+                       help=_described("cors_origins") + "; repeat for more")
 
 
 def serve_settings(args: argparse.Namespace) -> object:
     """The gateway settings the ``serve`` options give (``$SPECPREFILL_API_KEY`` when no --api-key)."""
-    from .serve.settings import GatewaySettings
-
     fields = {k: v for k, v in vars(args).items() if k not in ("command", "log_level")}
     if "api_key" not in fields and os.environ.get("SPECPREFILL_API_KEY"):
         fields["api_key"] = os.environ["SPECPREFILL_API_KEY"]

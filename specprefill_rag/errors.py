@@ -20,13 +20,15 @@ class InvalidRequestError(SpecPrefillError):
 class ContextLengthError(InvalidRequestError):
     """The prompt, or the prompt plus the tokens to generate, exceeds the main model's context."""
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int) -> None:
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context_length: int, at_least: bool = False) -> None:
+        """``at_least``: ``prompt_tokens`` is a lower bound (counting stopped once it passed the context)."""
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.context_length = context_length
         if prompt_tokens > context_length:
+            count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
             msg = (
-                f"the prompt has {prompt_tokens} tokens but the main model's context is {context_length} tokens; "
+                f"the prompt has {count} tokens but the main model's context is {context_length} tokens; "
                 "retrieve fewer or shorter documents (nothing is truncated silently)"
             )
         else:

@@ -92,3 +92,44 @@ def encode_trusted_controls(
             offsets.append((start, end))
         cursor = end
     return torch.tensor(ids, dtype=torch.long), torch.tensor(offsets, dtype=torch.long).view(-1, 2)
+
+
+# count_tokens_at_least cuts text into pieces of about this many characters; each cut may change the count
+# by a few tokens (a word split in two, a prefix space), which the bound gives back.
+_PIECE_CHARS = 16384
+_CUT_SLACK_TOKENS = 4
+_CUT_WINDOW = 256
+
+
+def _cut(text: str, start: int) -> int:
+    """End of the piece starting at ``start``: before a single space that precedes a word near
+    ``start + _PIECE_CHARS`` (where pre-tokenizers split anyway), else exactly there."""
+    end = start + _PIECE_CHARS
+    if end >= len(text):
+        return len(text)
+    for cut in range(end, max(start + 1, end - _CUT_WINDOW), -1):
+        if text[cut] == " " and not text[cut - 1].isspace() and not text[cut + 1 : cut + 2].isspace():
+            return cut
+    return end
+
+
+def count_tokens_at_least(tokenizer: Any, texts: Sequence[str], limit: int, as_text: bool = True) -> int:
+    """A lower bound on the tokens of ``texts``, or a number above ``limit``.
+
+    ``as_text``: special-token strings count as the text they are (untrusted text); else as the control
+    tokens they match (a client's own rendering; pieces are cut at spaces, which no special token holds).
+    Counted piece by piece and stopped as soon as the bound passes ``limit``, so an oversized request
+    costs memory for one piece and time for about ``limit`` tokens, not for its whole size.
+    """
+    encoder = text_only_tokenizer(tokenizer) if as_text else tokenizer.backend_tokenizer
+    total, cuts = 0, 0
+    for text in texts:
+        start = 0
+        while start < len(text):
+            end = _cut(text, start)
+            total += len(encoder.encode(text[start:end], add_special_tokens=False).ids)
+            cuts += end < len(text)
+            if total - _CUT_SLACK_TOKENS * cuts > limit:
+                return total - _CUT_SLACK_TOKENS * cuts
+            start = end
+    return max(total - _CUT_SLACK_TOKENS * cuts, 0)

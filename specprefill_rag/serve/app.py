@@ -9,8 +9,6 @@ need ``Authorization: Bearer <key>`` (compared in constant time); ``/health`` an
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,21 +16,25 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.middleware.cors import CORSMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__
 from ..chat import ChatLayout
 from ..config import GenerationParams
 from ..engine import SpecPrefillEngine
 from ..errors import InvalidRequestError
-from .errors import GatewayError, as_gateway_error, bad_request
+from .errors import GatewayError, as_gateway_error, bad_request, echoed
 from .gateway import Answer, Gateway, Plan
-from .layouts import chat_request_layout, completion_request_layout
+from .guard import RequestGuard
+from .layouts import chat_request_layout, completion_request_layout, tokenize_request
 from .request_stream import ClientGone, RequestStream
 from .responses import CHAT, TEXT, ApiFormat, ResponseWriter, sse
-from .schema import ChatCompletionRequest, CompletionRequest, first_problem
+from .schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest, first_problem
 from .settings import GatewaySettings
 
 log = logging.getLogger("specprefill_rag.serve")
@@ -69,6 +71,7 @@ def create_app(settings: GatewaySettings | None = None, engine: SpecPrefillEngin
 
     app = FastAPI(title="SpecPrefill gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
+    _guards(app, gateway, settings)
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, error: GatewayError) -> JSONResponse:
@@ -79,14 +82,17 @@ def create_app(settings: GatewaySettings | None = None, engine: SpecPrefillEngin
     return app
 
 
-def _authorize(settings: GatewaySettings, request: Request) -> None:
-    if settings.api_key is None:
-        return
-    expected = f"Bearer {settings.api_key.get_secret_value()}".encode()
-    given = request.headers.get("authorization", "").encode()
-    if not hmac.compare_digest(given, expected):
-        raise GatewayError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                           "AuthenticationError", "unauthorized")
+def _guards(app: FastAPI, gateway: Gateway, settings: GatewaySettings) -> None:
+    """Admission (key, bound, body), then CORS when configured, then the Host allow-list outermost."""
+    key = settings.api_key.get_secret_value() if settings.api_key is not None else None
+    body_limit = settings.resolved_max_body_bytes(gateway.engine.backend.context_length)
+    app.add_middleware(RequestGuard, api_key=key, slots=gateway.slots,
+                       max_body_bytes=body_limit, body_timeout_s=settings.body_timeout_s,
+                       count=gateway.metrics.finished)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.resolved_allowed_hosts()))
 
 
 def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, served: str) -> None:
@@ -102,8 +108,7 @@ def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, serv
         return Response(data, media_type=content_type)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        _authorize(settings, request)
+    async def models() -> dict[str, Any]:
         gateway_card = {"gateway": True, "version": __version__, "draft": settings.draft,
                         "keep_rate": settings.keep_rate}
         card = {"id": served, "object": "model", "created": int(time.time()), "owned_by": "specprefill-rag",
@@ -112,23 +117,32 @@ def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, serv
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        _authorize(settings, request)
-        body = await _json(request)
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise bad_request("field 'prompt' must be a string", "prompt")
-        ids = engine.tokenizer(prompt, add_special_tokens=bool(body.get("add_special_tokens", False)))["input_ids"]
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.backend.context_length}
+        body = _parse(TokenizeRequest, await _json(request))
+        if body.model is not None and body.model != served:
+            raise _unknown_model(body.model, served)
+        context = engine.backend.context_length
+        try:
+            ids = await asyncio.to_thread(tokenize_request, engine.tokenizer, body, context)
+        except InvalidRequestError as error:
+            raise bad_request(str(error), "prompt") from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": context}
 
 
 async def _json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object. jiter bounds the nesting depth and the digits of a number, and refuses lone
+    surrogates; NaN and Infinity are not JSON."""
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"the request body is not JSON ({error})") from None
+        body = pydantic_core.from_json(await request.body(), allow_inf_nan=False)
+    except ValueError as error:
+        raise bad_request(f"the request body is not valid JSON ({error})") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
+
+
+def _unknown_model(model: str, served: str) -> GatewayError:
+    return GatewayError(404, f"The model `{echoed(model)}` does not exist; this gateway serves `{served}`",
+                        "NotFoundError", "not_found", "model")
 
 
 def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
@@ -141,15 +155,16 @@ def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
 
 def _completion_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, served: str) -> None:
     tokenizer, protect = gateway.engine.tokenizer, settings.protect_tail_tokens
+    context = gateway.engine.backend.context_length
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        layout = lambda body: chat_request_layout(tokenizer, body, protect)  # noqa: E731
+        layout = lambda body: chat_request_layout(tokenizer, body, protect, context)  # noqa: E731
         return await _complete(gateway, request, ChatCompletionRequest, CHAT, layout, served)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        layout = lambda body: completion_request_layout(gateway.engine, body)  # noqa: E731
+        layout = lambda body: completion_request_layout(gateway.engine, body, context)  # noqa: E731
         return await _complete(gateway, request, CompletionRequest, TEXT, layout, served)
 
 
@@ -157,15 +172,10 @@ async def _plan(gateway: Gateway, request: Request, schema: type[BaseModel],
                 make_layout: Callable[[Any], ChatLayout], served: str) -> tuple[Any, Plan]:
     """Authorize, parse and lay out one request (every failure a :class:`GatewayError`)."""
     started = time.perf_counter()
-    _authorize(gateway.settings, request)
     body = _parse(schema, await _json(request))
     if body.model != served:
-        raise GatewayError(404, f"The model `{body.model}` does not exist; this gateway serves `{served}`",
-                           "NotFoundError", "not_found", "model")
-    try:
-        layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
-    except InvalidRequestError as error:
-        raise bad_request(str(error), "messages" if hasattr(body, "messages") else "prompt") from None
+        raise _unknown_model(body.model, served)
+    layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
     limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
     try:
         params = GenerationParams(max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p,

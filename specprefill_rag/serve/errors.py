@@ -12,7 +12,14 @@ from ..backends.vllm import VLLMServerError, VLLMServerTimeout
 from ..errors import ContextLengthError, InvalidRequestError, SpecPrefillError
 
 OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "queue_full", "draft_failed", "upstream_error",
-            "timeout", "disconnected", "error")
+            "timeout", "disconnected", "error", "too_large", "client_timeout", "overloaded")
+# Longest piece of a client's value an error message repeats (a 1 MB model name is not echoed back whole).
+_ECHO_LIMIT = 80
+
+
+def echoed(value: str) -> str:
+    """``value`` for an error message: cut to ``_ECHO_LIMIT`` characters, saying how long it was."""
+    return value if len(value) <= _ECHO_LIMIT else f"{value[:_ECHO_LIMIT]}... ({len(value)} characters)"
 
 
 @dataclass
@@ -45,6 +52,32 @@ class GatewayError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, "BadRequestError", "bad_request", param)
+
+
+def unauthorized() -> GatewayError:
+    return GatewayError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'", "AuthenticationError",
+                        "unauthorized")
+
+
+def too_large(limit: int) -> GatewayError:
+    message = f"the request body is over the gateway's limit of {limit} bytes; send fewer or shorter documents, or " \
+              "raise --max-body-bytes"
+    return GatewayError(413, message, "RequestTooLargeError", "too_large", headers={"Connection": "close"})
+
+
+def body_too_slow(seconds: float) -> GatewayError:
+    message = f"the request body did not arrive within {seconds:g} s; send it at once, or raise --body-timeout"
+    return GatewayError(408, message, "RequestTimeoutError", "client_timeout", headers={"Connection": "close"})
+
+
+def not_json(content_type: str) -> GatewayError:
+    message = f"POST bodies must be JSON sent with 'Content-Type: application/json', got {echoed(content_type)!r}"
+    return GatewayError(415, message, "UnsupportedMediaTypeError", "bad_request", headers={"Connection": "close"})
+
+
+def overloaded(in_flight: int, retry_after_s: int) -> GatewayError:
+    message = f"the gateway is serving its limit of {in_flight} requests at once; retry after {retry_after_s} s"
+    return GatewayError(429, message, "RateLimitError", "overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
 def queue_full(depth: int, retry_after_s: int) -> GatewayError:

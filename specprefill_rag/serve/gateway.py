@@ -26,6 +26,7 @@ from ..results import KeepPolicy, StreamChunk
 from ..results import Selection as Chosen
 from ..selection import select_kept
 from .errors import draft_failed, queue_full
+from .guard import Slots
 from .metrics import GatewayMetrics
 from .queue import DraftQueue, QueueFull
 from .schema import SpecPrefillOptions
@@ -75,13 +76,14 @@ class Answer:
 
 
 class Gateway:
-    """The engine, the draft queue and the metrics of one gateway process."""
+    """The engine, the draft queue, the bound on requests in flight and the metrics of one gateway process."""
 
     def __init__(self, settings: GatewaySettings, engine: SpecPrefillEngine) -> None:
         self.settings = settings
         self.engine = engine
         self.queue = DraftQueue(self._score_batch, settings.queue_size, settings.resolved_draft_batch_size(),
                                 settings.draft_batch_tokens, settings.batch_window_ms / 1000.0)
+        self.slots = Slots(settings.max_concurrent_requests)
         self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache)
         self.queue.on_batch = self.metrics.batch
 
@@ -130,9 +132,9 @@ class Gateway:
                          draft_cached_tokens=scored.cached_tokens, keep_policy=policy)
 
     def _after_draft_error(self, whole: torch.Tensor, error: Exception, policy: KeepPolicy) -> Selection:
-        policy = self.settings.on_draft_error
-        self.metrics.draft_errors.labels(type(error).__name__, policy).inc()
-        if policy == "fail":
+        on_error = self.settings.on_draft_error
+        self.metrics.draft_errors.labels(type(error).__name__, on_error).inc()
+        if on_error == "fail":
             raise draft_failed(error)
         log.warning("draft failed (%s: %s); sending the request uncompressed (--on-draft-error full)",
                     type(error).__name__, error)

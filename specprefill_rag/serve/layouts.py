@@ -13,15 +13,18 @@ untrusted text into a completion prompt should name it in ``spec_prefill.documen
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..chat import ChatLayout, ChatMessage, chat_layout
-from ..errors import InvalidRequestError
+from ..errors import ContextLengthError, InvalidRequestError
 from ..prompt import Document, Role, Segment, as_document, layout_from_segments
+from ..tokens import count_tokens_at_least
 from .errors import bad_request
-from .schema import ChatCompletionRequest, CompletionRequest, DocumentOption, Message, SpecPrefillOptions
+from .schema import ChatCompletionRequest, CompletionRequest, Message, SpecPrefillOptions, TokenizeRequest
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+DOCUMENTS_FIELD = "spec_prefill.documents"
 
 
 def _core_message(message: Message) -> ChatMessage:
@@ -33,19 +36,43 @@ def _core_message(message: Message) -> ChatMessage:
     return ChatMessage(_ROLES[message.role], parts)  # type: ignore[arg-type]
 
 
-def _documents(options: SpecPrefillOptions) -> list[Any] | None:
+def _documents(options: SpecPrefillOptions) -> list[Document] | None:
+    """``spec_prefill.documents`` checked (a 400 naming that field), or None."""
     if options.documents is None:
         return None
-    return [Document(d.text, d.title, d.id) if isinstance(d, DocumentOption) else d for d in options.documents]
+    try:
+        return [as_document(d if isinstance(d, str) else Document(d.text, d.title, d.id), i)
+                for i, d in enumerate(options.documents)]
+    except InvalidRequestError as error:
+        raise bad_request(str(error), DOCUMENTS_FIELD) from None
 
 
-def chat_request_layout(tokenizer: Any, body: ChatCompletionRequest, protect_tail_tokens: int) -> ChatLayout:
-    """The layout of a chat request (raises :class:`InvalidRequestError` naming the problem)."""
+def check_fits(tokenizer: Any, texts: Sequence[str], context_length: int, as_text: bool = True) -> None:
+    """Refuse texts that cannot fit the context before they are rendered and tokenized whole: an oversized
+    request then costs one piece of tokenization, not memory in proportion to its size. Texts of fewer
+    characters than the context are never counted (they are small)."""
+    if sum(len(text) for text in texts) <= context_length:
+        return
+    tokens = count_tokens_at_least(tokenizer, texts, context_length, as_text)
+    if tokens > context_length:
+        raise ContextLengthError(tokens, 0, context_length, at_least=True)
+
+
+def chat_request_layout(tokenizer: Any, body: ChatCompletionRequest, protect_tail_tokens: int,
+                        context_length: int) -> ChatLayout:
+    """The layout of a chat request; a problem is a 400 naming ``messages`` or ``spec_prefill.documents``."""
     options = body.spec_prefill
-    return chat_layout(
-        tokenizer, [_core_message(m) for m in body.messages], _documents(options), protect_tail_tokens,
-        question=options.question, insert_missing=options.insert_documents,
-    )
+    messages = [_core_message(m) for m in body.messages]
+    documents = _documents(options)
+    check_fits(tokenizer, [m.text for m in messages], context_length)
+    check_fits(tokenizer, [d.text for d in documents or ()], context_length)  # located or inserted: both count
+    try:
+        return chat_layout(tokenizer, messages, documents, protect_tail_tokens, question=options.question,
+                           insert_missing=options.insert_documents)
+    except ContextLengthError:
+        raise
+    except InvalidRequestError as error:
+        raise bad_request(str(error), "messages") from None
 
 
 def _located_segments(prompt: str, documents: list[Document]) -> list[Segment]:
@@ -54,13 +81,13 @@ def _located_segments(prompt: str, documents: list[Document]) -> list[Segment]:
         start = prompt.find(document.text)
         if start < 0:
             raise bad_request(f"spec_prefill.documents[{index}] does not occur verbatim in the prompt; send the "
-                              "documents exactly as they appear in it, or leave them out", "spec_prefill.documents")
+                              "documents exactly as they appear in it, or leave them out", DOCUMENTS_FIELD)
         spans.append((start, start + len(document.text), index))
     segments, cursor = [], 0
     for start, end, index in sorted(spans):
         if start < cursor:
             raise bad_request(f"spec_prefill.documents[{index}] overlaps another document in the prompt",
-                              "spec_prefill.documents")
+                              DOCUMENTS_FIELD)
         client_text = Segment(prompt[cursor:start], Role.QUESTION, scaffold=True)
         segments += [client_text, Segment(prompt[start:end], Role.DOCUMENT, index)]
         cursor = end
@@ -68,17 +95,24 @@ def _located_segments(prompt: str, documents: list[Document]) -> list[Segment]:
     return [s for s in segments if s.text]
 
 
-def completion_request_layout(engine: Any, body: CompletionRequest) -> ChatLayout:
+def completion_request_layout(engine: Any, body: CompletionRequest, context_length: int) -> ChatLayout:
     """The layout of a text-completion request; the prompt is tokenized exactly as sent."""
     prompt = body.text
     if not prompt.strip():
-        raise InvalidRequestError("prompt is empty; send the prompt text")
+        raise bad_request("prompt is empty; send the prompt text", "prompt")
     documents = _documents(body.spec_prefill)
+    check_fits(engine.tokenizer, [prompt], context_length, as_text=False)  # a lower bound either way
     if documents is None:
         return ChatLayout(engine.text_layout(prompt, parse_special_tokens=True), "none", 0)
-    if not documents:
-        raise bad_request("spec_prefill.documents is empty; send the documents or leave the field out",
-                          "spec_prefill.documents")
-    normalised = [as_document(d, i) for i, d in enumerate(documents)]
-    layout = layout_from_segments(engine.tokenizer, _located_segments(prompt, normalised), add_special_tokens=False)
-    return ChatLayout(layout, "argument-located", len(normalised))
+    layout = layout_from_segments(engine.tokenizer, _located_segments(prompt, documents), add_special_tokens=False)
+    return ChatLayout(layout, "argument-located", len(documents))
+
+
+def tokenize_request(tokenizer: Any, body: TokenizeRequest, context_length: int) -> list[int]:
+    """``POST /tokenize``: the prompt's token ids as the main model reads them (special-token strings are control
+    tokens, as in a completion prompt); a prompt longer than the context is refused, not tokenized whole."""
+    check_fits(tokenizer, [body.prompt], context_length, as_text=False)
+    ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+    if len(ids) > context_length:
+        raise ContextLengthError(len(ids), 0, context_length)
+    return list(ids)

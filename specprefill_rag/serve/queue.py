@@ -68,6 +68,7 @@ class DraftQueue:
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task[None] | None = None
         self._recent_batch_s = 0.0
+        self._batch_started: float | None = None  # when the batch being scored began
         self.on_batch: Callable[[int, float], None] = lambda size, seconds: None
 
     @property
@@ -103,9 +104,14 @@ class DraftQueue:
                 self._waiting.remove(job)
 
     def _retry_after_s(self) -> int:
-        """Seconds until the queue has likely drained enough for one more request."""
+        """Seconds until the queue has likely drained enough for one more request: the batches ahead times a
+        batch's recent time, or, before any batch has finished, the time the running one has taken so far
+        (a lower bound of its length)."""
         batches_ahead = self.depth / self.batch_size + 1
-        return max(1, math.ceil(batches_ahead * self._recent_batch_s))
+        batch_s = self._recent_batch_s
+        if not batch_s and self._batch_started is not None:
+            batch_s = time.perf_counter() - self._batch_started
+        return max(1, math.ceil(batches_ahead * batch_s))
 
     def _take(self) -> list[_Job]:
         batch: list[_Job] = []
@@ -132,8 +138,11 @@ class DraftQueue:
                     await self._score(batch)
 
     async def _score(self, batch: list[_Job]) -> None:
-        started = time.perf_counter()
-        results = await asyncio.to_thread(self._score_all, [job.input_ids for job in batch])
+        started = self._batch_started = time.perf_counter()
+        try:
+            results = await asyncio.to_thread(self._score_all, [job.input_ids for job in batch])
+        finally:
+            self._batch_started = None
         seconds = time.perf_counter() - started
         self._recent_batch_s = 0.8 * self._recent_batch_s + 0.2 * seconds if self._recent_batch_s else seconds
         self.on_batch(len(batch), seconds)

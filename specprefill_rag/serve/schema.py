@@ -2,7 +2,9 @@
 
 Only fields the gateway honours are declared; any other field is refused (``extra="forbid"``) with a
 400 that names it, and so is a declared field whose value asks for something unsupported (``n=2``,
-``logprobs``, a penalty): nothing a client asks for is silently ignored. The per-request SpecPrefill
+``logprobs``, a penalty): nothing a client asks for is silently ignored. Types are strict: ``true`` is
+not a number, ``"yes"`` not a boolean, ``1.0`` not an integer (an integer is a number). Integers have
+bounds, so a 4,000-digit ``max_tokens`` fails here, before any work. The per-request SpecPrefill
 options travel in ``spec_prefill`` (OpenAI clients send it with ``extra_body``).
 """
 
@@ -12,11 +14,15 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ..config import KeepRate
+from ..config import MIN_TEMPERATURE, StrictKeepRate, check_temperature
+from .errors import echoed
+
+MAX_TOKENS = (1 << 31) - 1  # bound of every token count a request names (contexts are far smaller)
+MAX_STOP_STRINGS = 32  # each generated token is checked against every stop string
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class DocumentOption(_Strict):
@@ -31,11 +37,11 @@ class SpecPrefillOptions(_Strict):
     """Per-request SpecPrefill settings; absent fields take the gateway's defaults."""
 
     enabled: bool = Field(True, description="False: send the whole prompt, no draft.")
-    keep_rate: KeepRate | None = Field(
+    keep_rate: StrictKeepRate | None = Field(
         None, description="Share of document tokens kept, in (0, 1], or 'auto' (chosen per request from the draft's "
         "importance)."
     )
-    max_document_tokens: int | None = Field(None, ge=0, description="Cap on kept document tokens.")
+    max_document_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="Cap on kept document tokens.")
     documents: list[Union[str, DocumentOption]] | None = Field(
         None, min_length=1,
         description="The retrieved documents: located verbatim in the messages, else inserted before the last user "
@@ -76,7 +82,7 @@ class StreamOptions(_Strict):
 
 def _neutral(name: str, value: Any, neutral: tuple[Any, ...], why: str) -> Any:
     if value not in neutral:
-        raise ValueError(f"{name}={value!r} is not supported by the SpecPrefill gateway ({why})")
+        raise ValueError(f"{name}={echoed(repr(value))} is not supported by the SpecPrefill gateway ({why})")
     return value
 
 
@@ -84,16 +90,21 @@ class _Sampling(_Strict):
     """Fields common to chat and text completions."""
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, description="0 = greedy.")
+    temperature: float = Field(1.0, ge=0.0, description=f"0 = greedy; else at least {MIN_TEMPERATURE}.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     spec_prefill: SpecPrefillOptions = Field(default_factory=SpecPrefillOptions)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        return check_temperature(value)
 
     @field_validator("n")
     @classmethod
@@ -116,8 +127,8 @@ class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
 
     @field_validator("logprobs")
@@ -134,7 +145,7 @@ class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a text prompt (a list of one prompt is accepted)."""
 
     prompt: Union[str, list[str]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -160,6 +171,14 @@ class CompletionRequest(_Sampling):
         return self.max_tokens
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's fields): the prompt's token ids as the main model reads them."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = False
+
+
 def _is_branch_label(part: object) -> bool:
     """pydantic names the union member it tried in an error's location (``str``, ``list[...]``...)."""
     text = str(part)
@@ -170,8 +189,9 @@ def _is_branch_label(part: object) -> bool:
 def first_problem(error: ValidationError) -> tuple[str, str]:
     """The most specific validation problem as (field path, message), e.g. ``("spec_prefill.keep_rate", ...)``.
 
-    A value no member of a union accepts fails once per member; the deepest failure says the most."""
-    problem = max(error.errors(), key=lambda e: len(e["loc"]))
+    A value no member of a union accepts fails once per member; the deepest failure says the most, and of
+    equally deep ones a broken constraint (a list too long) more than a member whose type did not match."""
+    problem = max(error.errors(), key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
     field = ".".join(str(part) for part in problem["loc"] if not _is_branch_label(part)) or "body"
     if problem["type"] == "extra_forbidden":
         return field, f"unsupported field '{field}': the SpecPrefill gateway does not support it; remove it"

@@ -21,16 +21,27 @@ def _uvicorn() -> Any:
     return uvicorn
 
 
+def uvicorn_config(app: Any, settings: GatewaySettings, **options: Any) -> Any:
+    """uvicorn's config for the gateway: HTTP/1.1 with the header deadline, the connection bound."""
+    uvicorn = _uvicorn()
+    from .protocol import with_header_timeout  # imports uvicorn: only once it is known to be installed
+
+    return uvicorn.Config(app, http=with_header_timeout(settings.header_timeout_s),
+                          limit_concurrency=settings.max_connections, **options)
+
+
 def run(settings: GatewaySettings, log_level: str = "info") -> None:
     """Serve until interrupted (``specprefill-rag serve``)."""
     from .app import create_app
 
-    uvicorn = _uvicorn()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=log_level)
+    config = uvicorn_config(create_app(settings), settings, host=settings.host, port=settings.port,
+                            log_level=log_level)
+    _uvicorn().Server(config).run()
 
 
 class BackgroundServer:
-    """An ASGI app served by uvicorn on ``127.0.0.1`` (a free port) in a daemon thread.
+    """A gateway app (:func:`~specprefill_rag.serve.create_app`) served by uvicorn on ``127.0.0.1`` (a free port)
+    in a daemon thread, with the connection settings ``specprefill-rag serve`` uses.
 
     Example::
 
@@ -43,7 +54,7 @@ class BackgroundServer:
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, app.state.gateway.settings, log_level="warning", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
         self._start_timeout_s = start_timeout_s

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from ..config import (
     DEFAULT_AUTO_KEEP_CEILING,
@@ -25,6 +25,12 @@ from ..config import (
 # prompts under min_prompt_tokens (1,024) are never drafted. GPU: 8, as a batch of short forwards
 # normally costs little more than one there (not measured yet: no GPU lent).
 DEFAULT_DRAFT_BATCH_SIZE = {"cpu": 1, "cuda": 8}
+# The default body limit: 32 bytes per token of the main model's context, at least 1 MiB. English text is about
+# 4-5 bytes a token and JSON-escaped CJK about 8, so a body past this cannot hold a prompt that fits the context.
+BODY_BYTES_PER_CONTEXT_TOKEN = 32
+MIN_DEFAULT_BODY_BYTES = 1 << 20
+# The Host names a gateway bound to loopback answers by default (DNS rebinding sends another name).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
 class GatewaySettings(BaseModel):
@@ -84,6 +90,54 @@ class GatewaySettings(BaseModel):
     batch_window_ms: float = Field(0.0, ge=0.0, description="Wait this long for more requests before a draft batch.")
     request_timeout_s: float = Field(600.0, gt=0.0, description="Deadline of one request: queue, draft and answer.")
     upstream_timeout_s: float = Field(60.0, gt=0.0, description="Seconds to wait on the vLLM server per connect/read.")
+    max_body_bytes: int | None = Field(
+        None, ge=1024, le=1 << 34,
+        description="Largest request body, bytes (more: 413, read no further). None: 32 bytes per token of the main "
+        "model's context, at least 1 MiB.",
+    )
+    max_concurrent_requests: int = Field(
+        128, ge=1, le=65536,
+        description="Requests in flight at once, of every kind (drafted, short, /tokenize, /v1/models); more get 429 "
+        "with a Retry-After from measured service times. /health and /metrics are not counted.",
+    )
+    max_connections: int = Field(
+        1024, ge=1, le=65536, description="Open connections plus running requests at most (uvicorn's "
+        "limit_concurrency); past it new requests get 503.",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0, description="A client must send a request's headers within this many seconds of "
+        "connecting (or of its previous answer); else the connection is closed.",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0, description="A client must send the whole body within this many seconds of its "
+        "headers; else 408.",
+    )
+    allowed_hosts: tuple[str, ...] | None = Field(
+        None, description="Host header values answered ('*.example.com' patterns, '*' = any); others get 400. None: "
+        "the loopback names and the bound address when bound to loopback, else any.",
+    )
+    cors_origins: tuple[str, ...] = Field(
+        (), description="Browser origins allowed to call the gateway (CORS); none by default, so web pages cannot "
+        "read its answers.",
+    )
+
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, value: SecretStr | None) -> SecretStr | None:
+        key = value.get_secret_value() if value is not None else None
+        if key is not None and (not key or key != key.strip()):
+            raise ValueError("api_key is empty or starts or ends with whitespace, so no client could send it; pass "
+                             "the key without surrounding spaces, or leave it unset for an open gateway")
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        for pattern in value or ():
+            wildcard = pattern == "*" or (pattern.startswith("*.") and "*" not in pattern[2:])
+            if not pattern.strip() or ("*" in pattern and not wildcard):
+                raise ValueError(f"allowed_hosts entry {pattern!r} is not a host name, '*.domain' or '*'")
+        return value
 
     @model_validator(mode="after")
     def _auto_bounds(self) -> GatewaySettings:
@@ -102,6 +156,21 @@ class GatewaySettings(BaseModel):
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
+
+    def resolved_allowed_hosts(self) -> tuple[str, ...]:
+        """``allowed_hosts``, or the default for the bound address."""
+        if self.allowed_hosts is not None:
+            return self.allowed_hosts
+        if not self.is_loopback:
+            return ("*",)
+        bound = f"[{self.host}]" if ":" in self.host else self.host
+        return tuple(dict.fromkeys((*LOOPBACK_HOSTS, bound)))
+
+    def resolved_max_body_bytes(self, context_length: int) -> int:
+        """``max_body_bytes``, or the default for a main model of ``context_length`` tokens."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return max(MIN_DEFAULT_BODY_BYTES, BODY_BYTES_PER_CONTEXT_TOKEN * context_length)
 
     def resolved_device(self) -> str:
         """``device`` with 'auto' resolved: the first GPU when torch sees one, else the CPU."""

@@ -1,0 +1,180 @@
+"""Admission of every HTTP request before a route runs: the key, the concurrency bound, the JSON content
+type, and the body, read under a size limit and a deadline.
+
+A request turned away here costs constant work and at most ``max_body_bytes`` of memory: no tokenizer,
+no model, no thread. The order is the cheapest refusal first: key (401), a free slot (429), content type
+(415), declared length (413), then the body as it arrives (413 past the limit, 408 past the deadline).
+A client that disconnects mid-body is counted as ``disconnected``, not as an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from contextlib import contextmanager
+from typing import Any
+
+from .errors import GatewayError, body_too_slow, not_json, overloaded, too_large, unauthorized
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without a key and not counted against the bound
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # metric labels
+_JSON = "application/json"
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its body was complete."""
+
+
+class Slots:
+    """At most ``capacity`` requests in flight, with a Retry-After estimate for the rest.
+
+    Used from the event loop only (no lock). Little's law: with ``capacity`` requests in flight that each
+    stay ``W`` seconds on average, one slot frees about every ``W / capacity`` seconds. Before any request
+    has finished, ``W`` is at least the age of the oldest one in flight.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._started: dict[int, float] = {}
+        self._next_id = 0
+        self._mean_s: float | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._started)
+
+    def retry_after_s(self) -> int:
+        now = time.monotonic()
+        stay = self._mean_s if self._mean_s is not None else max((now - t for t in self._started.values()), default=0)
+        return max(1, math.ceil(stay / self.capacity))
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """One slot for the body of the ``with``; raises a 429 :class:`GatewayError` when none is free."""
+        if self.in_flight >= self.capacity:
+            raise overloaded(self.capacity, self.retry_after_s())
+        slot, self._next_id = self._next_id, self._next_id + 1
+        self._started[slot] = time.monotonic()
+        try:
+            yield
+        finally:
+            stayed = time.monotonic() - self._started.pop(slot)
+            self._mean_s = stayed if self._mean_s is None else 0.9 * self._mean_s + 0.1 * stayed
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def bearer_matches(header: bytes | None, key: bytes) -> bool:
+    """``Authorization: Bearer <key>``, the scheme in any case (RFC 9110), the key compared in constant time."""
+    scheme, _, token = (header or b"").partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), key)
+
+
+def _media_type(header: bytes | None) -> str:
+    return (header or b"").decode("latin-1").split(";", 1)[0].strip().lower()
+
+
+async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
+    """The whole body, or a 413 past ``limit`` bytes / a 408 past ``timeout_s`` (what arrived is dropped)."""
+    chunks, size = [], 0
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            raise body_too_slow(timeout_s) from None
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the body already read, then the client's later messages
+    (its disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed
+
+
+async def send_error(send: Send, error: GatewayError) -> None:
+    """Answer with the gateway's JSON error body."""
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", _JSON.encode()), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode(), value.encode()) for name, value in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestGuard:
+    """ASGI middleware admitting requests (see the module docstring).
+
+    Args:
+        app: the routes.
+        api_key: the Bearer key, or None for an open gateway.
+        slots: the concurrency bound.
+        max_body_bytes: largest body.
+        body_timeout_s: deadline of the whole body, from the headers.
+        count: ``count(endpoint, outcome)`` for refused completion requests (metrics).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, slots: Slots, max_body_bytes: int,
+                 body_timeout_s: float, count: Callable[[str, str], None]) -> None:
+        self.app = app
+        self._key = api_key.encode() if api_key is not None else None
+        self.slots = slots
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+        self._count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        endpoint = ENDPOINTS.get(scope["path"])
+        try:
+            if self._key is not None and not bearer_matches(_header(scope, b"authorization"), self._key):
+                raise unauthorized()
+            with self.slots.hold():
+                if scope["method"] == "POST":
+                    receive = _replay(await self._body(scope, receive), receive)
+                await self.app(scope, receive, send)
+        except GatewayError as error:
+            if endpoint is not None:
+                self._count(endpoint, error.outcome)
+            await send_error(send, error)
+        except _ClientGone:
+            if endpoint is not None:
+                self._count(endpoint, "disconnected")
+
+    async def _body(self, scope: Scope, receive: Receive) -> bytes:
+        content_type = _header(scope, b"content-type")
+        if _media_type(content_type) != _JSON:
+            raise not_json((content_type or b"").decode("latin-1"))
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_body_bytes):
+            raise too_large(self.max_body_bytes)
+        return await read_body(receive, self.max_body_bytes, self.body_timeout_s)
