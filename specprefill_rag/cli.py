@@ -8,8 +8,11 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
+from pydantic.fields import FieldInfo
 
 from .config import AUTO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL
 from .errors import SpecPrefillError
@@ -97,64 +100,64 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """``serve``: each option's dest is a :class:`GatewaySettings` field; unset options keep its default."""
+    """``serve``: one option per :class:`GatewaySettings` field (its type, choices and description); unset
+    options keep the field's default."""
     serve = commands.add_parser("serve", help="run the OpenAI-compatible SpecPrefill gateway",
                                 argument_default=argparse.SUPPRESS)
-    serve.add_argument("--main", help="URL of a vLLM server with this package's plugin, or a model spec run "
-                       "in-process (default: the embedded smollm2-135m)")
-    serve.add_argument("--draft", help="draft model spec (default: smollm2-135m), or 'self:<n>' with an in-process main")
-    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="port (default 8100)")
-    serve.add_argument("--api-key", dest="api_key", help="Bearer key for /v1 (default: $SPECPREFILL_API_KEY; none = open)")
-    serve.add_argument("--served-model-name", dest="served_model_name", help="model name clients send")
-    serve.add_argument("--keep-rate", dest="keep_rate", type=keep_rate_option,
-                       help="default share of document tokens kept, (0, 1], or 'auto'")
-    for bound in ("share", "floor", "ceiling"):
-        serve.add_argument(f"--auto-keep-{bound}", dest=f"auto_keep_{bound}", type=float,
-                           help=f"keep rate 'auto': its {bound} (default: the engine's)")
-    serve.add_argument("--max-document-tokens", dest="max_document_tokens", type=int)
-    serve.add_argument("--min-prompt-tokens", dest="min_prompt_tokens", type=int, help="shorter prompts are sent whole")
-    serve.add_argument("--look-ahead", dest="look_ahead", type=int)
-    serve.add_argument("--positions", choices=["original", "contiguous"],
-                       help="kept tokens' position ids: original (default) or contiguous 0..K-1 (no vLLM plugin needed)")
-    serve.add_argument("--device", help="draft device: auto (a GPU when present), cpu, cuda, cuda:1...")
-    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    serve.add_argument("--on-draft-error", dest="on_draft_error", choices=["full", "fail"],
-                       help="a failed draft: send the request whole (default) or answer 500")
-    serve.add_argument("--on-missing-plugin", dest="on_missing_plugin", choices=["error", "full_prompt"])
-    serve.add_argument("--max-draft-tokens", dest="max_draft_tokens", type=int,
-                       help="most prompt tokens one request may send through the draft (default: its context)")
-    serve.add_argument("--draft-cache-mb", dest="draft_cache_mb", type=int,
-                       help="draft prefix KV cache in MiB, 0 = off (default 2048)")
-    serve.add_argument("--queue-size", dest="queue_size", type=int, help="requests waiting at most (more: 429)")
-    serve.add_argument("--draft-batch-size", dest="draft_batch_size", type=int,
-                       help="prompts per draft forward (default: 1 on CPU, 8 on a GPU)")
-    serve.add_argument("--draft-batch-tokens", dest="draft_batch_tokens", type=int, help="rows x longest prompt cap")
-    serve.add_argument("--batch-window-ms", dest="batch_window_ms", type=float, help="wait for more requests to batch")
-    serve.add_argument("--request-timeout", dest="request_timeout_s", type=float, help="deadline of a request, s")
-    serve.add_argument("--upstream-timeout", dest="upstream_timeout_s", type=float, help="vLLM connect/read timeout, s")
-    _add_limit_options(serve)
+    for name, info in GatewaySettings.model_fields.items():
+        serve.add_argument(option_name(name, info.annotation), dest=name, help=_described(info),
+                           **_option_kind(info.annotation))
     serve.add_argument("--log-level", dest="log_level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def _described(field: str) -> str:
+def option_name(field: str, annotation: Any) -> str:
+    """``request_timeout_s`` -> ``--request-timeout``; a list field takes one value per use: ``allowed_hosts``
+    -> ``--allowed-host``."""
+    name = field.removesuffix("_s")
+    if _members(annotation)[0] is tuple:
+        name = name.removesuffix("s")
+    return "--" + name.replace("_", "-")
+
+
+def _members(annotation: Any) -> list[Any]:
+    """A field's types with None left out (``int | None`` -> [int]); generics by their origin (tuple), a
+    Literal as itself."""
+    members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return [m if get_origin(m) in (None, Literal) else get_origin(m) for m in members if m is not type(None)]
+
+
+def _option_kind(annotation: Any) -> dict[str, Any]:
+    """argparse's ``type``, ``choices`` or ``action`` for a settings field's annotation."""
+    members = _members(annotation)
+    literals = [value for m in members if get_origin(m) is Literal for value in get_args(m)]
+    plain = [m for m in members if get_origin(m) is not Literal]
+    if not plain:
+        return {"choices": literals}
+    if plain[0] is tuple:
+        return {"action": "append"}
+    kind = str if plain[0] is SecretStr else plain[0]
+    return {"type": _or_literal(kind, literals) if literals else kind}
+
+
+def _or_literal(kind: type, literals: list[str]) -> Any:
+    """An option type taking one of ``literals`` or a ``kind`` (``--keep-rate auto`` or ``--keep-rate 0.2``)."""
+
+    def parse(text: str) -> Any:
+        if text in literals:
+            return text
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither a {kind.__name__} nor one of {literals}") from None
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _described(info: FieldInfo) -> str:
     """A serve option's help: its settings field's description and default."""
-    info = GatewaySettings.model_fields[field]
-    return f"{info.description} (default: {info.default})".replace("%", "%%")
-
-
-def _add_limit_options(serve: argparse.ArgumentParser) -> None:
-    """What one client may cost the gateway, and who may call it."""
-    for flag, field, kind in [("--max-body-bytes", "max_body_bytes", int),
-                              ("--max-concurrent-requests", "max_concurrent_requests", int),
-                              ("--max-connections", "max_connections", int),
-                              ("--header-timeout", "header_timeout_s", float),
-                              ("--body-timeout", "body_timeout_s", float)]:
-        serve.add_argument(flag, dest=field, type=kind, help=_described(field))
-    serve.add_argument("--allowed-host", dest="allowed_hosts", action="append", metavar="HOST",
-                       help=_described("allowed_hosts") + "; repeat for more")
-    serve.add_argument("--cors-origin", dest="cors_origins", action="append", metavar="ORIGIN",
-                       help=_described("cors_origins") + "; repeat for more")
+    default = "" if info.default is None or info.default == () else f" (default: {info.default})"
+    return f"{info.description or ''}{default}".replace("%", "%%")
 
 
 def serve_settings(args: argparse.Namespace) -> object:

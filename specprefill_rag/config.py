@@ -11,6 +11,8 @@ import numbers
 import re
 from typing import Annotated, Any, Literal, Union
 
+from typing_extensions import Self
+
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 # The device types torch runs this package on, with an optional index ("cuda:1").
@@ -96,21 +98,31 @@ def check_auto_bounds(floor: float, ceiling: float) -> None:
         )
 
 
-class SpecPrefillConfig(BaseModel):
-    """Settings of a :class:`~specprefill_rag.engine.SpecPrefillEngine`.
+def is_self_spec(draft: str) -> bool:
+    """True for the draft specs 'self' and 'self:<n>': the main model scores with its own first layers."""
+    return draft == SELF_DRAFT or draft.startswith(SELF_DRAFT_PREFIX)
 
-    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field on bad values (NaN and
-    infinities included).
+
+def check_self_draft_look_ahead(settings: CompressionSettings, draft: str) -> None:
+    """A 'self' draft cannot decode look-ahead tokens: ``ValueError`` if ``look_ahead`` was set above 1 for one."""
+    if is_self_spec(draft) and "look_ahead" in settings.model_fields_set and settings.look_ahead != 1:
+        raise ValueError(
+            f"draft {draft!r} scores with part of the main model and cannot decode look-ahead tokens; "
+            "leave look_ahead unset or set it to 1"
+        )
+
+
+class CompressionSettings(BaseModel):
+    """How prompts are compressed: the keep budget, the draft's queries, the prompt length below which
+    nothing is compressed, the kept tokens' positions and the models' dtype.
+
+    The one declaration of these fields (default, bounds, description): the engine's
+    :class:`SpecPrefillConfig`, the gateway's settings and both framework adapters inherit them, and pass
+    what was set on to the engine with :meth:`compression`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False)
 
-    main: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
-    draft: str = Field(
-        DEFAULT_MODEL,
-        description="Draft model spec (same forms as `main`), or 'self:<n>' to score with the main model's first n "
-        "layers ('self': the first 40%).",
-    )
     keep_rate: KeepRate = Field(
         0.3,
         description="Fraction of document tokens the main model prefills, in (0, 1]; or 'auto': per request, the "
@@ -134,18 +146,9 @@ class SpecPrefillConfig(BaseModel):
     max_document_tokens: int | None = Field(
         None, ge=0, description="Hard cap on kept document tokens; with keep_rate, the tighter budget wins."
     )
-    max_draft_tokens: int | None = Field(
-        None, ge=1,
-        description="Most prompt tokens one request may send through the draft (its memory grows with them; "
-        "README 'Resource bounds'); None = the draft's context. Longer prompts get a DraftLimitError.",
+    look_ahead: int = Field(
+        8, ge=1, le=64, description="Queries: last prompt token + look_ahead-1 draft tokens (not for 'self' drafts)."
     )
-    look_ahead: int = Field(8, ge=1, le=64, description="Queries: last prompt token + look_ahead-1 draft tokens.")
-    self_draft_window: int = Field(
-        16, ge=1, le=512,
-        description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt tokens.",
-    )
-    pool_kernel: int = Field(13, ge=1, description="Average-pooling kernel along the prompt (odd).")
-    chunk_size: int = Field(32, ge=1, description="Document tokens are kept or dropped in chunks of this size.")
     min_prompt_tokens: int = Field(
         DEFAULT_MIN_PROMPT_TOKENS, ge=0,
         description="Prompts shorter than this are prefilled whole (compression would not pay).",
@@ -159,6 +162,49 @@ class SpecPrefillConfig(BaseModel):
         "or 'contiguous' (renumbered 0..K-1: an ordinary shorter prompt, so a vLLM server needs no plugin). "
         "BENCHMARKS.md compares them.",
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="'auto' = bfloat16 on a CPU that computes it natively (AVX512-BF16 or AMX), float32 on other CPUs; "
+        "bfloat16 on CUDA (float16 where the GPU lacks bfloat16).",
+    )
+
+    @model_validator(mode="after")
+    def _auto_bounds(self) -> Self:
+        check_auto_bounds(self.auto_keep_floor, self.auto_keep_ceiling)
+        return self
+
+    def compression(self) -> dict[str, Any]:
+        """The compression settings given explicitly, for the engine's config (the others keep its defaults,
+        which are these fields' own; so ``look_ahead`` reaches a 'self' draft only when set, and is refused)."""
+        return {name: getattr(self, name) for name in CompressionSettings.model_fields if name in self.model_fields_set}
+
+
+class SpecPrefillConfig(CompressionSettings):
+    """Settings of a :class:`~specprefill_rag.engine.SpecPrefillEngine`.
+
+    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field on bad values (NaN and
+    infinities included).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    main: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
+    draft: str = Field(
+        DEFAULT_MODEL,
+        description="Draft model spec (same forms as `main`), or 'self:<n>' to score with the main model's first n "
+        "layers ('self': the first 40%).",
+    )
+    max_draft_tokens: int | None = Field(
+        None, ge=1,
+        description="Most prompt tokens one request may send through the draft (its memory grows with them; "
+        "docs: Resource bounds); None = the draft's context. Longer prompts get a DraftLimitError.",
+    )
+    self_draft_window: int = Field(
+        16, ge=1, le=512,
+        description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt tokens.",
+    )
+    pool_kernel: int = Field(13, ge=1, description="Average-pooling kernel along the prompt (odd).")
+    chunk_size: int = Field(32, ge=1, description="Document tokens are kept or dropped in chunks of this size.")
     tokenizer: str | None = Field(
         None,
         description="Main model on vLLM only: the served model's tokenizer (HF id, folder, .gguf or 'smollm2-135m'); "
@@ -170,11 +216,6 @@ class SpecPrefillConfig(BaseModel):
         "(same documents, another question) has the draft prefill only the rest.",
     )
     device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="'auto' = bfloat16 on a CPU that computes it natively (AVX512-BF16 or AMX), float32 on other CPUs; "
-        "bfloat16 on CUDA (float16 where the GPU lacks bfloat16).",
-    )
 
     @field_validator("device")
     @classmethod
@@ -203,23 +244,14 @@ class SpecPrefillConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _auto_bounds(self) -> SpecPrefillConfig:
-        check_auto_bounds(self.auto_keep_floor, self.auto_keep_ceiling)
-        return self
-
-    @model_validator(mode="after")
     def _self_draft_look_ahead(self) -> SpecPrefillConfig:
-        if self.is_self_draft and "look_ahead" in self.model_fields_set and self.look_ahead != 1:
-            raise ValueError(
-                f"draft {self.draft!r} scores with part of the main model and cannot decode look-ahead tokens; "
-                "leave look_ahead unset or set it to 1"
-            )
+        check_self_draft_look_ahead(self, self.draft)
         return self
 
     @property
     def is_self_draft(self) -> bool:
         """True for 'self' and 'self:<n>': the main model scores with its own first layers."""
-        return self.draft == SELF_DRAFT or self.draft.startswith(SELF_DRAFT_PREFIX)
+        return is_self_spec(self.draft)
 
     @property
     def self_draft_layers(self) -> int | None:
@@ -274,24 +306,21 @@ class GenerationParams(BaseModel):
         return tuple(value)
 
 
-def adapter_config(backend: str, draft: str, look_ahead: int, **fields: object) -> SpecPrefillConfig:
+def adapter_config(backend: str, draft: str, **fields: object) -> SpecPrefillConfig:
     """The config behind a framework adapter's fields (LangChain, LlamaIndex).
 
     ``backend`` is ``"transformers"`` (main model in-process) or the URL of a vLLM server with this
-    package's plugin. Adapters expose ``look_ahead`` with its default even for ``self:<n>`` drafts,
-    where it does not apply, so it is passed on only for separate drafts. Raises ``ValueError`` on a
-    bad backend, so pydantic reports it as a field error of the adapter.
+    package's plugin; ``fields`` are the config's (the adapter's :meth:`CompressionSettings.compression`
+    and its models). Raises ``ValueError`` on a bad backend, so pydantic reports it as a field error of
+    the adapter.
     """
     if backend != "transformers" and not backend.startswith(("http://", "https://")):
         raise ValueError(
             f"backend {backend!r} is neither 'transformers' (in-process) nor the http(s) URL of a vLLM server"
         )
-    is_self = draft == SELF_DRAFT or draft.startswith(SELF_DRAFT_PREFIX)
-    if backend != "transformers" and is_self:
+    if backend != "transformers" and is_self_spec(draft):
         raise ValueError(f"draft {draft!r} needs the main model in-process; with a vLLM server use a separate draft")
     if backend == "transformers" and fields.get("tokenizer") is not None:
         raise ValueError("tokenizer names the served model's tokenizer of a vLLM backend; in-process the main "
                          "model's own is used: leave it unset")
-    if not is_self:
-        fields["look_ahead"] = look_ahead
     return SpecPrefillConfig(draft=draft, **fields)  # type: ignore[arg-type]

@@ -86,6 +86,6 @@ class DraftOutOfMemoryError(DraftScoringError):
         self.device = device
         super().__init__(
             f"the draft ran out of memory on {device} scoring a prompt of {prompt_tokens} tokens; lower "
-            "max_draft_tokens below that (see README, 'Resource bounds'), send fewer documents, or give the draft "
+            "max_draft_tokens below that (see the docs, 'Resource bounds'), send fewer documents, or give the draft "
             "a device with more free memory"
         )

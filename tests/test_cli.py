@@ -1,7 +1,8 @@
 import json
 
-from specprefill_rag.cli import main
+import pytest
 
+from specprefill_rag.cli import main
 from specprefill_rag.testing import random_documents
 
 
@@ -99,3 +100,47 @@ def test_draft_batch_size_defaults_to_the_measured_choice_per_device():
     assert GatewaySettings(device="cpu").resolved_draft_batch_size() == 1
     assert GatewaySettings(device="cuda:1").resolved_draft_batch_size() == 8
     assert GatewaySettings(device="cpu", draft_batch_size=3).resolved_draft_batch_size() == 3
+
+
+# The serve options every release so far has had: generated from GatewaySettings now, they must all stay.
+RELEASED_SERVE_OPTIONS = [
+    "--main", "--draft", "--host", "--port", "--api-key", "--served-model-name", "--keep-rate", "--auto-keep-share",
+    "--auto-keep-floor", "--auto-keep-ceiling", "--max-document-tokens", "--min-prompt-tokens", "--look-ahead",
+    "--positions", "--device", "--dtype", "--on-draft-error", "--on-missing-plugin", "--max-draft-tokens",
+    "--draft-cache-mb", "--queue-size", "--draft-batch-size", "--draft-batch-tokens", "--batch-window-ms",
+    "--request-timeout", "--upstream-timeout", "--log-level",
+]
+
+
+def test_every_gateway_setting_is_a_serve_option_and_no_released_option_is_gone():
+    from specprefill_rag.cli import option_name, parser
+    from specprefill_rag.serve.settings import GatewaySettings
+
+    serve = parser()._subparsers._group_actions[0].choices["serve"]
+    options = {flag: action.dest for action in serve._actions for flag in action.option_strings}
+    assert set(RELEASED_SERVE_OPTIONS) <= set(options)
+    for name, info in GatewaySettings.model_fields.items():
+        flag = option_name(name, info.annotation)
+        assert options[flag] == name
+        assert info.description and info.description.split()[0] in serve.format_help(), name
+
+
+def test_generated_serve_options_parse_into_the_settings():
+    from specprefill_rag.cli import parser, serve_settings
+
+    args = parser().parse_args([
+        "serve", "--keep-rate", "auto", "--look-ahead", "4", "--positions", "contiguous", "--dtype", "float32",
+        "--allowed-host", "gw.internal", "--allowed-host", "*.example.com", "--cors-origin", "https://app.example",
+        "--header-timeout", "2.5", "--max-body-bytes", "4096", "--protect-tail-tokens", "8",
+    ])
+    settings = serve_settings(args)
+    assert settings.keep_rate == "auto" and settings.look_ahead == 4 and settings.positions == "contiguous"
+    assert settings.allowed_hosts == ("gw.internal", "*.example.com") and settings.cors_origins == ("https://app.example",)
+    assert settings.header_timeout_s == 2.5 and settings.max_body_bytes == 4096
+    config = settings.engine_config()
+    assert (config.keep_rate, config.look_ahead, config.positions, config.dtype, config.protect_tail_tokens) == (
+        "auto", 4, "contiguous", "float32", 8)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--keep-rate", "lots"])
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--dtype", "int8"])

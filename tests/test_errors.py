@@ -146,18 +146,22 @@ def test_failed_request_does_not_break_the_engine(engine):
 
 
 def test_adapter_config_backend_and_look_ahead():
+    from pydantic import ValidationError
+
     from specprefill_rag.config import adapter_config
 
     with pytest.raises(ValueError, match="neither 'transformers'"):
-        adapter_config("grpc://host:8000", "smollm2-135m", 8)
+        adapter_config("grpc://host:8000", "smollm2-135m")
     with pytest.raises(ValueError, match="needs the main model in-process"):
-        adapter_config("http://host:8000", "self:4", 8)
+        adapter_config("http://host:8000", "self:4")
     with pytest.raises(ValueError, match="needs the main model in-process"):
-        adapter_config("http://host:8000", "self", 8)
-    assert adapter_config("http://host:8000", "smollm2-135m", 8).look_ahead == 8
-    assert adapter_config("transformers", "self", 8).effective_look_ahead == 1
-    assert adapter_config("transformers", "self:4", 8).effective_look_ahead == 1
-    assert adapter_config("transformers", "smollm2-135m", 3).look_ahead == 3
+        adapter_config("http://host:8000", "self")
+    assert adapter_config("http://host:8000", "smollm2-135m").look_ahead == 8
+    assert adapter_config("transformers", "self").effective_look_ahead == 1
+    assert adapter_config("transformers", "self:4").effective_look_ahead == 1
+    assert adapter_config("transformers", "smollm2-135m", look_ahead=3).look_ahead == 3
+    with pytest.raises(ValidationError, match="cannot decode look-ahead tokens"):  # set, not silently dropped
+        adapter_config("transformers", "self:4", look_ahead=3)
 
 
 def test_auto_dtype_is_float16_on_a_gpu_without_bfloat16(monkeypatch):

@@ -5,19 +5,14 @@ from __future__ import annotations
 import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from ..config import (
-    DEFAULT_AUTO_KEEP_CEILING,
-    DEFAULT_AUTO_KEEP_FLOOR,
-    DEFAULT_AUTO_KEEP_SHARE,
     DEFAULT_DRAFT_CACHE_MB,
-    DEFAULT_MIN_PROMPT_TOKENS,
     DEFAULT_MODEL,
-    KeepRate,
-    Positions,
+    CompressionSettings,
     SpecPrefillConfig,
-    check_auto_bounds,
+    check_self_draft_look_ahead,
 )
 
 # Prompts per batched draft forward when --draft-batch-size is not given. CPU: 1, measured (BENCHMARKS.md,
@@ -33,10 +28,15 @@ MIN_DEFAULT_BODY_BYTES = 1 << 20
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
-class GatewaySettings(BaseModel):
-    """Settings of ``specprefill-rag serve``. Raises ``pydantic.ValidationError`` naming the field."""
+class GatewaySettings(CompressionSettings):
+    """Settings of ``specprefill-rag serve``. Raises ``pydantic.ValidationError`` naming the field.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    The compression settings (``keep_rate``, ``look_ahead``, ``positions``...) are the engine's own
+    (:class:`~specprefill_rag.config.CompressionSettings`); ``specprefill-rag serve`` builds its options
+    from these fields.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     main: str = Field(
         DEFAULT_MODEL,
@@ -45,26 +45,13 @@ class GatewaySettings(BaseModel):
     )
     draft: str = Field(DEFAULT_MODEL, description="Draft model spec, or 'self:<n>' with an in-process main model.")
     host: str = Field("127.0.0.1", description="Address to bind; other than loopback, set api_key.")
-    port: int = Field(8100, ge=0, le=65535)
-    api_key: SecretStr | None = Field(None, description="Bearer key every /v1 request must carry; None = open.")
-    served_model_name: str | None = Field(None, description="Model name in /v1/models; default: the main model's.")
-    keep_rate: KeepRate = Field(0.3, description="Default share of document tokens kept, in (0, 1], or 'auto'.")
-    auto_keep_share: float = Field(DEFAULT_AUTO_KEEP_SHARE, gt=0.0, le=1.0,
-                                   description="keep_rate 'auto': share of the draft's importance mass kept.")
-    auto_keep_floor: float = Field(DEFAULT_AUTO_KEEP_FLOOR, gt=0.0, le=1.0,
-                                   description="keep_rate 'auto': least share of document tokens kept.")
-    auto_keep_ceiling: float = Field(DEFAULT_AUTO_KEEP_CEILING, gt=0.0, le=1.0,
-                                     description="keep_rate 'auto': most share of document tokens kept.")
-    max_document_tokens: int | None = Field(None, ge=0, description="Default cap on kept document tokens.")
-    min_prompt_tokens: int = Field(DEFAULT_MIN_PROMPT_TOKENS, ge=0,
-                                   description="Shorter prompts are sent whole (no draft).")
-    look_ahead: int = Field(8, ge=1, le=64)
-    protect_tail_tokens: int = Field(64, ge=1, description="Without found documents: the last tokens always kept.")
-    positions: Positions = Field(
-        "original", description="Kept tokens' position ids: 'original' or 'contiguous' (0..K-1, no plugin needed)."
+    port: int = Field(8100, ge=0, le=65535, description="Port to bind.")
+    api_key: SecretStr | None = Field(
+        None, description="Bearer key every request but /health and /metrics must carry (the CLI's default: "
+        "$SPECPREFILL_API_KEY); None = open.",
     )
+    served_model_name: str | None = Field(None, description="Model name in /v1/models; default: the main model's.")
     device: str = Field("auto", description="Draft device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:1'...")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     on_draft_error: Literal["full", "fail"] = Field(
         "full", description="A failed draft: send the request uncompressed ('full') or answer 500 ('fail')."
     )
@@ -73,8 +60,8 @@ class GatewaySettings(BaseModel):
         "(positions 'contiguous' needs no plugin: compressed prompts go as ordinary ones).",
     )
     max_draft_tokens: int | None = Field(
-        None, ge=1, description="Most prompt tokens one request may send through the draft (its memory; README "
-        "'Resource bounds'); None: the draft's context. Longer prompts follow on_draft_error."
+        None, ge=1, description="Most prompt tokens one request may send through the draft (its memory; docs: "
+        "Resource bounds); None: the draft's context. Longer prompts follow on_draft_error."
     )
     draft_cache_mb: int = Field(
         DEFAULT_DRAFT_CACHE_MB, ge=0,
@@ -82,7 +69,7 @@ class GatewaySettings(BaseModel):
     )
     queue_size: int = Field(256, ge=1, description="Requests waiting for the draft at most; more get 429.")
     draft_batch_size: int | None = Field(
-        None, ge=1, description="Prompts per batched draft forward; None: 1 on CPU, 8 on a GPU (see above)."
+        None, ge=1, description="Prompts per batched draft forward; None: 1 on CPU, 8 on a GPU."
     )
     draft_batch_tokens: int = Field(
         32768, ge=1, description="Cap on batch rows x longest prompt in one draft forward (padding memory)."
@@ -140,8 +127,8 @@ class GatewaySettings(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _auto_bounds(self) -> GatewaySettings:
-        check_auto_bounds(self.auto_keep_floor, self.auto_keep_ceiling)
+    def _self_draft_look_ahead(self) -> GatewaySettings:
+        check_self_draft_look_ahead(self, self.draft)
         return self
 
     @property
@@ -187,15 +174,8 @@ class GatewaySettings(BaseModel):
         return DEFAULT_DRAFT_BATCH_SIZE["cuda" if self.resolved_device().startswith("cuda") else "cpu"]
 
     def engine_config(self) -> SpecPrefillConfig:
-        """The core engine's config (draft, budget and scoring settings)."""
+        """The core engine's config: the compression settings given here, the models, the draft's bounds."""
         main = self.draft if self.main_is_remote else self.main  # a remote main: the engine only needs a tokenizer
-        config = SpecPrefillConfig(
-            main=main, draft=self.draft, keep_rate=self.keep_rate, max_document_tokens=self.max_document_tokens,
-            auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
-            auto_keep_ceiling=self.auto_keep_ceiling,
-            min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
-            positions=self.positions, max_draft_tokens=self.max_draft_tokens, draft_cache_mb=self.draft_cache_mb,
-            device=self.resolved_device(), dtype=self.dtype,
-        )
-        # look_ahead does not apply to a 'self:<n>' draft (the config refuses it being set there)
-        return config if config.is_self_draft else config.model_copy(update={"look_ahead": self.look_ahead})
+        return SpecPrefillConfig(main=main, draft=self.draft, max_draft_tokens=self.max_draft_tokens,
+                                 draft_cache_mb=self.draft_cache_mb, device=self.resolved_device(),
+                                 **self.compression())

@@ -6,17 +6,12 @@ from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import BaseMessage
-from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import (
-    DEFAULT_AUTO_KEEP_CEILING,
-    DEFAULT_AUTO_KEEP_FLOOR,
-    DEFAULT_AUTO_KEEP_SHARE,
-    DEFAULT_MIN_PROMPT_TOKENS,
     DEFAULT_MODEL,
+    CompressionSettings,
     GenerationParams,
-    KeepRate,
-    Positions,
     SpecPrefillConfig,
     adapter_config,
 )
@@ -32,8 +27,9 @@ if TYPE_CHECKING:
 CALL_OPTIONS = ("documents", "question", "keep_rate", "max_tokens", "temperature", "top_p", "seed")
 
 
-class SpecPrefillSettings(BaseModel):
-    """SpecPrefill and decoding settings; nothing heavy is loaded until the first call."""
+class SpecPrefillSettings(CompressionSettings):
+    """SpecPrefill and decoding settings; nothing heavy is loaded until the first call. The compression
+    settings (``keep_rate``, ``look_ahead``, ``positions``...) are the engine's own fields."""
 
     model: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
     draft_model: str = Field(DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
@@ -49,28 +45,11 @@ class SpecPrefillSettings(BaseModel):
         default_factory=api_key_from_environment,
         description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
-    keep_rate: KeepRate = Field(
-        0.3, description="Fraction of document tokens the main model prefills, in (0, 1], or 'auto' (the engine "
-        "chooses it per request from the draft's importance; stats report the chosen share)."
-    )
-    auto_keep_share: float = Field(DEFAULT_AUTO_KEEP_SHARE, description="keep_rate 'auto': share of the draft's "
-                                   "importance mass kept.")
-    auto_keep_floor: float = Field(DEFAULT_AUTO_KEEP_FLOOR, description="keep_rate 'auto': least share kept.")
-    auto_keep_ceiling: float = Field(DEFAULT_AUTO_KEEP_CEILING, description="keep_rate 'auto': most share kept.")
-    max_document_tokens: int | None = Field(None, description="Hard cap on kept document tokens.")
-    look_ahead: int = Field(8, description="Draft queries: last prompt token + look_ahead-1 draft tokens.")
-    min_prompt_tokens: int = Field(DEFAULT_MIN_PROMPT_TOKENS, description="Shorter prompts are prefilled whole.")
-    protect_tail_tokens: int = Field(64, description="Without marked documents, the last tokens always kept.")
-    positions: Positions = Field(
-        "original", description="Kept tokens' position ids: 'original' (the paper's) or 'contiguous' (0..K-1, an "
-        "ordinary shorter prompt; a vLLM server then needs no plugin). Set on the gateway with a gateway backend."
-    )
     tokenizer: str | None = Field(
         None, description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default the "
         "draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped)."
     )
     device: str = Field("cpu", description="torch device, e.g. 'cpu' or 'cuda'.")
-    dtype: str = Field("auto", description="'auto', 'float32', 'bfloat16' or 'float16'.")
     temperature: float = Field(0.0, description="0 = greedy.")
     max_tokens: int = Field(256, description="Maximum tokens to generate.")
     top_p: float = Field(1.0, description="Nucleus sampling mass.")
@@ -84,13 +63,8 @@ class SpecPrefillSettings(BaseModel):
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillSettings:
-        self._config = adapter_config(
-            self.backend, self.draft_model, self.look_ahead, main=self.model, keep_rate=self.keep_rate,
-            auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
-            auto_keep_ceiling=self.auto_keep_ceiling, max_document_tokens=self.max_document_tokens,
-            min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
-            positions=self.positions, tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
-        )
+        self._config = adapter_config(self.backend, self.draft_model, main=self.model, tokenizer=self.tokenizer,
+                                      device=self.device, **self.compression())
         GenerationParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                          seed=self.seed, stop=tuple(self.stop or ()))
         return self

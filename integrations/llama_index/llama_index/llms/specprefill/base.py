@@ -39,14 +39,9 @@ from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode
 from pydantic import SecretStr
 from specprefill_rag.config import (
-    DEFAULT_AUTO_KEEP_CEILING,
-    DEFAULT_AUTO_KEEP_FLOOR,
-    DEFAULT_AUTO_KEEP_SHARE,
-    DEFAULT_MIN_PROMPT_TOKENS,
     DEFAULT_MODEL,
+    CompressionSettings,
     GenerationParams,
-    KeepRate,
-    Positions,
     SpecPrefillConfig,
     adapter_config,
 )
@@ -136,7 +131,7 @@ def _role_and_text(message: ChatMessage) -> tuple[str, str]:
     return role, "".join(parts)
 
 
-class SpecPrefillLLM(CustomLLM):
+class SpecPrefillLLM(CustomLLM, CompressionSettings):
     """SpecPrefill in front of a main model: a draft scores the retrieved context, the main model
     prefills the best ``keep_rate`` of it at original positions; instructions and the query stay whole.
 
@@ -160,30 +155,11 @@ class SpecPrefillLLM(CustomLLM):
         default_factory=api_key_from_environment,
         description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
-    keep_rate: KeepRate = Field(
-        default=0.3, description="Fraction of context tokens prefilled, in (0, 1], or 'auto' (chosen per request from "
-        "the draft's importance; stats report the chosen share)."
-    )
-    auto_keep_share: float = Field(default=DEFAULT_AUTO_KEEP_SHARE, description="keep_rate 'auto': share of the "
-                                   "draft's importance mass kept.")
-    auto_keep_floor: float = Field(default=DEFAULT_AUTO_KEEP_FLOOR, description="keep_rate 'auto': least share kept.")
-    auto_keep_ceiling: float = Field(default=DEFAULT_AUTO_KEEP_CEILING,
-                                     description="keep_rate 'auto': most share kept.")
-    max_document_tokens: int | None = Field(default=None, description="Hard cap on kept context tokens.")
-    look_ahead: int = Field(default=8, description="Draft queries: last prompt token + look_ahead-1 tokens.")
-    min_prompt_tokens: int = Field(default=DEFAULT_MIN_PROMPT_TOKENS,
-                                   description="Shorter prompts are prefilled whole.")
-    protect_tail_tokens: int = Field(default=64, description="Without known context, the last tokens kept.")
-    positions: Positions = Field(
-        default="original", description="Kept tokens' position ids: 'original' (the paper's) or 'contiguous' (0..K-1, an "
-        "ordinary shorter prompt; a vLLM server then needs no plugin). Set on the gateway with a gateway backend."
-    )
     tokenizer: str | None = Field(
         default=None, description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default "
         "the draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped)."
     )
     device: str = Field(default="cpu", description="torch device.")
-    dtype: str = Field(default="auto", description="'auto', 'float32', 'bfloat16' or 'float16'.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
     max_new_tokens: int = Field(default=256, ge=1, description="Tokens to generate at most.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
@@ -198,13 +174,8 @@ class SpecPrefillLLM(CustomLLM):
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillLLM:
-        self._config = adapter_config(
-            self.backend, self.draft_model, self.look_ahead, main=self.model, keep_rate=self.keep_rate,
-            auto_keep_share=self.auto_keep_share, auto_keep_floor=self.auto_keep_floor,
-            auto_keep_ceiling=self.auto_keep_ceiling, max_document_tokens=self.max_document_tokens,
-            min_prompt_tokens=self.min_prompt_tokens, protect_tail_tokens=self.protect_tail_tokens,
-            positions=self.positions, tokenizer=self.tokenizer, device=self.device, dtype=self.dtype,
-        )
+        self._config = adapter_config(self.backend, self.draft_model, main=self.model, tokenizer=self.tokenizer,
+                                      device=self.device, **self.compression())
         GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
                          seed=self.seed, stop=tuple(self.stop or ()))
         install_node_recorder()
