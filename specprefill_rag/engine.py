@@ -21,16 +21,17 @@ import torch
 from .arguments import check_flag, check_keep_rate, check_layout, check_params, generation_params
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
-from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
+from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decoding import Decoding, alast_result, last_result
 from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
 from .draft_cache import DraftPrefixCache, shared_prefix_cache
 from .errors import ContextLengthError, InvalidRequestError
 from .layout_scoring import DirectScoring, DraftInput, MappedScoring, draft_scoring
 from .models import LoadedModel, load_tokenizer, model_lock, shared_model
+from .pipeline import Pipeline
 from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
-from .results import DraftPath, GenerationResult, KeepPolicy, Selection, StreamChunk
-from .selection import FixedRate, ImportanceMass, KeepBudget, select_kept
+from .results import DraftPath, GenerationResult, Selection, StreamChunk
+from .selection import KeepBudget
 
 # A request's keep rate: a fraction in (0, 1], "auto", or None for the engine's setting.
 RequestKeepRate = float | Literal["auto"] | None
@@ -124,6 +125,7 @@ class SpecPrefillEngine:
         self.draft_scoring = scoring
         self.draft = scoring.draft  # scores token ids of its own vocabulary
         self.main = main  # None when the main model runs elsewhere (vLLM)
+        self.pipeline = Pipeline(config, backend.supports_sparse_prefill)
 
     @property
     def draft_path(self) -> DraftPath:
@@ -184,20 +186,12 @@ class SpecPrefillEngine:
     def compresses(
         self, layout: PromptLayout, keep_rate: float | Literal["auto"], max_document_tokens: int | None
     ) -> bool:
-        """Whether this request is worth a draft: something to drop ("auto" always may), a long enough prompt,
-        a backend that prefills sparse prompts."""
-        whole = keep_rate != AUTO and keep_rate >= 1.0 and max_document_tokens is None
-        # renumbered kept tokens are an ordinary prompt: a vLLM server without the plugin prefills them too
-        unsupported = self.config.positions == "original" and not self.backend.supports_sparse_prefill
-        return not (whole or unsupported or len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0)
+        """Whether this request is worth a draft (:meth:`Pipeline.budget`)."""
+        return self.pipeline.budget(layout, keep_rate, max_document_tokens).compressed
 
     def keep_budget(self, keep_rate: float | Literal["auto"]) -> KeepBudget:
-        """The selection's budget policy for a checked keep rate: ``"auto"`` is :class:`ImportanceMass` with
-        this engine's ``auto_keep_*`` settings, a number a :class:`FixedRate`."""
-        if keep_rate == AUTO:
-            config = self.config
-            return ImportanceMass(config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling)
-        return FixedRate(float(keep_rate))
+        """The selection's budget policy for a checked keep rate (:meth:`Pipeline.keep_budget`)."""
+        return self.pipeline.keep_budget(keep_rate)
 
     def select(
         self, layout: PromptLayout, keep_rate: RequestKeepRate = None, prepared: DraftInput | None = None
@@ -207,27 +201,16 @@ class SpecPrefillEngine:
         ``draft_scoring.prepare(layout)`` when the caller already ran it, so the prompt is rendered once."""
         checked = check_keep_rate(keep_rate)
         rate = self.config.keep_rate if checked is None else checked
-        policy: KeepPolicy = "auto" if rate == AUTO else "fixed"
-        if not self.compresses(layout, rate, self.config.max_document_tokens):
-            return Selection(torch.arange(len(layout)), keep_policy=policy)
+        budget = self.pipeline.budget(layout, rate, self.config.max_document_tokens)
+        if not budget.compressed:
+            return self.pipeline.whole(layout, budget)
         started = time.perf_counter()
         scored = self.draft_scoring.score(layout, prepared)
-        draft_ms = _milliseconds(started)
-        kept = select_kept(
-            scored.importance,
-            layout.document_index,
-            keep_rate=self.keep_budget(rate),
-            chunk_size=self.config.chunk_size,
-            max_document_tokens=self.config.max_document_tokens,
-        )
-        return Selection(kept, draft_ms, scored.cached_tokens, policy)
+        return self.pipeline.select(layout, budget, scored.importance, _milliseconds(started), scored.cached_tokens)
 
     def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor) -> SparsePrompt:
-        """What the main model prefills: the ``[K]`` kept tokens at their original positions, or renumbered
-        ``0..K-1`` with ``config.positions="contiguous"``."""
-        if self.config.positions == "contiguous":
-            return SparsePrompt.renumbered(layout.input_ids, kept)
-        return SparsePrompt.kept(layout.input_ids, kept)
+        """What the main model prefills (:meth:`Pipeline.sparse_prompt`)."""
+        return self.pipeline.sparse_prompt(layout, kept)
 
     @property
     def max_draft_tokens(self) -> int:

@@ -70,12 +70,18 @@ class Selection:
         draft_ms: draft scoring time (0 when nothing is compressed).
         draft_cached_tokens: leading prompt tokens the draft took from its prefix cache.
         keep_policy: the keep policy the request asked for (``fixed`` or ``auto``).
+        queue_ms: time waiting for the gateway's draft queue (0 in the engine).
+        batch_size: prompts in the draft batch it was scored in (0 when no draft ran).
+        draft_error: why the draft failed, when the request went uncompressed because of it.
     """
 
     kept: torch.Tensor
     draft_ms: float = 0.0
     draft_cached_tokens: int = 0
     keep_policy: KeepPolicy = "fixed"
+    queue_ms: float = 0.0
+    batch_size: int = 0
+    draft_error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """One request through the gateway: layout -> (draft queue) -> selection -> main model, as stream chunks.
 
-The gateway owns no model code: it asks the engine whether a request is worth a draft, scores the
-prompt in the shared :class:`~specprefill_rag.serve.queue.DraftQueue`, selects with the engine's pure
-:func:`~specprefill_rag.selection.select_kept`, and streams through
+The gateway owns no model code: it takes the engine's request path (:class:`~specprefill_rag.pipeline.Pipeline`:
+budget, kept tokens, sparse prompt), scores the prompt in the shared
+:class:`~specprefill_rag.serve.queue.DraftQueue` instead of one at a time, and streams through
 :meth:`SpecPrefillEngine.astream_selected`. A draft failure follows ``on_draft_error``.
 """
 
@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from ..chat import ChatLayout
-from ..config import AUTO, GenerationParams
+from ..config import GenerationParams
 from ..engine import SpecPrefillEngine
 from ..draft import DraftScore
 from ..models import model_lock
-from ..results import KeepPolicy, StreamChunk
-from ..results import Selection as Chosen
-from ..selection import select_kept
+from ..pipeline import Budget
+from ..prompt import PromptLayout
+from ..results import Selection, StreamChunk
 from .errors import draft_failed, queue_full
 from .guard import Slots
 from .metrics import GatewayMetrics
@@ -33,19 +33,6 @@ from .schema import SpecPrefillOptions
 from .settings import GatewaySettings
 
 log = logging.getLogger("specprefill_rag.serve")
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Kept prompt indices ``[K]`` and how they were chosen."""
-
-    kept: torch.Tensor
-    draft_ms: float = 0.0
-    queue_ms: float = 0.0
-    batch_size: int = 0
-    draft_error: str | None = None
-    draft_cached_tokens: int = 0
-    keep_policy: KeepPolicy = "fixed"
 
 
 @dataclass(frozen=True)
@@ -100,21 +87,19 @@ class Gateway:
         layout = plan.layout.layout
         self.engine.check_length(len(layout), plan.params.max_new_tokens)
         selection = await self._select(plan)
-        chosen = Chosen(selection.kept, selection.draft_ms, selection.draft_cached_tokens, selection.keep_policy)
-        chunks = self.engine.astream_selected(layout, plan.params, chosen, plan.started)
+        chunks = self.engine.astream_selected(layout, plan.params, selection, plan.started)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield Answer(chunk, selection)
 
     async def _select(self, plan: Plan) -> Selection:
-        layout, options = plan.layout.layout, plan.options
-        defaults = self.settings
-        rate = options.keep_rate if options.keep_rate is not None else defaults.keep_rate
-        cap = options.max_document_tokens if options.max_document_tokens is not None else defaults.max_document_tokens
-        policy: KeepPolicy = "auto" if rate == AUTO else "fixed"
-        whole = torch.arange(len(layout))
-        if not options.enabled or not self.engine.compresses(layout, rate, cap):
-            return Selection(whole, keep_policy=policy)
+        """The engine's request path (:class:`~specprefill_rag.pipeline.Pipeline`), the draft scored in the queue."""
+        layout, options, pipeline = plan.layout.layout, plan.options, self.engine.pipeline
+        rate = options.keep_rate if options.keep_rate is not None else self.settings.keep_rate
+        cap = options.max_document_tokens if options.max_document_tokens is not None else self.settings.max_document_tokens
+        budget = pipeline.budget(layout, rate, cap, options.enabled)
+        if not budget.compressed:
+            return pipeline.whole(layout, budget)
         queued = time.perf_counter()
         scoring = self.engine.draft_scoring  # direct: the layout's ids; mapped: its rendering for the draft
         try:
@@ -124,18 +109,16 @@ class Gateway:
         except QueueFull as full:
             raise queue_full(full.depth, full.retry_after_s) from None
         except Exception as error:  # the draft failed on this prompt: too long for it, out of memory, non-finite...
-            return self._after_draft_error(whole, error, policy)
-        queue_ms = (time.perf_counter() - queued) * 1000.0 - scored.draft_ms
-        kept = select_kept(importance, layout.document_index, keep_rate=self.engine.keep_budget(rate),
-                           chunk_size=self.engine.config.chunk_size, max_document_tokens=cap)
-        return Selection(kept, scored.draft_ms, max(queue_ms, 0.0), scored.batch_size,
-                         draft_cached_tokens=scored.cached_tokens, keep_policy=policy)
+            return self._after_draft_error(layout, budget, error)
+        queue_ms = max((time.perf_counter() - queued) * 1000.0 - scored.draft_ms, 0.0)
+        return pipeline.select(layout, budget, importance, scored.draft_ms, scored.cached_tokens, queue_ms,
+                               scored.batch_size)
 
-    def _after_draft_error(self, whole: torch.Tensor, error: Exception, policy: KeepPolicy) -> Selection:
+    def _after_draft_error(self, layout: PromptLayout, budget: Budget, error: Exception) -> Selection:
         on_error = self.settings.on_draft_error
         self.metrics.draft_errors.labels(type(error).__name__, on_error).inc()
         if on_error == "fail":
             raise draft_failed(error)
         log.warning("draft failed (%s: %s); sending the request uncompressed (--on-draft-error full)",
                     type(error).__name__, error)
-        return Selection(whole, draft_error=f"{type(error).__name__}: {error}", keep_policy=policy)
+        return self.engine.pipeline.whole(layout, budget, draft_error=f"{type(error).__name__}: {error}")
