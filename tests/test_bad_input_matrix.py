@@ -8,7 +8,7 @@ contract: HTTP 400) for the plugin's admission checks. Never a bare ``TypeError`
 (CLI: the same process, models cached) answers a good request.
 
 The engine rows run through all four entry points (``generate``, ``stream``, ``agenerate``, ``astream``).
-README.md ("Bad input") lists the rows; :func:`test_readme_lists_every_row` keeps it in step. The adapters'
+The docs page "Bad input" (docs/reference/bad-input.md) is generated from these rows at build time. The adapters'
 rows live in their packages (integrations/langchain/tests/unit_tests/test_bad_input_matrix.py,
 integrations/llama_index/tests/test_bad_input_matrix.py), the plugin rows that need vLLM in
 tests/vllm/test_bad_input_matrix.py.
@@ -20,7 +20,6 @@ import asyncio
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +32,6 @@ from specprefill_rag import (
     DraftLimitError,
     GenerationParams,
     InvalidRequestError,
-    ModelLoadError,
     PromptLayout,
     SpecPrefillConfig,
     SpecPrefillEngine,
@@ -47,7 +45,6 @@ from tests.test_vllm_client import MAX_TOKENS_ALLOWED, handler_class, serve
 
 pytestmark = pytest.mark.timeout(120)
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 QUESTION = "When did the bridge open?"
 DOCUMENTS = ["The bridge opened in 1883 after thirteen years of work.", "Paris is the capital of France."]
 SURROGATE = "caf\udce9"  # what decoding Latin-1 bytes as UTF-8 with errors='surrogateescape' leaves
@@ -436,33 +433,3 @@ def test_the_matrix_covers_every_kind_of_bad_input():
                  "unknown"):
         assert kind in cases, kind
     assert len(ROWS) >= 60
-
-
-def test_readme_lists_every_row():
-    readme = README.read_text()
-    table = readme[readme.index("| surface | case | error |"):]
-    missing = [(surface, case) for surface, case in {(_readme_surface(r.surface), r.case) for r in ROWS}
-               if f"| {surface} | {case} |" not in table]
-    assert not missing, f"README's bad-input table lacks {missing[:5]} ({len(missing)} rows)"
-
-
-def _readme_surface(surface: str) -> str:
-    """The README groups the four engine entry points into one row."""
-    for style in STYLES:
-        surface = surface.replace(f"engine.{style}_layout", "engine.*_layout")
-    if surface.startswith("engine.") and surface.removeprefix("engine.") in STYLES:
-        return "engine.generate / stream / agenerate / astream"
-    return surface
-
-
-def readme_table() -> str:
-    """The README table of this matrix: ``python -c "from tests.test_bad_input_matrix import readme_table as t; print(t())"``."""
-    lines, seen = [], set()
-    for row in ROWS:
-        key = (_readme_surface(row.surface), row.case)
-        if key in seen:
-            continue
-        seen.add(key)
-        error = row.error if isinstance(row.error, str) else row.error.__name__
-        lines.append(f"| {key[0]} | {row.case} | {error} |")
-    return "\n".join(lines)

@@ -5,7 +5,7 @@ Malformed SpecPrefill arguments in a request's ``extra_args`` (``vllm_xargs`` ov
 admission: the plugin raises ``ValueError`` naming the argument and the fix, which vLLM turns into its
 ``VLLMValidationError`` (HTTP 400 on the server; an exception from ``LLM.generate``). Each row is checked
 on the plugin's function and through a real in-process engine, which then serves a good compressed
-request. README.md ("Bad input") lists the rows.
+request. The docs page "Bad input" is generated from these rows.
 """
 
 import re

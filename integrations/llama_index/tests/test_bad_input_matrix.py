@@ -5,7 +5,7 @@ argument and the fix; pydantic's ``ValidationError`` for constructor settings), 
 ``TypeError``/``KeyError``/``IndexError``/``UnicodeEncodeError``. The errors are deliberately not
 ``ValueError`` (LlamaIndex's refine step catches those). Afterwards the same LLM answers. Completion rows
 run through ``complete``, ``stream_complete``, ``acomplete`` and ``astream_complete``; chat rows through
-``chat``, ``stream_chat``, ``achat`` and ``astream_chat``. README.md ("Bad input") lists the rows.
+``chat``, ``stream_chat``, ``achat`` and ``astream_chat``. The docs page "Bad input" is generated from these rows.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ argument and the fix; pydantic's ``ValidationError`` for constructor settings), 
 ``TypeError``/``KeyError``/``IndexError``/``UnicodeEncodeError``; afterwards the same engine answers.
 Chat rows run through ``invoke``, ``stream``, ``ainvoke`` and ``astream``; LLM rows through ``invoke``
 and ``astream``. Input types LangChain itself converts (``invoke(5)``) are refused by LangChain before
-this package sees them, so they are not rows here. README.md ("Bad input") lists the rows.
+this package sees them, so they are not rows here. The docs page "Bad input" is generated from these rows.
 """
 
 from __future__ import annotations
