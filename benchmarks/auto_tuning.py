@@ -43,9 +43,12 @@ def tuning_rows(report: dict, metric: str) -> list[dict]:
 
 
 def markdown(report: dict, metrics: list[str]) -> str:
-    lines = ["| method | mass share | kept share | " + " | ".join(
-        f"{m} | fixed {m} at that share | margin" for m in metrics) + " |",
-        "|---|---|---|" + "---|---|---|" * len(metrics)]
+    lines = [
+        "| method | mass share | kept share | "
+        + " | ".join(f"{m} | fixed {m} at that share | margin" for m in metrics)
+        + " |",
+        "|---|---|---|" + "---|---|---|" * len(metrics),
+    ]
     by_metric = [tuning_rows(report, m) for m in metrics]
     for rows in zip(*by_metric):
         cells = [f"{rows[0]['method']} | {rows[0]['keep_rate']:g} | {rows[0]['kept_share']:.3f}"]
@@ -65,9 +68,11 @@ def held_out(report: dict, metrics: list[str]) -> str:
     rates = {r["keep_rate"] for r in fixed.values()}
     if len(rates) != 1:
         raise SystemExit(f"--held-out needs one fixed specprefill rate in the report, found {sorted(rates)}")
-    lines = [f"auto vs fixed {rates.pop():g} on {len(fixed)} samples (kept share "
-             f"{sum(auto[s]['kept_share'] for s in fixed) / len(fixed):.3f} vs "
-             f"{sum(r['kept_share'] for r in fixed.values()) / len(fixed):.3f}):"]
+    lines = [
+        f"auto vs fixed {rates.pop():g} on {len(fixed)} samples (kept share "
+        f"{sum(auto[s]['kept_share'] for s in fixed) / len(fixed):.3f} vs "
+        f"{sum(r['kept_share'] for r in fixed.values()) / len(fixed):.3f}):"
+    ]
     for metric in metrics:
         differences = [auto[s][metric] - r[metric] for s, r in fixed.items()]
         low, high = bootstrap_interval(differences)

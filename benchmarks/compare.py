@@ -41,7 +41,8 @@ def main() -> None:
     for metric in args.metrics:
         for keep_rate, values in sorted(paired_differences(records, args.first, args.second, metric).items()):
             low, high = bootstrap_interval(values)
-            print(f"| {metric} | {keep_rate:g} | {len(values)} | {sum(values) / len(values):+.3f} | {low:+.2f} to {high:+.2f} |")
+            mean = sum(values) / len(values)
+            print(f"| {metric} | {keep_rate:g} | {len(values)} | {mean:+.3f} | {low:+.2f} to {high:+.2f} |")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from specprefill_rag.config import SpecPrefillConfig
 from ttft import ROOT, machine
 from ttft_lengths import load_engine, run_length
+
+from specprefill_rag.config import SpecPrefillConfig
 
 PAIRS = ["qwen2.5-coder-1.5b:qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b:smollm2-135m", "smollm2-135m:smollm2-135m"]
 LENGTHS = [128, 256, 384, 512, 768, 1024, 1536, 2048]
@@ -41,15 +42,20 @@ def crossover(rows: list[dict], method: str) -> int | None:
 
 def markdown(report: dict) -> str:
     lengths = sorted({r["length"] for pair in report["pairs"] for r in pair["results"]})
-    lines = ["| main | draft | method | " + " | ".join(f"{n:,}" for n in lengths) + " | crossover (prompt tokens) |",
-             "|---|---|---|" + "---:|" * (len(lengths) + 1)]
+    lines = [
+        "| main | draft | method | " + " | ".join(f"{n:,}" for n in lengths) + " | crossover (prompt tokens) |",
+        "|---|---|---|" + "---:|" * (len(lengths) + 1),
+    ]
     for pair in report["pairs"]:
         rows = {r["length"]: r for r in pair["results"]}
         for method in next(iter(rows.values()))["speedup"] if rows else []:
             cells = [f"{rows[n]['speedup'][method]:.2f}x" if n in rows else "" for n in lengths]
             point = crossover(list(rows.values()), method)
-            lines.append(f"| {pair['main']} | {pair['draft'] if method == 'specprefill' else 'self'} | {method} | "
-                         + " | ".join(cells) + f" | {'none' if point is None else f'{point:,}'} |")
+            lines.append(
+                f"| {pair['main']} | {pair['draft'] if method == 'specprefill' else 'self'} | {method} | "
+                + " | ".join(cells)
+                + f" | {'none' if point is None else f'{point:,}'} |"
+            )
     return "\n".join(lines) + "\n\nCells: full-prefill TTFT / method TTFT (medians); >1 means SpecPrefill is faster.\n"
 
 
@@ -64,9 +70,18 @@ def main() -> None:
     options.add_argument("--resume", action="store_true", help="keep the lengths a previous run wrote")
     args = options.parse_args()
     path = Path(f"{args.out}.json")
-    report = json.loads(path.read_text()) if args.resume and path.exists() else {
-        "machine": machine(), "keep_rate": args.keep_rate, "repeats": args.repeats, "dtype": args.dtype,
-        "lengths": args.lengths, "pairs": []}
+    report = (
+        json.loads(path.read_text())
+        if args.resume and path.exists()
+        else {
+            "machine": machine(),
+            "keep_rate": args.keep_rate,
+            "repeats": args.repeats,
+            "dtype": args.dtype,
+            "lengths": args.lengths,
+            "pairs": [],
+        }
+    )
     for spec in args.pairs:
         main_spec, draft_spec = spec.split(":")
         pair = next((p for p in report["pairs"] if p["main"] == main_spec and p["draft"] == draft_spec), None)
@@ -76,8 +91,14 @@ def main() -> None:
         todo = [n for n in args.lengths if n not in {r["length"] for r in pair["results"]}]
         if not todo:
             continue
-        study = SimpleNamespace(main=main_spec, draft=draft_spec, dtype=args.dtype, keep_rate=args.keep_rate,
-                                repeats=args.repeats, self_layers=None)
+        study = SimpleNamespace(
+            main=main_spec,
+            draft=draft_spec,
+            dtype=args.dtype,
+            keep_rate=args.keep_rate,
+            repeats=args.repeats,
+            self_layers=None,
+        )
         engine = load_engine(study)
         pair["draft_path"] = engine.draft_path
         for length in todo:

@@ -27,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read at import: a model that is not installed fails, never downloads
 
 import torch  # noqa: E402
+from ttft import ESSAYS, ROOT, clock, first_token, machine, shape_model
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
@@ -35,7 +36,6 @@ from specprefill_rag.draft import ModelDraft
 from specprefill_rag.draft_cache import DraftPrefixCache
 from specprefill_rag.errors import ModelLoadError
 from specprefill_rag.models import load_model
-from ttft import ESSAYS, ROOT, clock, first_token, machine, shape_model
 
 REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 FALLBACK_PAIR = ("shape:smollm2-1.7b", "smollm2-135m")
@@ -78,8 +78,12 @@ def documents_of(tokenizer, length: int) -> list[str]:
 
 def ask(engine: SpecPrefillEngine, layout) -> dict:
     stats = engine.generate_layout(layout, GenerationParams(max_new_tokens=1)).stats
-    return {"draft_ms": stats.draft_ms, "ttft_ms": stats.ttft_ms, "draft_cached_tokens": stats.draft_cached_tokens,
-            "kept_tokens": stats.kept_tokens}
+    return {
+        "draft_ms": stats.draft_ms,
+        "ttft_ms": stats.ttft_ms,
+        "draft_cached_tokens": stats.draft_cached_tokens,
+        "kept_tokens": stats.kept_tokens,
+    }
 
 
 def run_length(engines: dict[str, SpecPrefillEngine], length: int, args) -> dict:
@@ -116,9 +120,15 @@ def break_even(draft_model, tokenizer, length: int, shares: list[float]) -> list
         drafts, times = {"cold": cold, "warm": warm}, {}
         for name in ("cold", "warm") if len(rows) % 2 == 0 else ("warm", "cold"):
             draft = drafts[name]
-            times[name] = clock(lambda: draft.score(prompt), "cpu")
-        rows.append({"prompt_tokens": length, "cached_tokens": cached, **{f"{k}_ms": v for k, v in times.items()},
-                     "warm_over_cold": times["warm"] / times["cold"]})
+            times[name] = clock(lambda draft=draft, prompt=prompt: draft.score(prompt), "cpu")
+        rows.append(
+            {
+                "prompt_tokens": length,
+                "cached_tokens": cached,
+                **{f"{k}_ms": v for k, v in times.items()},
+                "warm_over_cold": times["warm"] / times["cold"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -147,28 +157,50 @@ def summarize(rows: list[dict], full_ms: float) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| prompt tokens | question | cold draft ms | warm draft ms | cached tokens | cold TTFT ms | warm TTFT ms "
-             "| cache MB |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| prompt tokens | question | cold draft ms | warm draft ms | cached tokens | cold TTFT ms | warm TTFT ms "
+        "| cache MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for result in report["results"]:
         for row in result["questions"]:
             cold, warm = row["cold"], row["warm"]
-            cells = [f"{row['prompt_tokens']:,}", str(row["question"]), f"{cold['draft_ms']:,.0f}",
-                     f"{warm['draft_ms']:,.0f}", f"{warm['draft_cached_tokens']:,}", f"{cold['ttft_ms']:,.0f}",
-                     f"{warm['ttft_ms']:,.0f}", f"{row['cache_bytes'] / 2**20:,.0f}"]
+            cells = [
+                f"{row['prompt_tokens']:,}",
+                str(row["question"]),
+                f"{cold['draft_ms']:,.0f}",
+                f"{warm['draft_ms']:,.0f}",
+                f"{warm['draft_cached_tokens']:,}",
+                f"{cold['ttft_ms']:,.0f}",
+                f"{warm['ttft_ms']:,.0f}",
+                f"{row['cache_bytes'] / 2**20:,.0f}",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| prompt tokens | full prefill ms | warm/cold draft (median, min-max) | warm TTFT speedup | bound "
-              "| of the bound |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| prompt tokens | full prefill ms | warm/cold draft (median, min-max) | warm TTFT speedup | bound "
+        "| of the bound |",
+        "|---|---|---|---|---|---|",
+    ]
     for result in report["results"]:
         s = result["summary"]
         ratio = s["warm_over_cold_draft"]
-        lines.append(f"| {result['questions'][0]['prompt_tokens']:,} | {result['full_prefill_ms']:,.0f} "
-                     f"| {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}) | {s['warm_speedup']:.2f}x "
-                     f"| {s['warm_bound']:.2f}x | {s['warm_speedup_over_bound']:.2f} |")
+        lines.append(
+            f"| {result['questions'][0]['prompt_tokens']:,} | {result['full_prefill_ms']:,.0f} "
+            f"| {ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f}) | {s['warm_speedup']:.2f}x "
+            f"| {s['warm_bound']:.2f}x | {s['warm_speedup_over_bound']:.2f} |"
+        )
     if report.get("break_even"):
-        lines += ["", "| prompt tokens | cached tokens | cold draft ms | hit draft ms | hit / cold |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {r['prompt_tokens']:,} | {r['cached_tokens']:,} | {r['cold_ms']:,.0f} | {r['warm_ms']:,.0f} "
-                  f"| {r['warm_over_cold']:.2f} |" for r in report["break_even"]]
+        lines += [
+            "",
+            "| prompt tokens | cached tokens | cold draft ms | hit draft ms | hit / cold |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['prompt_tokens']:,} | {r['cached_tokens']:,} | {r['cold_ms']:,.0f} | {r['warm_ms']:,.0f} "
+            f"| {r['warm_over_cold']:.2f} |"
+            for r in report["break_even"]
+        ]
     return "\n".join(lines)
 
 
@@ -180,24 +212,38 @@ def main() -> None:
     options.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     options.add_argument("--questions", type=int, default=5, choices=range(1, len(QUESTIONS) + 1))
     options.add_argument("--keep-rate", type=float, default=0.1)
-    options.add_argument("--hit-shares", type=float, nargs="*", default=[],
-                         help="also time the draft alone with these shares of each prompt cached (break-even study)")
+    options.add_argument(
+        "--hit-shares",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also time the draft alone with these shares of each prompt cached (break-even study)",
+    )
     options.add_argument("--out", type=Path)
     args = options.parse_args()
     if bool(args.main) != bool(args.draft):
         options.error("pass --main and --draft together (they must share a tokenizer)")
     (main_spec, draft_spec), (main_model, draft_model, tokenizer) = load_models(args)
     settings = dict(keep_rate=args.keep_rate, min_prompt_tokens=0)
-    engines = {name: SpecPrefillEngine.from_models(main_model, tokenizer, draft_model, draft_cache_mb=size, **settings)
-               for name, size in (("cold", 0), ("warm", DEFAULT_DRAFT_CACHE_MB))}
+    engines = {
+        name: SpecPrefillEngine.from_models(main_model, tokenizer, draft_model, draft_cache_mb=size, **settings)
+        for name, size in (("cold", 0), ("warm", DEFAULT_DRAFT_CACHE_MB))
+    }
     warm_up = engines["cold"].layout(QUESTIONS[0], documents_of(tokenizer, 256), INSTRUCTIONS)
     for engine in engines.values():
         ask(engine, warm_up)
-    report = {"machine": machine(), "main": main_spec, "draft": draft_spec, "dtype": args.dtype,
-              "keep_rate": args.keep_rate, "results": [run_length(engines, n, args) for n in args.lengths]}
+    report = {
+        "machine": machine(),
+        "main": main_spec,
+        "draft": draft_spec,
+        "dtype": args.dtype,
+        "keep_rate": args.keep_rate,
+        "results": [run_length(engines, n, args) for n in args.lengths],
+    }
     if args.hit_shares:
-        report["break_even"] = [row for n in args.lengths
-                                for row in break_even(draft_model, tokenizer, n, args.hit_shares)]
+        report["break_even"] = [
+            row for n in args.lengths for row in break_even(draft_model, tokenizer, n, args.hit_shares)
+        ]
     out = args.out or ROOT / "benchmarks" / "results" / f"draft-cache-{main_spec.replace(':', '-')}"
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(report, indent=1))

@@ -20,10 +20,10 @@ import sys
 from pathlib import Path
 
 import torch
+from ttft import machine, peak_rss_growth_mb
 
 from specprefill_rag.draft import ModelDraft
 from specprefill_rag.models import load_model
-from ttft import machine, peak_rss_growth_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 HAYSTACK = sorted((ROOT / "tests" / "fixtures" / "haystack").glob("*.txt"))
@@ -70,32 +70,63 @@ def measure(args) -> dict:
     for length in args.lengths:
         peaks = []
         for _ in range(args.repeats):
-            command = [sys.executable, __file__, "--probe", "--length", str(length), "--device", args.device,
-                       "--dtype", args.dtype, "--look-ahead", str(args.look_ahead), "--model", args.model]
+            command = [
+                sys.executable,
+                __file__,
+                "--probe",
+                "--length",
+                str(length),
+                "--device",
+                args.device,
+                "--dtype",
+                args.dtype,
+                "--look-ahead",
+                str(args.look_ahead),
+                "--model",
+                args.model,
+            ]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             peaks.append(json.loads(out)["peak_bytes"])
         rows.append({"prompt_tokens": length, "peak_bytes": peaks, "median_bytes": statistics.median(peaks)})
-        print(f"{length:>6} tokens: median peak growth {rows[-1]['median_bytes'] / 2**20:.0f} MiB "
-              f"(runs: {', '.join(f'{p / 2**20:.0f}' for p in peaks)})", flush=True)
+        print(
+            f"{length:>6} tokens: median peak growth {rows[-1]['median_bytes'] / 2**20:.0f} MiB "
+            f"(runs: {', '.join(f'{p / 2**20:.0f}' for p in peaks)})",
+            flush=True,
+        )
     slope, intercept = fit([r["prompt_tokens"] for r in rows], [r["median_bytes"] for r in rows])
     loaded = load_model(args.model, "cpu", args.dtype)
     dtype = next(loaded.model.parameters()).dtype
-    return {"machine": machine(), "device": args.device, "model": args.model, "dtype": str(dtype),
-            "look_ahead": args.look_ahead, "repeats": args.repeats, "rows": rows, "bytes_per_token": slope,
-            "intercept_bytes": intercept, "kv_cache_bytes_per_token": kv_bytes_per_token(loaded.model.config, dtype)}
+    return {
+        "machine": machine(),
+        "device": args.device,
+        "model": args.model,
+        "dtype": str(dtype),
+        "look_ahead": args.look_ahead,
+        "repeats": args.repeats,
+        "rows": rows,
+        "bytes_per_token": slope,
+        "intercept_bytes": intercept,
+        "kv_cache_bytes_per_token": kv_bytes_per_token(loaded.model.config, dtype),
+    }
 
 
 def markdown(report: dict) -> str:
-    lines = [f"Draft memory per request: {report['model']} ({report['dtype']}) on {report['device']}, look-ahead "
-             f"{report['look_ahead']}, {report['repeats']} fresh processes per length; {report['machine']}.", "",
-             "| prompt tokens | peak growth, median (MiB) | runs (MiB) |", "|---:|---:|---|"]
+    lines = [
+        f"Draft memory per request: {report['model']} ({report['dtype']}) on {report['device']}, look-ahead "
+        f"{report['look_ahead']}, {report['repeats']} fresh processes per length; {report['machine']}.",
+        "",
+        "| prompt tokens | peak growth, median (MiB) | runs (MiB) |",
+        "|---:|---:|---|",
+    ]
     for row in report["rows"]:
         runs = ", ".join(f"{p / 2**20:.0f}" for p in row["peak_bytes"])
         lines.append(f"| {row['prompt_tokens']:,} | {row['median_bytes'] / 2**20:.0f} | {runs} |")
     per_token, fixed = report["bytes_per_token"] / 1024, report["intercept_bytes"] / 2**20
     kv = report["kv_cache_bytes_per_token"] / 1024
-    lines += ["", f"Fit: {per_token:.0f} KiB per prompt token + {fixed:.0f} MiB; the KV cache alone is "
-              f"{kv:.0f} KiB per token."]
+    lines += [
+        "",
+        f"Fit: {per_token:.0f} KiB per prompt token + {fixed:.0f} MiB; the KV cache alone is {kv:.0f} KiB per token.",
+    ]
     return "\n".join(lines) + "\n"
 
 

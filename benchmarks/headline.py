@@ -57,18 +57,26 @@ def ttft_speedup(runs: list[dict], length: int, method: str, keep_rate: float) -
 
 
 def quality_table(studies: dict[str, dict], runs: list[dict], length: int, keep_rates: list[float]) -> str:
-    summaries = {task: {(r["method"], r["keep_rate"]): r for r in summarise(report, main_metric(report))}
-                 for task, report in studies.items()}
-    header = ["method", "keep"] + [f"{task} ({main_metric(studies[task])}, n={studies[task]['samples']})"
-                                   for task in studies] + [f"TTFT speed-up at {length:,} tokens"]
+    summaries = {
+        task: {(r["method"], r["keep_rate"]): r for r in summarise(report, main_metric(report))}
+        for task, report in studies.items()
+    }
+    header = (
+        ["method", "keep"]
+        + [f"{task} ({main_metric(studies[task])}, n={studies[task]['samples']})" for task in studies]
+        + [f"TTFT speed-up at {length:,} tokens"]
+    )
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for method in METHODS:
         for keep_rate in [1.0] if method == "full" else keep_rates:
             cells = [quality_cell(summaries[task].get((method, keep_rate))) for task in studies]
             if all(c == "not run" for c in cells):
                 continue
-            lines.append(f"| {method} | {keep_rate:g} | " + " | ".join(cells)
-                         + f" | {ttft_speedup(runs, length, method, keep_rate)} |")
+            lines.append(
+                f"| {method} | {keep_rate:g} | "
+                + " | ".join(cells)
+                + f" | {ttft_speedup(runs, length, method, keep_rate)} |"
+            )
     return "\n".join(lines)
 
 
@@ -87,8 +95,10 @@ def paired_table(studies: dict[str, dict], first: str, others: list[str]) -> str
             main = paired_differences(report["records"], first, other, main_metric(report))
             logprob = paired_differences(report["records"], first, other, "logprob")
             for keep_rate, values in sorted(main.items()):
-                lines.append(f"| {first} - {other} | {task} | {keep_rate:g} | {len(values)} | "
-                             f"{difference_cell(values)} | {difference_cell(logprob[keep_rate])} |")
+                lines.append(
+                    f"| {first} - {other} | {task} | {keep_rate:g} | {len(values)} | "
+                    f"{difference_cell(values)} | {difference_cell(logprob[keep_rate])} |"
+                )
     return "\n".join(lines)
 
 

@@ -41,15 +41,22 @@ class LegacyCacheModel(torch.nn.Module):
     def device(self) -> torch.device:
         return self.model.device
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: list | None = None, use_cache: bool = True, **kwargs: Any) -> Any:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: list | None = None,
+        use_cache: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         for layer, (key, value) in enumerate(past_key_values or []):
             cache.update(key, value, layer)
-        output = self.model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-                            use_cache=True, **kwargs)
+        output = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True, **kwargs
+        )
         output.past_key_values = [[layer.keys, layer.values] for layer in output.past_key_values.layers]
         return output
 
@@ -84,15 +91,24 @@ class LongLLMLingua:
             raise RuntimeError("LongLLMLingua needs the bench extra: pip install -e '.[bench]'") from error
         with offline_tiktoken():
             # the same dtype as our draft, so both compressors cost the same per token
-            self.compressor = PromptCompressor(model_name=str(model_folder), device_map="cpu",
-                                               model_config={"torch_dtype": dtype})
+            self.compressor = PromptCompressor(
+                model_name=str(model_folder), device_map="cpu", model_config={"torch_dtype": dtype}
+            )
         self.compressor.model = LegacyCacheModel(self.compressor.model)
 
     def compress(self, documents: list[str], question: str, rate: float) -> str:
         """The documents compressed to about ``rate`` of their tokens (question and instructions excluded)."""
         result = self.compressor.compress_prompt(
-            documents, instruction="", question=question, rate=rate, concate_question=False,
-            condition_in_question="after_condition", reorder_context="sort", dynamic_context_compression_ratio=0.3,
-            condition_compare=True, context_budget="+100", rank_method="longllmlingua",
+            documents,
+            instruction="",
+            question=question,
+            rate=rate,
+            concate_question=False,
+            condition_in_question="after_condition",
+            reorder_context="sort",
+            dynamic_context_compression_ratio=0.3,
+            condition_compare=True,
+            context_budget="+100",
+            rank_method="longllmlingua",
         )
         return result["compressed_prompt"]

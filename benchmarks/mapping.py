@@ -27,11 +27,11 @@ import argparse
 import json
 from pathlib import Path
 
+import tasks
 import torch
+from quality import INSTRUCTIONS, bootstrap_interval, normalise
 from tqdm import tqdm
 
-import tasks
-from quality import INSTRUCTIONS, bootstrap_interval, normalise
 from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.draft import ModelDraft
 from specprefill_rag.layout_scoring import MappedScoring, score_tokens
@@ -70,9 +70,21 @@ def evaluate_sample(scoring: MappedScoring, main_tokenizer, sample: dict, args) 
     scores = score_tokens(scoring.draft, draft.input_ids)
     importance = {
         "direct": (draft, scores),
-        **{f"mapped-{reduce}": (main, map_importance(scores, draft.offsets, draft.document_spans, main.offsets,
-                                                     main.document_index, main.document_spans, reduce))
-           for reduce in ("max", "mean")},
+        **{
+            f"mapped-{reduce}": (
+                main,
+                map_importance(
+                    scores,
+                    draft.offsets,
+                    draft.document_spans,
+                    main.offsets,
+                    main.document_index,
+                    main.document_spans,
+                    reduce,
+                ),
+            )
+            for reduce in ("max", "mean")
+        },
         "random": (main, torch.rand(len(main), generator=torch.Generator().manual_seed(args.seed + len(main)))),
     }
     main_content = content_index(main.document_spans, len(main.text))
@@ -86,14 +98,24 @@ def evaluate_sample(scoring: MappedScoring, main_tokenizer, sample: dict, args) 
             kept = select_kept(values, layout.document_index, keep_rate=keep_rate, chunk_size=32)
             characters = kept_characters(layout, kept)
             agreement = float((characters & reference).sum()) / max(int((characters | reference).sum()), 1)
-            records.append({"method": method, "keep_rate": keep_rate, "prompt_tokens": len(layout),
-                            "agreement": agreement, **kept_metrics(layout, tokenizer, kept, sample)})
+            records.append(
+                {
+                    "method": method,
+                    "keep_rate": keep_rate,
+                    "prompt_tokens": len(layout),
+                    "agreement": agreement,
+                    **kept_metrics(layout, tokenizer, kept, sample),
+                }
+            )
     return records
 
 
 def markdown(records: list[dict]) -> str:
-    lines = ["| method | keep | n | prompt tokens | answer kept (95% CI) | gold document kept | kept share | "
-             "agreement with direct (95% CI) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | keep | n | prompt tokens | answer kept (95% CI) | gold document kept | kept share | "
+        "agreement with direct (95% CI) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for method in METHODS:
         for keep_rate in sorted({r["keep_rate"] for r in records}):
             chosen = [r for r in records if r["method"] == method and r["keep_rate"] == keep_rate]
@@ -103,10 +125,12 @@ def markdown(records: list[dict]) -> str:
             def mean(key: str, rows: list[dict] = chosen) -> float:
                 return sum(r[key] for r in rows) / len(rows)
 
-            lines.append(f"| {method} | {keep_rate:g} | {len(chosen)} | {mean('prompt_tokens'):,.0f} | "
-                         f"{mean('answer_kept'):.0%} ({low:.0%} to {high:.0%}) | {mean('gold_document_kept'):.0%} | "
-                         f"{mean('kept_share'):.2f} | {mean('agreement'):.3f} "
-                         f"({agreement_low:.3f} to {agreement_high:.3f}) |")
+            lines.append(
+                f"| {method} | {keep_rate:g} | {len(chosen)} | {mean('prompt_tokens'):,.0f} | "
+                f"{mean('answer_kept'):.0%} ({low:.0%} to {high:.0%}) | {mean('gold_document_kept'):.0%} | "
+                f"{mean('kept_share'):.2f} | {mean('agreement'):.3f} "
+                f"({agreement_low:.3f} to {agreement_high:.3f}) |"
+            )
     return "\n".join(lines)
 
 
@@ -128,8 +152,11 @@ def main() -> None:
     eos = eos_token_ids(draft.model, draft.tokenizer)
     drafting = ModelDraft(draft.model, look_ahead=8, pool_kernel=13, eos_token_ids=eos)
     scoring = MappedScoring(drafting, draft.tokenizer, context_length=None, look_ahead=8)
-    samples = (tasks.niah(args.samples, draft.tokenizer, args.length, args.seed) if args.task == "niah"
-               else tasks.squad(args.samples, args.documents, args.seed))
+    samples = (
+        tasks.niah(args.samples, draft.tokenizer, args.length, args.seed)
+        if args.task == "niah"
+        else tasks.squad(args.samples, args.documents, args.seed)
+    )
     out = args.out or tasks.ROOT / "benchmarks" / "results" / f"mapping-{args.task}"
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

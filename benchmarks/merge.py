@@ -37,19 +37,28 @@ def merge(reports: list[dict]) -> dict:
         if recorded_sampler(report["settings"]) != recorded_sampler(first):
             differing.append("sampler")
         if differing:
-            raise MergeError(f"runs differ in {differing}: their sample i is not the same prompt; "
-                             "merge only runs made with the same --task/--seed/--documents/--length/--max-new-tokens")
+            raise MergeError(
+                f"runs differ in {differing}: their sample i is not the same prompt; "
+                "merge only runs made with the same --task/--seed/--documents/--length/--max-new-tokens"
+            )
     records: dict[tuple, dict] = {}
     for report in reports:
         for record in report["records"]:
             key = (record["sample"], record["method"], record["keep_rate"])
             if key in records and not same_results(records[key], record):
-                raise MergeError(f"two runs give different results for sample {key[0]}, {key[1]} at keep {key[2]}: "
-                                 "they were not made the same way; merge only one of them")
+                raise MergeError(
+                    f"two runs give different results for sample {key[0]}, {key[1]} at keep {key[2]}: "
+                    "they were not made the same way; merge only one of them"
+                )
             records.setdefault(key, record)
     merged = sorted(records.values(), key=lambda r: (r["sample"], r["method"] != "full"))
-    return {"task": first["task"], "samples": len({r["sample"] for r in merged}), "records": merged,
-            "settings": merged_settings(reports), "sample_digests": merged_digests(reports)}
+    return {
+        "task": first["task"],
+        "samples": len({r["sample"] for r in merged}),
+        "records": merged,
+        "settings": merged_settings(reports),
+        "sample_digests": merged_digests(reports),
+    }
 
 
 def merged_settings(reports: list[dict]) -> dict:

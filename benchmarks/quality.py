@@ -47,15 +47,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import tasks
 import torch
 from tqdm import tqdm
 
-import tasks
 from specprefill_rag import SpecPrefillEngine
+from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.chat import ChatMessage, chat_layout
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.detokenize import IncrementalText
-from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
 from specprefill_rag.layout_scoring import draft_scoring
 from specprefill_rag.models import shared_model
@@ -67,6 +67,7 @@ INSTRUCTIONS = "Answer the question using the documents. Answer with a short phr
 
 
 # -- scoring (standard SQuAD normalisation) ---------------------------------------------------------
+
 
 def normalise(text: str) -> str:
     text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
@@ -114,6 +115,7 @@ def sample_layout(engine: SpecPrefillEngine, sample: dict, documents: list[str] 
 
 
 # -- methods: each maps (sample, layout, keep_rate) -> the tokens the main model prefills ------------
+
 
 @dataclass
 class Prefill:
@@ -173,13 +175,19 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
         "specprefill": lambda: engine.draft_scoring.importance,  # direct or mapped, as the engine chose
         "specprefill-la1": lambda: replace(engine.draft_scoring, draft=one_step, look_ahead=1).importance,
         "self": lambda: token_scorer(LayerPrefixDraft(model, default_self_layers(model), 13, 16)),
-        **{self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, 13, w)))
-           for n in args.self_layers for w in args.self_windows},
+        **{
+            self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, 13, w)))
+            for n in args.self_layers
+            for w in args.self_windows
+        },
         **{f"specprefill-{spec}": (lambda spec=spec: extra_draft(engine, spec)) for spec in args.extra_drafts},
     }
     auto = auto_methods(args)
-    drafts = {name: make() for name, make in drafts.items() if name in args.methods or
-              (name == "specprefill" and ({"contiguous", AUTO} & set(args.methods)))}
+    drafts = {
+        name: make()
+        for name, make in drafts.items()
+        if name in args.methods or (name == "specprefill" and ({"contiguous", AUTO} & set(args.methods)))
+    }
     # draft -> {id(layout): (layout, importance [L])}; the layout is held, so its id() is not reused
     scored: dict[str, dict[int, tuple[PromptLayout, torch.Tensor]]] = {name: {} for name in drafts}
 
@@ -192,12 +200,14 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
         def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
             kept = select_kept(importance(name, layout), layout.document_index, keep_rate=keep_rate, chunk_size=32)
             return Prefill(layout, kept, torch.arange(kept.numel()) if renumber else kept)
+
         return run
 
     def random_chunks(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
         generator = torch.Generator().manual_seed(args.seed + len(layout))
-        kept = select_kept(torch.rand(len(layout), generator=generator), layout.document_index, keep_rate=keep_rate,
-                           chunk_size=32)
+        kept = select_kept(
+            torch.rand(len(layout), generator=generator), layout.document_index, keep_rate=keep_rate, chunk_size=32
+        )
         return Prefill(layout, kept, kept)
 
     def first(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
@@ -210,6 +220,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
             scores = importance("specprefill", layout)
             kept = select_kept(scores, layout.document_index, keep_rate=budget, chunk_size=32)
             return Prefill(layout, kept, kept)
+
         return run
 
     methods = {name: draft_method(name) for name in drafts}
@@ -254,6 +265,7 @@ class MethodFailed(Exception):
 
 def longllmlingua_method(engine: SpecPrefillEngine, compressor_spec: str) -> Callable:
     from longllmlingua import LongLLMLingua
+
     from specprefill_rag.models import _dtype, resolve
 
     dtype = _dtype(engine.config.dtype, engine.config.device)
@@ -264,13 +276,16 @@ def longllmlingua_method(engine: SpecPrefillEngine, compressor_spec: str) -> Cal
             compressed = compressor.compress(sample["documents"], sample["question"], keep_rate)
         except AssertionError as error:  # llmlingua asserts on some inputs (e.g. its get_prefix_length)
             where = traceback.extract_tb(error.__traceback__)[-1]
-            raise MethodFailed(f"llmlingua: AssertionError in {where.name} ({Path(where.filename).name}:{where.lineno})") from None
+            raise MethodFailed(
+                f"llmlingua: AssertionError in {where.name} ({Path(where.filename).name}:{where.lineno})"
+            ) from None
         return Prefill.whole(sample_layout(engine, sample, [compressed]))
 
     return run
 
 
 # -- one answer -------------------------------------------------------------------------------------
+
 
 @torch.inference_mode()
 def _forward(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
@@ -281,7 +296,9 @@ def _forward(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.
 
 
 @torch.inference_mode()
-def answer_and_logprob(engine: SpecPrefillEngine, prefill: Prefill, answer: str, max_new_tokens: int) -> tuple[str, float]:
+def answer_and_logprob(
+    engine: SpecPrefillEngine, prefill: Prefill, answer: str, max_new_tokens: int
+) -> tuple[str, float]:
     """Greedy answer (up to a newline) and the mean log-probability per token of the gold ``answer``
     right after the prefilled prompt (teacher forced), from ONE prefill: the cache is cropped back to the
     prompt after decoding. An explicit cache and positions: transformers would otherwise read gaps in
@@ -305,13 +322,18 @@ def answer_and_logprob(engine: SpecPrefillEngine, prefill: Prefill, answer: str,
     if decoded := cache.get_seq_length() - n_kept:
         cache.crop(-decoded)  # back to the prompt alone
     answer_ids = torch.tensor(engine.tokenizer(answer, add_special_tokens=False)["input_ids"])
-    rest = _forward(model, answer_ids[:-1], prefill.prompt_length + torch.arange(answer_ids.numel() - 1), cache) \
-        if answer_ids.numel() > 1 else first.new_zeros(0, first.numel())  # a one-token answer: nothing to feed
+    rest = (
+        _forward(model, answer_ids[:-1], prefill.prompt_length + torch.arange(answer_ids.numel() - 1), cache)
+        if answer_ids.numel() > 1
+        else first.new_zeros(0, first.numel())
+    )  # a one-token answer: nothing to feed
     predicted = torch.cat([first[None], rest.log_softmax(-1)])
     return text.emitted.strip(), float(predicted.gather(1, answer_ids[:, None]).mean())
 
 
-def evaluate(engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_tokens: int, document_tokens: int) -> dict:
+def evaluate(
+    engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_tokens: int, document_tokens: int
+) -> dict:
     """Scores of one method's prefill on one sample (``document_tokens``: those of the uncompressed prompt)."""
     text, logprob = answer_and_logprob(engine, prefill, sample["answers"][0], max_new_tokens)
     generated = {"answer": text, **scores(text, sample["answers"])} if max_new_tokens else {}  # 0: logprob only
@@ -330,6 +352,7 @@ def evaluate(engine: SpecPrefillEngine, sample: dict, prefill: Prefill, max_new_
 
 # -- study ------------------------------------------------------------------------------------------
 
+
 def _bootstrap(items: list, statistic: Callable[[list], float | None], seed: int, rounds: int) -> list[float]:
     """``statistic`` of ``rounds`` resamples of ``items`` (drawn with replacement), sorted; None dropped."""
     rng = random.Random(seed)
@@ -344,12 +367,14 @@ def bootstrap_interval(values: list[float], seed: int = 0, rounds: int = 2000) -
     return means[int(0.025 * rounds)], means[int(0.975 * rounds)]
 
 
-def bootstrap_ratio_interval(values: list[float], references: list[float], seed: int = 0,
-                             rounds: int = 2000) -> tuple[float, float]:
+def bootstrap_ratio_interval(
+    values: list[float], references: list[float], seed: int = 0, rounds: int = 2000
+) -> tuple[float, float]:
     """95% interval of ``sum(values) / sum(references)`` over samples drawn in pairs, with replacement.
 
     Draws whose references sum to 0 have no ratio; if more than 5% do, the interval is unknown (nan).
     """
+
     def ratio(drawn: list[tuple[float, float]]) -> float | None:
         reference = sum(r for _, r in drawn)
         return sum(v for v, _ in drawn) / reference if reference else None
@@ -376,8 +401,10 @@ def resumed_report(args: argparse.Namespace, out: Path) -> dict | None:
     if earlier["settings"].get("samples", math.inf) > args.samples:  # a merge of other studies keeps no count
         differing.append("samples")
     if differing:
-        raise SystemExit(f"--resume: {path} was run with other settings ({differing}); use another --out"
-                         " (--samples may grow, not shrink)")
+        raise SystemExit(
+            f"--resume: {path} was run with other settings ({differing}); use another --out"
+            " (--samples may grow, not shrink)"
+        )
     return earlier
 
 
@@ -397,9 +424,11 @@ def check_resumed_samples(earlier: dict, digests: list[str], drawn_at: Callable[
     saved = earlier.get("sample_digests") or drawn_at(earlier["settings"]["samples"])
     for index, (then, now) in enumerate(zip(saved, digests)):
         if then != now:
-            raise SystemExit(f"--resume: sample {index} is not the one the earlier run evaluated (this task draws"
-                             f" other samples at --samples {len(digests)}); resume with --samples {len(saved)}"
-                             " or use another --out")
+            raise SystemExit(
+                f"--resume: sample {index} is not the one the earlier run evaluated (this task draws"
+                f" other samples at --samples {len(digests)}); resume with --samples {len(saved)}"
+                " or use another --out"
+            )
 
 
 def run(args: argparse.Namespace, save: Callable[[dict], None], earlier: dict | None = None) -> dict:
@@ -442,8 +471,15 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], earlier: dict | 
                 if key not in evaluated:
                     evaluated[key] = evaluate(engine, sample, prefill, args.max_new_tokens, document_tokens)
                 result = evaluated[key]
-                records.append({"sample": index, "method": name, "keep_rate": keep_rate, **result,
-                                "seconds": time.perf_counter() - method_started})
+                records.append(
+                    {
+                        "sample": index,
+                        "method": name,
+                        "keep_rate": keep_rate,
+                        **result,
+                        "seconds": time.perf_counter() - method_started,
+                    }
+                )
         save(make_report(args, digests[: index + 1], records))
     return make_report(args, digests, records)
 
@@ -451,8 +487,13 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], earlier: dict | 
 def make_report(args: argparse.Namespace, digests: list[str], records: list[dict]) -> dict:
     """``digests``: the samples so far, as ``sample_digest``s (a resumed run checks its samples against them)."""
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    return {"task": args.task, "samples": len(digests), "sample_digests": digests, "records": records,
-            "settings": settings}
+    return {
+        "task": args.task,
+        "samples": len(digests),
+        "sample_digests": digests,
+        "records": records,
+        "settings": settings,
+    }
 
 
 def summarise(report: dict, metric: str) -> list[dict]:
@@ -467,15 +508,21 @@ def summarise(report: dict, metric: str) -> list[dict]:
             mean = sum(values) / len(values)
             references = [full[r["sample"]] for r in chosen]  # full prefill on the same samples
             change = [v - f for v, f in zip(values, references)]
-            rows.append({
-                "method": method, "keep_rate": keep_rate, "n": len(chosen), "score": mean,
-                "ci": bootstrap_interval(values), "change_ci": bootstrap_interval(change),
-                "retention": sum(values) / sum(references) if sum(references) else float("nan"),
-                "retention_ci": bootstrap_ratio_interval(values, references),
-                "gold_kept": sum(r["gold_document_kept"] for r in chosen) / len(chosen),
-                "answer_kept": sum(r["answer_kept"] for r in chosen) / len(chosen),
-                "kept_share": sum(r["kept_share"] for r in chosen) / len(chosen),
-            })
+            rows.append(
+                {
+                    "method": method,
+                    "keep_rate": keep_rate,
+                    "n": len(chosen),
+                    "score": mean,
+                    "ci": bootstrap_interval(values),
+                    "change_ci": bootstrap_interval(change),
+                    "retention": sum(values) / sum(references) if sum(references) else float("nan"),
+                    "retention_ci": bootstrap_ratio_interval(values, references),
+                    "gold_kept": sum(r["gold_document_kept"] for r in chosen) / len(chosen),
+                    "answer_kept": sum(r["answer_kept"] for r in chosen) / len(chosen),
+                    "kept_share": sum(r["kept_share"] for r in chosen) / len(chosen),
+                }
+            )
     return rows
 
 
@@ -486,8 +533,11 @@ def retention_interval(row: dict) -> str:
 
 
 def markdown(report: dict, metric: str) -> str:
-    lines = [f"| method | keep | n | kept share | {metric} | 95% CI | retention (95% CI) | change vs full (95% CI) | "
-             "answer logprob | gold doc kept | answer kept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| method | keep | n | kept share | {metric} | 95% CI | retention (95% CI) | change vs full (95% CI) | "
+        "answer logprob | gold doc kept | answer kept |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     logprob = {(r["method"], r["keep_rate"]): r for r in summarise(report, "logprob")}
     for row in summarise(report, metric):
         low, high = row["ci"]
@@ -497,7 +547,8 @@ def markdown(report: dict, metric: str) -> str:
         # LongLLMLingua merges and reorders the documents: which one was gold is no longer known
         gold = f"{row['gold_kept']:.0%}" if row["method"] != "longllmlingua" else "n/a"
         lines.append(
-            f"| {row['method']} | {row['keep_rate']:g} | {row['n']} | {row['kept_share']:.2f} | {row['score']:.3f} | {low:.2f} to {high:.2f} | "
+            f"| {row['method']} | {row['keep_rate']:g} | {row['n']} | {row['kept_share']:.2f} | {row['score']:.3f} | "
+            f"{low:.2f} to {high:.2f} | "
             f"{retention} | {change_low:+.2f} to {change_high:+.2f} | {lp['score']:.2f} "
             f"({lp['change_ci'][0]:+.2f} to {lp['change_ci'][1]:+.2f}) | {gold} | {row['answer_kept']:.0%} |"
         )
@@ -527,13 +578,18 @@ def plot(report: dict, metrics: list[str], path: Path) -> None:
         rows = summarise(report, metric)
         for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
             # keep_rate="auto" rows: at the share they kept (their "keep" is the mass share)
-            points = [(r["kept_share"] if method.startswith(AUTO) else r["keep_rate"], r["score"])
-                      for r in rows if r["method"] == method]
+            points = [
+                (r["kept_share"] if method.startswith(AUTO) else r["keep_rate"], r["score"])
+                for r in rows
+                if r["method"] == method
+            ]
             axes.plot(*zip(*points), marker="o", label=method)
         axes.axhline(rows[0]["score"], color="black", linestyle="--", label="full prefill")
         axes.set_xlabel("keep rate (share of document tokens)")
         axes.set_ylabel(metric)
-        axes.set_title(f"{report['task']}: {report['samples']} samples, main {report['settings'].get('main', 'smollm2-135m')}")
+        axes.set_title(
+            f"{report['task']}: {report['samples']} samples, main {report['settings'].get('main', 'smollm2-135m')}"
+        )
         axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -566,10 +622,17 @@ def main() -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     options.add_argument("--task", choices=["squad", "hotpotqa", "nq", "niah", "longbench"], default="squad")
     options.add_argument("--main", default="smollm2-135m", help="main model spec, e.g. qwen2.5-coder-1.5b")
-    options.add_argument("--draft", default="smollm2-135m", help="draft of the specprefill methods, e.g. qwen2.5-coder-0.5b")
+    options.add_argument(
+        "--draft", default="smollm2-135m", help="draft of the specprefill methods, e.g. qwen2.5-coder-0.5b"
+    )
     options.add_argument("--compressor", help="LongLLMLingua's compressor model (default: the draft)")
-    options.add_argument("--extra-drafts", nargs="*", default=[], metavar="SPEC",
-                         help="more drafts, run as methods specprefill-<SPEC> (another vocabulary goes through the mapped path)")
+    options.add_argument(
+        "--extra-drafts",
+        nargs="*",
+        default=[],
+        metavar="SPEC",
+        help="more drafts, run as methods specprefill-<SPEC> (another vocabulary goes through the mapped path)",
+    )
     options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     options.add_argument("--samples", type=int, default=40)
     options.add_argument("--documents", type=int, default=5, help="squad, nq: passages per prompt")
@@ -577,23 +640,36 @@ def main() -> None:
     options.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     options.add_argument("--methods", nargs="+", default=ALL_METHODS)
     auto_defaults = SpecPrefillConfig()
-    options.add_argument("--auto-shares", type=float, nargs="+", default=[auto_defaults.auto_keep_share],
-                         help="specprefill-auto: shares of the importance mass to keep")
+    options.add_argument(
+        "--auto-shares",
+        type=float,
+        nargs="+",
+        default=[auto_defaults.auto_keep_share],
+        help="specprefill-auto: shares of the importance mass to keep",
+    )
     options.add_argument("--auto-floors", type=float, nargs="+", default=[auto_defaults.auto_keep_floor])
     options.add_argument("--auto-ceilings", type=float, nargs="+", default=[auto_defaults.auto_keep_ceiling])
-    options.add_argument("--match-auto", action="store_true",
-                         help="fixed methods run at one rate: specprefill-auto's average kept share on these samples")
+    options.add_argument(
+        "--match-auto",
+        action="store_true",
+        help="fixed methods run at one rate: specprefill-auto's average kept share on these samples",
+    )
     options.add_argument("--self-layers", type=int, nargs="*", default=[12])
     options.add_argument("--self-windows", type=int, nargs="*", default=[16], help="query window of self-<n> drafts")
     options.add_argument("--max-new-tokens", type=int, default=16, help="0: skip generation, log-probabilities only")
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--only-samples", type=int, nargs="*", help="evaluate these sample indices only (re-checks)")
     options.add_argument("--out", type=Path)
-    options.add_argument("--resume", action="store_true",
-                         help="keep the samples an earlier run saved at --out (a larger --samples adds some)")
+    options.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the samples an earlier run saved at --out (a larger --samples adds some)",
+    )
     args = options.parse_args()
     args.sampler = tasks.sampler_version(args.task)
-    unknown = set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
+    unknown = (
+        set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
+    )
     unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
     if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
         options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")

@@ -47,15 +47,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rss-requests", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve-load.json")
     parser.add_argument("--quick", action="store_true", help="1 and 4 streams, 8 requests, 30 for RSS")
-    parser.add_argument("--tiny", action="store_true",
-                        help="main and draft = a tiny random Llama saved to a temporary folder: the model work is "
-                        "near zero, so what is left is the gateway's own cost (answers are meaningless)")
-    parser.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
-                        help="what to measure (default: all); 'overhead' and 'rss' use the last --batch-sizes value")
-    parser.add_argument("--draft-only", action="store_true", help="only the draft batching comparison (--phases batching)")
-    parser.add_argument("--draft-cache-mb", type=int, default=None,
-                        help="the gateway's --draft-cache-mb (default: serve's default)")
-    parser.add_argument("--draft-prompts", type=int, default=0, help="prompts in the batching comparison (2 x largest batch)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="main and draft = a tiny random Llama saved to a temporary folder: the model work is "
+        "near zero, so what is left is the gateway's own cost (answers are meaningless)",
+    )
+    parser.add_argument(
+        "--phases",
+        nargs="+",
+        choices=PHASES,
+        default=list(PHASES),
+        help="what to measure (default: all); 'overhead' and 'rss' use the last --batch-sizes value",
+    )
+    parser.add_argument(
+        "--draft-only", action="store_true", help="only the draft batching comparison (--phases batching)"
+    )
+    parser.add_argument(
+        "--draft-cache-mb", type=int, default=None, help="the gateway's --draft-cache-mb (default: serve's default)"
+    )
+    parser.add_argument(
+        "--draft-prompts", type=int, default=0, help="prompts in the batching comparison (2 x largest batch)"
+    )
     args = parser.parse_args(argv)
     if args.draft_only:
         args.phases = ["batching"]
@@ -83,21 +96,48 @@ def documents_for(index: int, words: int) -> list[str]:
     """Three documents, different for every request (a window of each file that moves with ``index``)."""
     texts = [path.read_text().split() for path in DOCUMENTS]
     picked = [texts[(index + k) % len(texts)] for k in range(3)]
-    return [" ".join(t[(index * 7) % max(1, len(t) - words):][:words]) for t in picked]
+    return [" ".join(t[(index * 7) % max(1, len(t) - words) :][:words]) for t in picked]
 
 
 def body(index: int, args: argparse.Namespace, stream: bool) -> dict:
-    return {"model": args.main, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": args.max_tokens,
-            "temperature": 0, "stream": stream, "spec_prefill": {"documents": documents_for(index, args.words)}}
+    return {
+        "model": args.main,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        "spec_prefill": {"documents": documents_for(index, args.words)},
+    }
 
 
-def start_gateway(args: argparse.Namespace, batch_size: int, draft_cache_mb: int | None) -> tuple[subprocess.Popen, str]:
+def start_gateway(
+    args: argparse.Namespace, batch_size: int, draft_cache_mb: int | None
+) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "specprefill_rag.cli", "serve", "--main", args.main, "--draft", args.draft,
-               "--device", args.device, "--port", str(port), "--draft-batch-size", str(batch_size),
-               "--min-prompt-tokens", "0", "--queue-size", "4096", "--log-level", "warning"]
+    command = [
+        sys.executable,
+        "-m",
+        "specprefill_rag.cli",
+        "serve",
+        "--main",
+        args.main,
+        "--draft",
+        args.draft,
+        "--device",
+        args.device,
+        "--port",
+        str(port),
+        "--draft-batch-size",
+        str(batch_size),
+        "--min-prompt-tokens",
+        "0",
+        "--queue-size",
+        "4096",
+        "--log-level",
+        "warning",
+    ]
     if draft_cache_mb is not None:
         command += ["--draft-cache-mb", str(draft_cache_mb)]
     process = subprocess.Popen(command)
@@ -146,8 +186,13 @@ async def load_level(url: str, args: argparse.Namespace, streams: int, offset: i
         started = time.perf_counter()
         ttfts = await asyncio.gather(*(one(client, i) for i in range(count)))
         elapsed = time.perf_counter() - started
-    return {"streams": streams, "requests": count, "requests_per_s": count / elapsed,
-            "ttft_p50_ms": 1000 * percentile(ttfts, 0.5), "ttft_p99_ms": 1000 * percentile(ttfts, 0.99)}
+    return {
+        "streams": streams,
+        "requests": count,
+        "requests_per_s": count / elapsed,
+        "ttft_p50_ms": 1000 * percentile(ttfts, 0.5),
+        "ttft_p99_ms": 1000 * percentile(ttfts, 0.99),
+    }
 
 
 def overhead(url: str, args: argparse.Namespace) -> dict:
@@ -160,8 +205,9 @@ def overhead(url: str, args: argparse.Namespace) -> dict:
     # No draft prefix cache on either side (run_gateway starts this gateway with --draft-cache-mb 0): the async
     # call repeats the blocking call's prompt and would start from its cached KV, and the cache's own cost is
     # the engine's, the same in-process and behind the gateway.
-    engine = SpecPrefillEngine(main=args.main, draft=args.draft, device=args.device, min_prompt_tokens=0,
-                               draft_cache_mb=0)
+    engine = SpecPrefillEngine(
+        main=args.main, draft=args.draft, device=args.device, min_prompt_tokens=0, draft_cache_mb=0
+    )
     params = GenerationParams(max_new_tokens=args.max_tokens)
     times: dict[str, list[float]] = {"gateway": [], "engine": [], "engine_async": []}
 
@@ -178,16 +224,23 @@ def overhead(url: str, args: argparse.Namespace) -> dict:
     with httpx.Client(timeout=600) as client:
         for index in range(args.overhead_requests + 1):  # the first round is a warm-up
             payload = body(10_000 + index, args, stream=False)
-            timed("gateway", lambda: client.post(url + "/v1/chat/completions", json=payload).raise_for_status(), index > 0)
-            timed("engine", lambda: engine.generate_layout(layout(payload), params), index > 0)
-            timed("engine_async", lambda: asyncio.run(engine.agenerate_layout(layout(payload), params)), index > 0)
+            timed(
+                "gateway",
+                lambda p=payload: client.post(url + "/v1/chat/completions", json=p).raise_for_status(),
+                index > 0,
+            )
+            timed("engine", lambda p=payload: engine.generate_layout(layout(p), params), index > 0)
+            timed("engine_async", lambda p=payload: asyncio.run(engine.agenerate_layout(layout(p), params)), index > 0)
     result = {"requests": args.overhead_requests}
     for name, values in times.items():
         result[f"{name}_ms_median"] = statistics.median(values)
     for name in ("engine", "engine_async"):
         differences = [g - e for g, e in zip(times["gateway"], times[name])]
-        result[f"overhead_vs_{name}_ms"] = {"median": statistics.median(differences), "min": min(differences),
-                                            "max": max(differences)}
+        result[f"overhead_vs_{name}_ms"] = {
+            "median": statistics.median(differences),
+            "min": min(differences),
+            "max": max(differences),
+        }
     return result
 
 
@@ -210,10 +263,18 @@ def resident_memory(url: str, pid: int, args: argparse.Namespace) -> dict:
             client.post(url + "/v1/chat/completions", json=body(20_000 + index, args, stream=False)).raise_for_status()
             if index % every == 0 or index == args.rss_requests - 1:
                 cache_mb = gauge(client, url, "specprefill_draft_cache_bytes") / 2**20
-                samples.append({"after_requests": index + 1, "rss_mb": process.memory_info().rss / 2**20,
-                                "draft_cache_mb": cache_mb})
-    return {"requests": args.rss_requests, "samples": samples,
-            "growth_mb_after_first_tenth": samples[-1]["rss_mb"] - samples[1 if len(samples) > 1 else 0]["rss_mb"]}
+                samples.append(
+                    {
+                        "after_requests": index + 1,
+                        "rss_mb": process.memory_info().rss / 2**20,
+                        "draft_cache_mb": cache_mb,
+                    }
+                )
+    return {
+        "requests": args.rss_requests,
+        "samples": samples,
+        "growth_mb_after_first_tenth": samples[-1]["rss_mb"] - samples[1 if len(samples) > 1 else 0]["rss_mb"],
+    }
 
 
 def draft_batching(args: argparse.Namespace) -> list[dict]:
@@ -229,8 +290,12 @@ def draft_batching(args: argparse.Namespace) -> list[dict]:
     loaded = shared_model(args.draft, args.device)
     draft = ModelDraft(loaded.model, 8, 13, eos_token_ids(loaded.model, loaded.tokenizer))
     count = args.draft_prompts or 2 * max(args.batch_sizes)
-    prompts = [chat_layout(loaded.tokenizer, [ChatMessage("user", [QUESTION])], documents_for(i, args.words))
-               .layout.input_ids.to(args.device) for i in range(count)]
+    prompts = [
+        chat_layout(
+            loaded.tokenizer, [ChatMessage("user", [QUESTION])], documents_for(i, args.words)
+        ).layout.input_ids.to(args.device)
+        for i in range(count)
+    ]
     times: dict[int, list[float]] = {size: [] for size in args.batch_sizes}
     draft.score_batch(prompts[:1])  # warm-up
     for repeat in range(3):
@@ -243,16 +308,26 @@ def draft_batching(args: argparse.Namespace) -> list[dict]:
             times[size].append((time.perf_counter() - started) * 1000 / count)
             print(f"  repeat {repeat}: batch {size}: {times[size][-1]:.0f} ms per prompt", flush=True)
     tokens = statistics.mean(p.numel() for p in prompts)
-    return [{"batch_size": size, "prompts": count, "mean_prompt_tokens": tokens, "ms_per_prompt_median":
-             statistics.median(t), "ms_per_prompt_min": min(t), "ms_per_prompt_max": max(t)} for size, t in times.items()]
+    return [
+        {
+            "batch_size": size,
+            "prompts": count,
+            "mean_prompt_tokens": tokens,
+            "ms_per_prompt_median": statistics.median(t),
+            "ms_per_prompt_min": min(t),
+            "ms_per_prompt_max": max(t),
+        }
+        for size, t in times.items()
+    ]
 
 
 def run_gateway(args: argparse.Namespace, batch_size: int, measure_extras: bool) -> dict:
     result: dict = {"draft_batch_size": batch_size}
     with gateway_process(args, batch_size, args.draft_cache_mb) as (process, url):
         if "load" in args.phases:
-            result["levels"] = [asyncio.run(load_level(url, args, streams, offset=1000 * streams))
-                                for streams in args.streams]
+            result["levels"] = [
+                asyncio.run(load_level(url, args, streams, offset=1000 * streams)) for streams in args.streams
+            ]
         if measure_extras and "rss" in args.phases:
             result["rss"] = resident_memory(url, process.pid, args)
     if measure_extras and "overhead" in args.phases:
@@ -274,20 +349,29 @@ def gateway_process(args: argparse.Namespace, batch_size: int, draft_cache_mb: i
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "load_average": os.getloadavg()}
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    report = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "machine_before": machine(), "runs": []}
+    report = {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine_before": machine(),
+        "runs": [],
+    }
     if "batching" in args.phases:
         report["draft_batching"] = draft_batching(args)
         for row in report["draft_batching"]:
-            print(f"draft batch {row['batch_size']}: {row['ms_per_prompt_median']:.0f} ms per prompt "
-                  f"({row['ms_per_prompt_min']:.0f}-{row['ms_per_prompt_max']:.0f}), "
-                  f"{row['mean_prompt_tokens']:.0f} tokens")
+            print(
+                f"draft batch {row['batch_size']}: {row['ms_per_prompt_median']:.0f} ms per prompt "
+                f"({row['ms_per_prompt_min']:.0f}-{row['ms_per_prompt_max']:.0f}), "
+                f"{row['mean_prompt_tokens']:.0f} tokens"
+            )
     sizes = args.batch_sizes if "load" in args.phases else args.batch_sizes[-1:]
     if {"load", "overhead", "rss"} & set(args.phases):
         for position, batch_size in enumerate(sizes):
@@ -302,19 +386,25 @@ def main(argv: list[str] | None = None) -> None:
 def print_summary(runs: list[dict]) -> None:
     for run in runs:
         for level in run.get("levels", []):
-            print(f"batch {run['draft_batch_size']}: {level['streams']:>3} streams  {level['requests_per_s']:.2f} "
-                  f"req/s  TTFT p50 {level['ttft_p50_ms']:.0f} ms  p99 {level['ttft_p99_ms']:.0f} ms")
+            print(
+                f"batch {run['draft_batch_size']}: {level['streams']:>3} streams  {level['requests_per_s']:.2f} "
+                f"req/s  TTFT p50 {level['ttft_p50_ms']:.0f} ms  p99 {level['ttft_p99_ms']:.0f} ms"
+            )
     extras = runs[-1] if runs else {}
     if "overhead" in extras:
         cost = extras["overhead"]
-        print(f"overhead per request: {cost['overhead_vs_engine_ms']['median']:.1f} ms against the blocking engine, "
-              f"{cost['overhead_vs_engine_async_ms']['median']:.1f} ms against its async path (gateway "
-              f"{cost['gateway_ms_median']:.0f} ms, engine {cost['engine_ms_median']:.0f} / "
-              f"{cost['engine_async_ms_median']:.0f} ms)")
+        print(
+            f"overhead per request: {cost['overhead_vs_engine_ms']['median']:.1f} ms against the blocking engine, "
+            f"{cost['overhead_vs_engine_async_ms']['median']:.1f} ms against its async path (gateway "
+            f"{cost['gateway_ms_median']:.0f} ms, engine {cost['engine_ms_median']:.0f} / "
+            f"{cost['engine_async_ms_median']:.0f} ms)"
+        )
     if "rss" in extras:
         samples = extras["rss"]["samples"]
-        print(f"RSS: {[round(s['rss_mb']) for s in samples]} MB; draft cache "
-              f"{[round(s['draft_cache_mb']) for s in samples]} MB")
+        print(
+            f"RSS: {[round(s['rss_mb']) for s in samples]} MB; draft cache "
+            f"{[round(s['draft_cache_mb']) for s in samples]} MB"
+        )
 
 
 if __name__ == "__main__":

@@ -32,10 +32,10 @@ import time
 from pathlib import Path
 
 import torch
+from ttft import machine
 
 from specprefill_rag import SpecPrefillEngine, SpecPrefillError
 from specprefill_rag.config import DEFAULT_DRAFT_CACHE_MB
-from ttft import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 HAYSTACK = sorted((ROOT / "tests" / "fixtures" / "haystack").glob("*.txt"))
@@ -106,10 +106,18 @@ def soak(args) -> dict:
             print(f"{index:>4} requests: RSS {samples[-1]['rss_bytes'] / 2**20:.1f} MiB", flush=True)
     steady = samples[2:]  # from the second sample after start: the first includes warm-up growth
     slope = _slope([s["requests"] for s in steady], [s["rss_bytes"] for s in steady]) if len(steady) > 1 else 0.0
-    return {"machine": machine(), "requests": args.requests, "every": args.every, "counts": counts,
-            "max_new_tokens": args.max_new_tokens, "draft_cache_mb": args.draft_cache_mb,
-            "torch_threads": torch.get_num_threads(), "samples": samples, "slope_bytes_per_request": slope,
-            "steady_from_request": steady[0]["requests"] if steady else None}
+    return {
+        "machine": machine(),
+        "requests": args.requests,
+        "every": args.every,
+        "counts": counts,
+        "max_new_tokens": args.max_new_tokens,
+        "draft_cache_mb": args.draft_cache_mb,
+        "torch_threads": torch.get_num_threads(),
+        "samples": samples,
+        "slope_bytes_per_request": slope,
+        "steady_from_request": steady[0]["requests"] if steady else None,
+    }
 
 
 def _slope(xs: list[int], ys: list[int]) -> float:
@@ -119,14 +127,21 @@ def _slope(xs: list[int], ys: list[int]) -> float:
 
 def markdown(report: dict) -> str:
     counts = report["counts"]
-    lines = [f"{report['requests']} requests ({counts['good']} good, {counts['bad']} bad, {counts['tokens']} tokens "
-             f"generated), embedded SmolLM2-135M as draft and main, draft prefix cache {report['draft_cache_mb']} MiB, "
-             f"{report['torch_threads']} torch thread(s); {report['machine']}.", "",
-             "| requests | RSS (MiB) | elapsed (s) |", "|---:|---:|---:|"]
+    lines = [
+        f"{report['requests']} requests ({counts['good']} good, {counts['bad']} bad, {counts['tokens']} tokens "
+        f"generated), embedded SmolLM2-135M as draft and main, draft prefix cache {report['draft_cache_mb']} MiB, "
+        f"{report['torch_threads']} torch thread(s); {report['machine']}.",
+        "",
+        "| requests | RSS (MiB) | elapsed (s) |",
+        "|---:|---:|---:|",
+    ]
     for sample in report["samples"]:
         lines.append(f"| {sample['requests']} | {sample['rss_bytes'] / 2**20:.1f} | {sample['elapsed_s']:.0f} |")
-    lines += ["", f"Slope from request {report['steady_from_request']} on: "
-              f"{report['slope_bytes_per_request'] * 100 / 2**20:+.2f} MiB per 100 requests."]
+    lines += [
+        "",
+        f"Slope from request {report['steady_from_request']} on: "
+        f"{report['slope_bytes_per_request'] * 100 / 2**20:+.2f} MiB per 100 requests.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -135,8 +150,12 @@ def main() -> None:
     options.add_argument("--requests", type=int, default=500)
     options.add_argument("--every", type=int, default=50)
     options.add_argument("--max-new-tokens", type=int, default=4)
-    options.add_argument("--draft-cache-mb", type=int, default=DEFAULT_DRAFT_CACHE_MB,
-                         help="the draft prefix cache's bound (0: off); it fills with each new prompt's draft KV")
+    options.add_argument(
+        "--draft-cache-mb",
+        type=int,
+        default=DEFAULT_DRAFT_CACHE_MB,
+        help="the draft prefix cache's bound (0: off); it fills with each new prompt's draft KV",
+    )
     options.add_argument("--out", type=Path, help="default: benchmarks/results/soak-cache-<MB>")
     args = options.parse_args()
     args.out = args.out or ROOT / "benchmarks" / "results" / f"soak-cache-{args.draft_cache_mb}"

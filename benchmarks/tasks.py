@@ -17,15 +17,27 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
 NEEDLES = [
-    ("The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
-     "What is the best thing to do in San Francisco?", ["sandwich", "dolores park"]),
-    ("The secret ingredient of Grandma Rosa's soup is smoked paprika.",
-     "What is the secret ingredient of Grandma Rosa's soup?", ["paprika"]),
+    (
+        "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+        "What is the best thing to do in San Francisco?",
+        ["sandwich", "dolores park"],
+    ),
+    (
+        "The secret ingredient of Grandma Rosa's soup is smoked paprika.",
+        "What is the secret ingredient of Grandma Rosa's soup?",
+        ["paprika"],
+    ),
     ("The access code for the Halvorsen vault is 4417.", "What is the access code for the Halvorsen vault?", ["4417"]),
-    ("The capital of the fictional island of Veltra is Marisport.", "What is the capital of the island of Veltra?",
-     ["marisport"]),
-    ("Doctor Amina Osei keeps her spare keys inside a blue teapot.", "Where does Doctor Amina Osei keep her spare keys?",
-     ["teapot"]),
+    (
+        "The capital of the fictional island of Veltra is Marisport.",
+        "What is the capital of the island of Veltra?",
+        ["marisport"],
+    ),
+    (
+        "Doctor Amina Osei keeps her spare keys inside a blue teapot.",
+        "Where does Doctor Amina Osei keep her spare keys?",
+        ["teapot"],
+    ),
 ]
 LONGBENCH_TASKS = ("hotpotqa", "multifieldqa_en", "qasper", "narrativeqa", "triviaqa")
 # Bumped when a task draws other samples from the same seed, so that a saved study is not resumed or merged
@@ -44,7 +56,9 @@ def recorded_sampler(settings: dict) -> int:
 
 def require_data() -> None:
     if not DATA.is_dir():
-        raise SystemExit(f"evaluation data not found at {DATA}: the benchmarks read ../shared/data next to the repository")
+        raise SystemExit(
+            f"evaluation data not found at {DATA}: the benchmarks read ../shared/data next to the repository"
+        )
 
 
 def _insert_at(items: list, item: Any, depth: int) -> list:
@@ -76,8 +90,14 @@ def squad(count: int, n_documents: int, seed: int) -> list[dict]:
         others = [a for i, a in enumerate(articles) if i != article]
         distractors = [rng.choice(rng.choice(others)["paragraphs"])["context"] for _ in range(n_documents - 1)]
         depth = rng.randrange(n_documents)
-        samples.append({"question": qa["question"], "documents": _insert_at(distractors, paragraph["context"], depth),
-                        "answers": [a["text"] for a in qa["answers"]], "gold_documents": [depth]})
+        samples.append(
+            {
+                "question": qa["question"],
+                "documents": _insert_at(distractors, paragraph["context"], depth),
+                "answers": [a["text"] for a in qa["answers"]],
+                "gold_documents": [depth],
+            }
+        )
     return samples
 
 
@@ -90,8 +110,9 @@ def hotpotqa(count: int, seed: int) -> list[dict]:
         titles = [title for title, _ in row["context"]]
         gold = sorted({titles.index(title) for title, _ in row["supporting_facts"] if title in titles})
         documents = [f"{title}: {''.join(sentences)}" for title, sentences in row["context"]]
-        samples.append({"question": row["question"], "documents": documents, "answers": [row["answer"]],
-                        "gold_documents": gold})
+        samples.append(
+            {"question": row["question"], "documents": documents, "answers": [row["answer"]], "gold_documents": gold}
+        )
     return samples
 
 
@@ -106,10 +127,18 @@ def nq(count: int, n_documents: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     samples = []
     for index in _first_of_shuffled(rng, list(range(len(rows))), count, "NQ-open"):
-        others = [_nq_passage(rows[i]) for i in rng.sample(range(len(rows)), n_documents) if i != index][: n_documents - 1]
+        others = [_nq_passage(rows[i]) for i in rng.sample(range(len(rows)), n_documents) if i != index][
+            : n_documents - 1
+        ]
         depth = rng.randrange(n_documents)
-        samples.append({"question": rows[index]["question"], "documents": _insert_at(others, _nq_passage(rows[index]), depth),
-                        "answers": rows[index]["answers"], "gold_documents": [depth]})
+        samples.append(
+            {
+                "question": rows[index]["question"],
+                "documents": _insert_at(others, _nq_passage(rows[index]), depth),
+                "answers": rows[index]["answers"],
+                "gold_documents": [depth],
+            }
+        )
     return samples
 
 
@@ -123,14 +152,23 @@ def niah(count: int, tokenizer: Any, length: int, seed: int, n_documents: int = 
         needle, question, answers = NEEDLES[index % len(NEEDLES)]
         start = rng.randrange(len(ids) - length)
         per_document = length // n_documents
-        documents = [tokenizer.decode(ids[start + i * per_document : start + (i + 1) * per_document]) for i in range(n_documents)]
+        documents = [
+            tokenizer.decode(ids[start + i * per_document : start + (i + 1) * per_document]) for i in range(n_documents)
+        ]
         depth = (index * 7) % 11 / 10  # 0%, 10%, ... 100% of the haystack, spread over the samples
         target = min(int(depth * n_documents), n_documents - 1)
         sentences = documents[target].split(". ")
         cut = int(len(sentences) * (depth * n_documents - target))
         documents[target] = ". ".join(sentences[:cut] + [needle.rstrip(".")] + sentences[cut:])
-        samples.append({"question": question, "documents": documents, "answers": answers, "gold_documents": [target],
-                        "depth": depth})
+        samples.append(
+            {
+                "question": question,
+                "documents": documents,
+                "answers": answers,
+                "gold_documents": [target],
+                "depth": depth,
+            }
+        )
     return samples
 
 
@@ -160,7 +198,14 @@ def longbench(count: int, tokenizer: Any, max_tokens: int, seed: int) -> list[di
     _require_count(count, len(rows), f"LongBench ({', '.join(LONGBENCH_TASKS)})")
     for row in rng.sample(rows, count):  # a resumed study checks that its first samples are the same
         context = _truncate_middle(row["context"], tokenizer, max_tokens)
-        samples.append({"question": row["input"], "documents": _passages(context), "answers": row["answers"],
-                        "gold_documents": [], "prompt": prompts[row["dataset"]].replace("{input}", row["input"]),
-                        "dataset": row["dataset"]})
+        samples.append(
+            {
+                "question": row["input"],
+                "documents": _passages(context),
+                "answers": row["answers"],
+                "gold_documents": [],
+                "prompt": prompts[row["dataset"]].replace("{input}", row["input"]),
+                "dataset": row["dataset"],
+            }
+        )
     return samples

@@ -35,13 +35,37 @@ from specprefill_rag.models import load_model
 ROOT = Path(__file__).resolve().parents[1]
 ESSAYS = ROOT.parent / "shared" / "data" / "niah_paul_graham"
 SHAPES = {
-    "smollm2-1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
-                         num_key_value_heads=32, vocab_size=49152, max_position_embeddings=8192, rope_theta=130000.0),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-                         tie_word_embeddings=True),
+    "smollm2-1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rope_theta=130000.0,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
+    "llama-3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -93,8 +117,13 @@ def summary(samples: list[float]) -> dict[str, float]:
 def plain_prefill(model, ids: torch.Tensor) -> None:
     from transformers import DynamicCache
 
-    model(input_ids=ids[None], position_ids=torch.arange(ids.numel(), device=ids.device)[None],
-          past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    model(
+        input_ids=ids[None],
+        position_ids=torch.arange(ids.numel(), device=ids.device)[None],
+        past_key_values=DynamicCache(config=model.config),
+        use_cache=True,
+        logits_to_keep=1,
+    )
 
 
 def first_token(backend, prompt: SparsePrompt) -> None:
@@ -117,7 +146,8 @@ def load_pair(args):
 
 
 def timing_engine(main_model, tokenizer, draft_model):
-    """What :func:`run_length` times: an engine, or only a main backend for the GPU shapes (random ids, no tokenizer)."""
+    """What :func:`run_length` times: an engine, or only a main backend for the GPU shapes (random ids, no
+    tokenizer)."""
     if tokenizer is not None:
         return SpecPrefillEngine.from_models(main_model, tokenizer, draft_model, min_prompt_tokens=0)
     from specprefill_rag.backends.hf import HFBackend
@@ -134,7 +164,9 @@ def run_length(engine, draft_model, tokenizer, length: int, args) -> dict:
     from specprefill_rag.selection import select_kept
 
     kept = select_kept(importance, index, keep_rate=args.keep_rate, chunk_size=32).to(device)
-    samples: dict[str, list[float]] = {k: [] for k in ("draft_prefill", "draft_scoring", "main_full", "main_sparse", "specprefill_ttft")}
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("draft_prefill", "draft_scoring", "main_full", "main_sparse", "specprefill_ttft")
+    }
     # Warm-up; on CUDA at full length, so the caching allocator's growth is not in the first repeat.
     first_token(engine.backend, SparsePrompt.full(ids if device.startswith("cuda") else ids[:256]))
     for _ in range(args.repeats):
@@ -171,8 +203,11 @@ def memory_probe(args) -> None:
     """Child process: print peak memory growth (MB) of one plain draft prefill or one scoring call."""
     draft_model, tokenizer = load_draft(args)
     ids = prompt_ids(tokenizer, args.lengths[0], draft_model.config.vocab_size).to(args.device)
-    run = (lambda: plain_prefill(draft_model, ids)) if args.probe == "prefill" else (
-        lambda: ModelDraft(draft_model, look_ahead=args.look_ahead).score(ids))
+    run = (
+        (lambda: plain_prefill(draft_model, ids))
+        if args.probe == "prefill"
+        else (lambda: ModelDraft(draft_model, look_ahead=args.look_ahead).score(ids))
+    )
     if args.device.startswith("cuda"):
         plain_prefill(draft_model, ids[:16])  # cuBLAS workspaces would otherwise count in the first probe's peak
         torch.cuda.synchronize()
@@ -215,8 +250,18 @@ def measure_memory(args, length: int) -> dict:
     samples: dict[str, list[float]] = {"prefill": [], "scoring": []}
     for _ in range(max(args.repeats, 3)):
         for probe in samples:
-            command = [sys.executable, __file__, "--probe", probe, "--device", args.device, "--lengths", str(length),
-                       "--look-ahead", str(args.look_ahead)]
+            command = [
+                sys.executable,
+                __file__,
+                "--probe",
+                probe,
+                "--device",
+                args.device,
+                "--lengths",
+                str(length),
+                "--look-ahead",
+                str(args.look_ahead),
+            ]
             out = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             samples[probe].append(json.loads(out)["peak_mb"])
     result: dict = {probe: summary(values) for probe, values in samples.items()}
@@ -230,8 +275,10 @@ def cpu_model() -> str:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.machine())
+    name = next(
+        (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+        platform.machine(),
+    )
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     bf16 = [label for flag, label in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
     return f"{name} ({', '.join(bf16) or 'no bfloat16 instructions'})"
@@ -269,8 +316,14 @@ def main() -> None:
         return
     draft_model, tokenizer, main_model = load_pair(args)
     engine = timing_engine(main_model, tokenizer, draft_model)
-    report = {"machine": machine(), "device": args.device, "repeats": args.repeats, "keep_rate": args.keep_rate,
-              "look_ahead": args.look_ahead, "results": []}
+    report = {
+        "machine": machine(),
+        "device": args.device,
+        "repeats": args.repeats,
+        "keep_rate": args.keep_rate,
+        "look_ahead": args.look_ahead,
+        "results": [],
+    }
     for length in args.lengths:
         row = run_length(engine, draft_model, tokenizer, length, args)
         print(json.dumps(row, indent=2), flush=True)

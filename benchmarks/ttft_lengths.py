@@ -37,8 +37,9 @@ import statistics
 from pathlib import Path
 
 import torch
-
 from longllmlingua import LongLLMLingua
+from ttft import ESSAYS, ROOT, clock, first_token, machine, peak_rss_growth_mb, shape_model
+
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
@@ -46,7 +47,6 @@ from specprefill_rag.draft import LayerPrefixDraft
 from specprefill_rag.layout_scoring import DirectScoring
 from specprefill_rag.models import load_model, load_tokenizer, resolve
 from specprefill_rag.selection import select_kept
-from ttft import ESSAYS, ROOT, clock, first_token, machine, peak_rss_growth_mb, shape_model
 
 QUESTION = "What does the author say about how startups should choose what to work on?"
 
@@ -76,13 +76,19 @@ def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua | None, documen
         compressed = compressor.compress(documents, QUESTION, args.keep_rate)
         first_token(engine.backend, SparsePrompt.full(engine.layout(QUESTION, [compressed]).input_ids))
 
-    runs = {"full": lambda: first_token(engine.backend, SparsePrompt.full(layout.input_ids)),
-            "draft_scoring": lambda: drafts["specprefill"].importance(layout)}
+    runs = {
+        "full": lambda: first_token(engine.backend, SparsePrompt.full(layout.input_ids)),
+        "draft_scoring": lambda: drafts["specprefill"].importance(layout),
+    }
     runs.update({name: (lambda n=name, d=draft: sparse(n, d)) for name, draft in drafts.items()})
     if compressor is not None:
         runs["longllmlingua"] = longllmlingua
-    return {"prompt_tokens": len(layout), "document_tokens": layout.n_document_tokens, "runs": runs,
-            "kept_tokens": kept_tokens}
+    return {
+        "prompt_tokens": len(layout),
+        "document_tokens": layout.n_document_tokens,
+        "runs": runs,
+        "kept_tokens": kept_tokens,
+    }
 
 
 def peak_memory_mb(runs: dict) -> dict[str, float]:
@@ -109,8 +115,11 @@ def run_length(engine, compressor, length: int, args, probe_memory: bool = True)
     kept_share = study["kept_tokens"]["specprefill"] / study["prompt_tokens"]
     draft_share = median["draft_scoring"] / median["full"]
     return {
-        "length": length, "prompt_tokens": study["prompt_tokens"], "document_tokens": study["document_tokens"],
-        "kept_tokens": study["kept_tokens"], "kept_share": kept_share,
+        "length": length,
+        "prompt_tokens": study["prompt_tokens"],
+        "document_tokens": study["document_tokens"],
+        "kept_tokens": study["kept_tokens"],
+        "kept_share": kept_share,
         "timings_ms": {k: {"median": median[k], "min": min(v), "max": max(v), "n": len(v)} for k, v in samples.items()},
         "speedup": {k: median["full"] / median[k] for k in samples if k not in ("full", "draft_scoring")},
         "bound": 1.0 / (kept_share + draft_share),
@@ -121,18 +130,30 @@ def run_length(engine, compressor, length: int, args, probe_memory: bool = True)
 
 def markdown(report: dict) -> str:
     names = [k for k in report["results"][0]["timings_ms"] if k != "draft_scoring"]
-    lines = ["| prompt tokens | " + " | ".join(f"{n} ms (min-max)" for n in names) + " | kept share | bound | "
-             + " | ".join(f"{n} speedup" for n in names if n != "full") + " |",
-             "|---" * (2 * len(names) + 2) + "|"]
-    memory_header = "| prompt tokens | " + " | ".join(f"{n} peak MB" for n in report["results"][0]["peak_memory_mb"]) + " |"
+    lines = [
+        "| prompt tokens | "
+        + " | ".join(f"{n} ms (min-max)" for n in names)
+        + " | kept share | bound | "
+        + " | ".join(f"{n} speedup" for n in names if n != "full")
+        + " |",
+        "|---" * (2 * len(names) + 2) + "|",
+    ]
+    memory_header = (
+        "| prompt tokens | " + " | ".join(f"{n} peak MB" for n in report["results"][0]["peak_memory_mb"]) + " |"
+    )
     memory_lines = ["", memory_header, "|---" * memory_header.count(" | ") + "|---|"]
     for row in report["results"]:
-        cells = [f"{row['timings_ms'][n]['median']:,.0f} ({row['timings_ms'][n]['min']:,.0f}-{row['timings_ms'][n]['max']:,.0f})"
-                 for n in names]
+        cells = [
+            f"{row['timings_ms'][n]['median']:,.0f} "
+            f"({row['timings_ms'][n]['min']:,.0f}-{row['timings_ms'][n]['max']:,.0f})"
+            for n in names
+        ]
         speedups = [f"{row['speedup'][n]:.2f}x" for n in names if n != "full"]
         bound = f" | {row['kept_share']:.3f} | {row['bound']:.2f}x | "
         lines.append(f"| {row['prompt_tokens']:,} | " + " | ".join(cells) + bound + " | ".join(speedups) + " |")
-        memory_lines.append(f"| {row['prompt_tokens']:,} | " + " | ".join(f"{mb:,.0f}" for mb in row["peak_memory_mb"].values()) + " |")
+        memory_lines.append(
+            f"| {row['prompt_tokens']:,} | " + " | ".join(f"{mb:,.0f}" for mb in row["peak_memory_mb"].values()) + " |"
+        )
     return "\n".join(lines + memory_lines)
 
 
@@ -175,8 +196,9 @@ def load_engine(args) -> SpecPrefillEngine:
         main = load_model(args.main, "cpu", args.dtype)
         main_model, main_tokenizer = main.model, main.tokenizer
     # draft_cache_mb=0: every repeat times a cold draft (the prefix cache would serve repeats 2+ from repeat 1's KV)
-    return SpecPrefillEngine.from_models(main_model, main_tokenizer, draft.model, draft_tokenizer=draft.tokenizer,
-                                         min_prompt_tokens=0, draft_cache_mb=0)
+    return SpecPrefillEngine.from_models(
+        main_model, main_tokenizer, draft.model, draft_tokenizer=draft.tokenizer, min_prompt_tokens=0, draft_cache_mb=0
+    )
 
 
 def main() -> None:
@@ -194,8 +216,16 @@ def main() -> None:
     engine = load_engine(args)
     dtype = engine.draft.model.dtype  # LongLLMLingua's compressor in the draft's dtype: the same cost per token
     compressor = None if args.no_longllmlingua else LongLLMLingua(resolve(args.draft, dtype), dtype)
-    report = {"machine": machine(), "main": args.main, "draft": args.draft, "draft_path": engine.draft_path,
-              "dtype": args.dtype, "keep_rate": args.keep_rate, "repeats": args.repeats, "results": []}
+    report = {
+        "machine": machine(),
+        "main": args.main,
+        "draft": args.draft,
+        "draft_path": engine.draft_path,
+        "dtype": args.dtype,
+        "keep_rate": args.keep_rate,
+        "repeats": args.repeats,
+        "results": [],
+    }
     suffix = "" if args.draft == "smollm2-135m" else f"-draft-{Path(args.draft).name}"
     out = args.out or ROOT / "benchmarks" / "results" / f"ttft-lengths-{Path(args.main).name}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)

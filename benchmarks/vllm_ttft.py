@@ -45,19 +45,31 @@ def main() -> None:
     options.add_argument("--out", type=Path)
     args = options.parse_args()
 
-    llm = LLM(model=args.model or str(gguf_folder(embedded_gguf("smollm2-135m"))), max_model_len=8192, dtype=args.dtype,
-              enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
-              tensor_parallel_size=args.tensor_parallel_size)
+    llm = LLM(
+        model=args.model or str(gguf_folder(embedded_gguf("smollm2-135m"))),
+        max_model_len=8192,
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40000, (args.length,), generator=generator)
     document_index = torch.full((args.length,), -1)
     document_index[32 : args.length - 64] = torch.arange(args.length - 96) // 512
-    kept = select_kept(torch.rand(args.length, generator=generator), document_index, keep_rate=args.keep_rate, chunk_size=32)
+    kept = select_kept(
+        torch.rand(args.length, generator=generator), document_index, keep_rate=args.keep_rate, chunk_size=32
+    )
 
     def timed(prompt: SparsePrompt, max_tokens: int, copies: int = 1) -> float:
         fields = request_fields(prompt)
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, detokenize=False,
-                                extra_args=fields.pop("extra_args", None))
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args=fields.pop("extra_args", None),
+        )
         started = time.perf_counter()
         llm.generate([fields] * copies, params, use_tqdm=False)
         return (time.perf_counter() - started) * 1000
@@ -76,20 +88,29 @@ def main() -> None:
             samples[f"{name}_decode"].append(timed(prompt, args.decode_tokens))
     if args.qps_requests:
         for name in ("full", "sparse"):
-            samples[f"{name}_batch"] = [timed(prompts[name], args.decode_tokens, args.qps_requests) for _ in range(args.repeats)]
+            samples[f"{name}_batch"] = [
+                timed(prompts[name], args.decode_tokens, args.qps_requests) for _ in range(args.repeats)
+            ]
     med = {k: statistics.median(v) for k, v in samples.items()}
     tps = {name: (args.decode_tokens - 1) / ((med[f"{name}_decode"] - med[f"{name}_ttft"]) / 1000) for name in prompts}
     qps = {name: args.qps_requests / (med[f"{name}_batch"] / 1000) for name in ("full", "sparse") if args.qps_requests}
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     report = {
-        "machine": f"{device}, vllm {__import__('vllm').__version__}", "qps_requests": args.qps_requests, "qps": qps,
-        "prompt_tokens": args.length, "kept_tokens": int(kept.numel()), "repeats": args.repeats,
-        "samples_ms": samples, "medians_ms": med,
+        "machine": f"{device}, vllm {__import__('vllm').__version__}",
+        "qps_requests": args.qps_requests,
+        "qps": qps,
+        "prompt_tokens": args.length,
+        "kept_tokens": int(kept.numel()),
+        "repeats": args.repeats,
+        "samples_ms": samples,
+        "medians_ms": med,
         "sparse_over_full_ttft": med["sparse_ttft"] / med["full_ttft"],
         "spread_ms": {k: [min(v), max(v)] for k, v in samples.items()},
         "decode_tokens_per_s": {**tps, "sparse_over_plain": tps["sparse"] / tps["plain"]},
     }
-    out = args.out or ROOT / "benchmarks" / "results" / f"vllm-{'gpu' if torch.cuda.is_available() else 'cpu'}-ttft.json"
+    out = (
+        args.out or ROOT / "benchmarks" / "results" / f"vllm-{'gpu' if torch.cuda.is_available() else 'cpu'}-ttft.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "samples_ms"}, indent=2))

@@ -60,14 +60,20 @@ def main() -> None:
             f"{stats.main_prefill_ms:>11.0f} {stats.ttft_ms:>9.0f}  {correct}{answer}"
         )
     if pair:
-        print("\nTTFT = draft + main prefill of the kept tokens; the 0.5B draft reads the prompt at about a third "
-              "of the 1.5B main model's cost.")
+        print(
+            "\nTTFT = draft + main prefill of the kept tokens; the 0.5B draft reads the prompt at about a third "
+            "of the 1.5B main model's cost."
+        )
     else:
-        print("\nThe main prefill shrinks with the keep rate; TTFT here also pays for a draft as large as the main "
-              "model.\nFor a real TTFT win, install the Qwen2.5-Coder 1.5B/0.5B pair once (`make models`, about "
-              "1.6 GB) and run `make demo` again.")
-    print("SpecPrefill rows after the first draft the same prompt again: their 'cached' prompt tokens came from the "
-          "draft prefix cache,\nso those drafts ran only the last token and the look-ahead.")
+        print(
+            "\nThe main prefill shrinks with the keep rate; TTFT here also pays for a draft as large as the main "
+            "model.\nFor a real TTFT win, install the Qwen2.5-Coder 1.5B/0.5B pair once (`make models`, about "
+            "1.6 GB) and run `make demo` again."
+        )
+    print(
+        "SpecPrefill rows after the first draft the same prompt again: their 'cached' prompt tokens came from the "
+        "draft prefix cache,\nso those drafts ran only the last token and the look-ahead."
+    )
 
 
 if __name__ == "__main__":

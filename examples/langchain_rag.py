@@ -45,8 +45,14 @@ def build_retriever(k: int = 4) -> Any:
 
 
 def build_llm(**settings: Any) -> ChatSpecPrefill:
-    return ChatSpecPrefill(model="smollm2-135m", draft_model="smollm2-135m", keep_rate=0.3,
-                           min_prompt_tokens=256, max_tokens=48, **settings)
+    return ChatSpecPrefill(
+        model="smollm2-135m",
+        draft_model="smollm2-135m",
+        keep_rate=0.3,
+        min_prompt_tokens=256,
+        max_tokens=48,
+        **settings,
+    )
 
 
 def lcel_chain(retriever: Any, llm: ChatSpecPrefill) -> Any:
@@ -59,7 +65,9 @@ def retrieval_chain(retriever: Any, llm: ChatSpecPrefill) -> Any:
     from langchain_classic.chains.combine_documents import create_stuff_documents_chain
 
     prompt = ChatPromptTemplate.from_messages([("system", SYSTEM), ("human", "{input}")])
-    return create_retrieval_chain(retriever, create_stuff_documents_chain(llm, prompt, document_prompt=document_prompt()))
+    return create_retrieval_chain(
+        retriever, create_stuff_documents_chain(llm, prompt, document_prompt=document_prompt())
+    )
 
 
 class StatsRecorder(BaseCallbackHandler):
@@ -73,17 +81,22 @@ class StatsRecorder(BaseCallbackHandler):
 
 def show(title: str, answer: str, stats: dict[str, Any]) -> None:
     print(f"\n== {title}\nanswer: {answer.strip()}")
-    print(f"kept {stats['kept_document_tokens']}/{stats['document_tokens']} document tokens "
-          f"(keep rate {stats['keep_rate']:.2f}, documents from {stats['document_source']}), "
-          f"prompt {stats['prompt_tokens']} tokens, TTFT {stats['ttft_ms']:.0f} ms")
+    print(
+        f"kept {stats['kept_document_tokens']}/{stats['document_tokens']} document tokens "
+        f"(keep rate {stats['keep_rate']:.2f}, documents from {stats['document_source']}), "
+        f"prompt {stats['prompt_tokens']} tokens, TTFT {stats['ttft_ms']:.0f} ms"
+    )
 
 
 def main() -> None:
     retriever = build_retriever()
     llm = build_llm()
     message = lcel_chain(retriever, llm).invoke(QUESTION)
-    show("LCEL: retriever | format_docs | prompt | ChatSpecPrefill", str(message.content),
-         message.response_metadata["spec_prefill"])
+    show(
+        "LCEL: retriever | format_docs | prompt | ChatSpecPrefill",
+        str(message.content),
+        message.response_metadata["spec_prefill"],
+    )
     recorder = StatsRecorder()
     output = retrieval_chain(retriever, llm).invoke({"input": QUESTION}, config={"callbacks": [recorder]})
     show("create_retrieval_chain", output["answer"], recorder.stats)

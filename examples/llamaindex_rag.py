@@ -12,7 +12,6 @@ from typing import Any
 
 from llama_index.core import Document, VectorStoreIndex
 from llama_index.core.node_parser import SentenceSplitter
-
 from llama_index.llms.specprefill import SpecPrefillLLM
 
 DOCUMENTS = Path(__file__).parent / "documents"
@@ -24,7 +23,9 @@ def load_documents() -> list[Document]:
     for path in sorted(DOCUMENTS.glob("*.txt")):
         text = path.read_text(encoding="utf-8")
         # the file name stays out of the LLM's view, so each retrieved node is exactly its text
-        documents.append(Document(text=text, metadata={"file_name": path.name}, excluded_llm_metadata_keys=["file_name"]))
+        documents.append(
+            Document(text=text, metadata={"file_name": path.name}, excluded_llm_metadata_keys=["file_name"])
+        )
     return documents
 
 
@@ -38,13 +39,21 @@ def build_index(chunk_size: int = 160) -> VectorStoreIndex:
 
 
 def build_llm(**settings: Any) -> SpecPrefillLLM:
-    return SpecPrefillLLM(model="smollm2-135m", draft_model="smollm2-135m", keep_rate=0.3, min_prompt_tokens=256,
-                          max_new_tokens=48, **settings)
+    return SpecPrefillLLM(
+        model="smollm2-135m",
+        draft_model="smollm2-135m",
+        keep_rate=0.3,
+        min_prompt_tokens=256,
+        max_new_tokens=48,
+        **settings,
+    )
 
 
 def describe(stats: dict[str, Any]) -> str:
-    return (f"kept {stats['kept_document_tokens']}/{stats['document_tokens']} context tokens "
-            f"in {stats['n_documents']} node spans (keep rate {stats['keep_rate']:.2f}), TTFT {stats['ttft_ms']:.0f} ms")
+    return (
+        f"kept {stats['kept_document_tokens']}/{stats['document_tokens']} context tokens "
+        f"in {stats['n_documents']} node spans (keep rate {stats['keep_rate']:.2f}), TTFT {stats['ttft_ms']:.0f} ms"
+    )
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """SpecPrefill for RAG: a small draft picks the document tokens that matter; the main model
-prefills only those, each at its original position (Liu, Chen, Zhang, ICML 2025, arXiv 2502.02789)."""
+prefills only those, each at its original position (Liu, Chen, Zhang, ICML 2025, arXiv 2502.02789).
+"""
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
@@ -8,9 +9,9 @@ from typing import Any
 from .config import GenerationParams, SpecPrefillConfig
 from .errors import (
     ContextLengthError,
+    DraftContextLengthError,
     DraftLimitError,
     DraftOutOfMemoryError,
-    DraftContextLengthError,
     DraftScoringError,
     InvalidRequestError,
     ModelLoadError,

@@ -28,8 +28,9 @@ def shown(value: Any) -> str:
 
 
 def check_unicode(value: str, name: str) -> str:
-    """``value`` unchanged if it is valid Unicode; lone surrogates (``'\\ud800'``: what decoding bytes
-    with ``errors='surrogateescape'`` leaves) cannot be tokenized or sent as UTF-8."""
+    r"""``value`` unchanged if it is valid Unicode; lone surrogates (``'\ud800'``: what decoding bytes
+    with ``errors='surrogateescape'`` leaves) cannot be tokenized or sent as UTF-8.
+    """
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -111,7 +112,8 @@ def generation_params(fields: Mapping[str, Any], names: Mapping[str, str] | None
     """:class:`GenerationParams` from a request's keyword arguments; a bad value or an unknown option is
     an :class:`InvalidRequestError` naming it (a request is not configuration: pydantic's error is a
     ``ValueError``, which some frameworks catch and retry). ``names``: the caller's name for a field
-    (e.g. ``{"max_new_tokens": "max_tokens"}``), used in the message."""
+    (e.g. ``{"max_new_tokens": "max_tokens"}``), used in the message.
+    """
     try:
         return GenerationParams(**fields)
     except ValidationError as error:

@@ -63,12 +63,13 @@ def _left_padded(prompts: Sequence[torch.Tensor], look_ahead: int, device: torch
 @contextmanager
 def _capture_rows(model: Any, batch: _Batch, pool_kernel: int) -> Iterator[str]:
     """Score the last query column of every attention call into each active row's accumulator; row
-    ``b``'s prompt keys are columns ``W - L_b .. W - 1`` (look-ahead keys come after ``W``)."""
+    ``b``'s prompt keys are columns ``W - L_b .. W - 1`` (look-ahead keys come after ``W``).
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     width, lengths = batch.width, batch.lengths.tolist()
 
-    def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):  # type: ignore[no-untyped-def]
+    def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
         output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         for row in torch.nonzero(batch.active).flatten().tolist():
@@ -82,7 +83,8 @@ def _capture_rows(model: Any, batch: _Batch, pool_kernel: int) -> Iterator[str]:
 
 def _mask_4d(key_mask: torch.Tensor, query_columns: torch.Tensor) -> torch.Tensor:
     """``[B, 1, q, kv]`` bool: a query column sees the real (unpadded) key columns up to itself. A pad
-    query also sees itself, so no row is fully masked (its output is never read)."""
+    query also sees itself, so no row is fully masked (its output is never read).
+    """
     key_columns = torch.arange(key_mask.shape[1], device=key_mask.device)
     causal = key_columns[None, :] <= query_columns[:, None]  # [q, kv]
     visible = causal[None] & key_mask.bool()[:, None, :]
@@ -94,8 +96,12 @@ def _prefill_inputs(batch: _Batch) -> dict[str, torch.Tensor]:
     width = batch.width
     columns = torch.arange(width, device=batch.input_ids.device)
     positions = (columns[None, :] - (width - batch.lengths[:, None])).clamp(min=0)  # [B, W]; pads at 0
-    return {"input_ids": batch.input_ids, "attention_mask": _mask_4d(batch.attention_mask, columns),
-            "position_ids": positions, "cache_position": columns}
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": _mask_4d(batch.attention_mask, columns),
+        "position_ids": positions,
+        "cache_position": columns,
+    }
 
 
 def _step_inputs(batch: _Batch, tokens: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
@@ -103,8 +109,12 @@ def _step_inputs(batch: _Batch, tokens: torch.Tensor, step: int) -> dict[str, to
     ones = torch.ones_like(batch.attention_mask[:, :1])
     batch.attention_mask = torch.cat([batch.attention_mask, ones], dim=1)
     column = torch.tensor([batch.width + step - 1], device=tokens.device)
-    return {"input_ids": tokens.view(-1, 1), "attention_mask": _mask_4d(batch.attention_mask, column),
-            "position_ids": (batch.lengths + step - 1).view(-1, 1), "cache_position": column}
+    return {
+        "input_ids": tokens.view(-1, 1),
+        "attention_mask": _mask_4d(batch.attention_mask, column),
+        "position_ids": (batch.lengths + step - 1).view(-1, 1),
+        "cache_position": column,
+    }
 
 
 def _stop_rows_at_eos(batch: _Batch, tokens: torch.Tensor, eos_ids: frozenset[int]) -> None:
@@ -117,7 +127,8 @@ def _stop_rows_at_eos(batch: _Batch, tokens: torch.Tensor, eos_ids: frozenset[in
 def score_model_batch(draft: ModelDraft, prompts: Sequence[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
     """``B`` prompts ``[L_b]`` -> per prompt its ``[L_b]`` float32 importance, or the
     :class:`DraftScoringError` of that prompt alone (e.g. non-finite scores); the others are unaffected.
-    Batched rows neither read nor fill the prefix cache (their KV is padded)."""
+    Batched rows neither read nor fill the prefix cache (their KV is padded).
+    """
     from transformers import DynamicCache
 
     model = draft.model

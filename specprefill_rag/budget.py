@@ -22,7 +22,8 @@ _OUT_OF_MEMORY = (torch.cuda.OutOfMemoryError, MemoryError)
 
 def draft_token_limit(context_length: int | None, max_draft_tokens: int | None, look_ahead: int) -> int | None:
     """Most prompt tokens one request may send through the draft: ``max_draft_tokens``, and never more
-    than the draft's context less the ``look_ahead - 1`` tokens it decodes after the prompt (None: no limit)."""
+    than the draft's context less the ``look_ahead - 1`` tokens it decodes after the prompt (None: no limit).
+    """
     context = None if context_length is None else context_length - (look_ahead - 1)
     limits = [limit for limit in (context, max_draft_tokens) if limit is not None]
     return min(limits) if limits else None

@@ -20,7 +20,7 @@ import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from .arguments import check_documents, check_optional_text, check_unicode
 from .errors import InvalidRequestError
@@ -66,7 +66,7 @@ class ChatMessage:
     """A framework-neutral chat message: text parts (str) and document parts (Document)."""
 
     role: ChatRole
-    parts: list[Union[str, Document]] = field(default_factory=list)
+    parts: list[str | Document] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -158,7 +158,9 @@ def _with_documents(
     messages: Sequence[ChatMessage], documents: list[Document], insert_missing: bool
 ) -> tuple[list[Turn], DocumentSource] | None:
     found: dict[int, int] = {}
-    located = [_locate(m.text, documents, _outside_role(m, i == len(messages) - 1), found) for i, m in enumerate(messages)]
+    located = [
+        _locate(m.text, documents, _outside_role(m, i == len(messages) - 1), found) for i, m in enumerate(messages)
+    ]
     if len(found) == len(documents):
         return [Turn(m.role, tuple(s)) for m, s in zip(messages, located)], "argument-located"
     if not insert_missing:
@@ -172,7 +174,8 @@ def _with_documents(
 
 def _fallback(messages: Sequence[ChatMessage], question: str | None) -> list[Turn]:
     """Every non-system message is a candidate pseudo-document. With a ``question`` found in the last
-    message, it and what follows are kept; otherwise the caller protects the tail."""
+    message, it and what follows are kept; otherwise the caller protects the tail.
+    """
     turns = [
         Turn(m.role, (Segment(m.text, Role.INSTRUCTION if m.role == "system" else Role.DOCUMENT, i),))
         for i, m in enumerate(messages)

@@ -59,12 +59,17 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument(
         "--instructions", default=DEFAULT_INSTRUCTIONS, help="system instructions (kept whole; '' for none)"
     )
-    ask.add_argument("--keep-rate", type=keep_rate_option, default=0.3,
-                     help="fraction of document tokens to prefill (0, 1], or 'auto' (chosen per prompt)")
+    ask.add_argument(
+        "--keep-rate",
+        type=keep_rate_option,
+        default=0.3,
+        help="fraction of document tokens to prefill (0, 1], or 'auto' (chosen per prompt)",
+    )
     ask.add_argument("--main", default=DEFAULT_MODEL, help="HF id, model folder, .gguf file or 'smollm2-135m'")
     ask.add_argument("--draft", default=DEFAULT_MODEL, help="same forms as --main, or 'self:<n>'")
-    ask.add_argument("--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS,
-                     help="shorter prompts are not compressed")
+    ask.add_argument(
+        "--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS, help="shorter prompts are not compressed"
+    )
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0)
     ask.add_argument("--device", default="cpu")
@@ -73,8 +78,12 @@ def parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="list or install the named models (`make models`)")
     models.add_argument("action", choices=["list", "install"])
     models.add_argument("names", nargs="*", metavar="NAME", help="models to install (default: all installable)")
-    models.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                        help="also convert each to this dtype for CPU loading (auto: bfloat16 where the CPU has it)")
+    models.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="also convert each to this dtype for CPU loading (auto: bfloat16 where the CPU has it)",
+    )
     add_serve_parser(commands)
     return root
 
@@ -99,20 +108,24 @@ def run_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     """``serve``: one option per :class:`GatewaySettings` field (its type, choices and description); unset
-    options keep the field's default."""
-    serve = commands.add_parser("serve", help="run the OpenAI-compatible SpecPrefill gateway",
-                                argument_default=argparse.SUPPRESS)
+    options keep the field's default.
+    """
+    serve = commands.add_parser(
+        "serve", help="run the OpenAI-compatible SpecPrefill gateway", argument_default=argparse.SUPPRESS
+    )
     for name, info in GatewaySettings.model_fields.items():
-        serve.add_argument(option_name(name, info.annotation), dest=name, help=_described(info),
-                           **_option_kind(info.annotation))
+        serve.add_argument(
+            option_name(name, info.annotation), dest=name, help=_described(info), **_option_kind(info.annotation)
+        )
     serve.add_argument("--log-level", dest="log_level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def option_name(field: str, annotation: Any) -> str:
     """``request_timeout_s`` -> ``--request-timeout``; a list field takes one value per use: ``allowed_hosts``
-    -> ``--allowed-host``."""
+    -> ``--allowed-host``.
+    """
     name = field.removesuffix("_s")
     if _members(annotation)[0] is tuple:
         name = name.removesuffix("s")
@@ -121,7 +134,8 @@ def option_name(field: str, annotation: Any) -> str:
 
 def _members(annotation: Any) -> list[Any]:
     """A field's types with None left out (``int | None`` -> [int]); generics by their origin (tuple), a
-    Literal as itself."""
+    Literal as itself.
+    """
     members = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
     return [m if get_origin(m) in (None, Literal) else get_origin(m) for m in members if m is not type(None)]
 

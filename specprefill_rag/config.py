@@ -9,11 +9,10 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from typing import Annotated, Any, Literal, Union
-
-from typing_extensions import Self
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from typing_extensions import Self
 
 # The device types torch runs this package on, with an optional index ("cuda:1").
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu|hpu|npu)(:[0-9]+)?")
@@ -28,7 +27,7 @@ DEFAULT_SELF_LAYER_SHARE = 0.4
 # GPU study), forty 4k-token prompts of Qwen2.5-0.5B in bfloat16 (12 KiB), eleven of SmolLM2-135M in
 # float32 (45 KiB). It fills only with use, and only with prompts that were drafted.
 DEFAULT_DRAFT_CACHE_MB = 2048
-AUTO = "auto"
+AUTO: Literal["auto"] = "auto"
 # keep_rate="auto" (ImportanceMass): tuned on the SQuAD --seed 1 split, SmolLM2-135M as draft and main
 # (BENCHMARKS.md, "keep_rate='auto' (issue #17)").
 DEFAULT_AUTO_KEEP_SHARE = 0.8
@@ -51,8 +50,10 @@ MIN_TEMPERATURE = 0.01
 def check_temperature(value: float) -> float:
     """``value`` if it is 0 (greedy) or at least :data:`MIN_TEMPERATURE`; else ``ValueError`` with the fix."""
     if 0.0 < value < MIN_TEMPERATURE:
-        raise ValueError(f"temperature {value:g} is below {MIN_TEMPERATURE}, where sampling is numerically degenerate; "
-                         f"use 0 for greedy decoding or a temperature of at least {MIN_TEMPERATURE}")
+        raise ValueError(
+            f"temperature {value:g} is below {MIN_TEMPERATURE}, where sampling is numerically degenerate; "
+            f"use 0 for greedy decoding or a temperature of at least {MIN_TEMPERATURE}"
+        )
     return value
 
 
@@ -70,24 +71,26 @@ def _keep_rate_value(value: Any) -> Any:
         raise ValueError(f"keep_rate must be a number or 'auto', got {type(value).__name__}; {fix}")
     if not math.isfinite(value):
         raise ValueError(f"keep_rate must be a finite number, got {value}; {fix}")
-    if not 0.0 < value <= 1.0:
+    if not 0.0 < float(value) <= 1.0:
         raise ValueError(f"keep_rate must be in (0, 1], got {value}; {fix}")
     return float(value)
 
 
 # A keep rate: a fraction of document tokens in (0, 1], or "auto" (the engine chooses it per request).
-KeepRate = Annotated[Union[float, Literal["auto"]], BeforeValidator(_keep_rate_value)]
+KeepRate = Annotated[float | Literal["auto"], BeforeValidator(_keep_rate_value)]
 
 
 def _strict_keep_rate_value(value: Any) -> Any:
     if isinstance(value, str) and value != AUTO:
-        raise ValueError(f"keep_rate must be a number or 'auto', got {value[:20]!r}; send a number as a JSON number "
-                         "(0.3, not \"0.3\"), or 'auto'")
+        raise ValueError(
+            f"keep_rate must be a number or 'auto', got {value[:20]!r}; send a number as a JSON number "
+            "(0.3, not \"0.3\"), or 'auto'"
+        )
     return _keep_rate_value(value)
 
 
 # A keep rate in a request: as KeepRate, but a number sent as a string ("0.3") is refused, not parsed.
-StrictKeepRate = Annotated[Union[float, Literal["auto"]], BeforeValidator(_strict_keep_rate_value)]
+StrictKeepRate = Annotated[float | Literal["auto"], BeforeValidator(_strict_keep_rate_value)]
 
 
 def check_auto_bounds(floor: float, ceiling: float) -> None:
@@ -130,17 +133,23 @@ class CompressionSettings(BaseModel):
         "auto_keep_ceiling.",
     )
     auto_keep_share: float = Field(
-        DEFAULT_AUTO_KEEP_SHARE, gt=0.0, le=1.0,
+        DEFAULT_AUTO_KEEP_SHARE,
+        gt=0.0,
+        le=1.0,
         description="keep_rate='auto': share of the documents' importance mass (above the median chunk) to keep. "
         "Default tuned on a SQuAD split with SmolLM2-135M (BENCHMARKS.md, \"keep_rate='auto' (issue #17)\").",
     )
     auto_keep_floor: float = Field(
-        DEFAULT_AUTO_KEEP_FLOOR, gt=0.0, le=1.0,
+        DEFAULT_AUTO_KEEP_FLOOR,
+        gt=0.0,
+        le=1.0,
         description="keep_rate='auto': least share of document tokens kept (also for flat importance). Default tuned "
         "with auto_keep_share.",
     )
     auto_keep_ceiling: float = Field(
-        DEFAULT_AUTO_KEEP_CEILING, gt=0.0, le=1.0,
+        DEFAULT_AUTO_KEEP_CEILING,
+        gt=0.0,
+        le=1.0,
         description="keep_rate='auto': most share of document tokens kept. Default tuned with auto_keep_share.",
     )
     max_document_tokens: int | None = Field(
@@ -150,7 +159,8 @@ class CompressionSettings(BaseModel):
         8, ge=1, le=64, description="Queries: last prompt token + look_ahead-1 draft tokens (not for 'self' drafts)."
     )
     min_prompt_tokens: int = Field(
-        DEFAULT_MIN_PROMPT_TOKENS, ge=0,
+        DEFAULT_MIN_PROMPT_TOKENS,
+        ge=0,
         description="Prompts shorter than this are prefilled whole (compression would not pay).",
     )
     protect_tail_tokens: int = Field(
@@ -175,7 +185,8 @@ class CompressionSettings(BaseModel):
 
     def compression(self) -> dict[str, Any]:
         """The compression settings given explicitly, for the engine's config (the others keep its defaults,
-        which are these fields' own; so ``look_ahead`` reaches a 'self' draft only when set, and is refused)."""
+        which are these fields' own; so ``look_ahead`` reaches a 'self' draft only when set, and is refused).
+        """
         return {name: getattr(self, name) for name in CompressionSettings.model_fields if name in self.model_fields_set}
 
 
@@ -195,13 +206,17 @@ class SpecPrefillConfig(CompressionSettings):
         "layers ('self': the first 40%).",
     )
     max_draft_tokens: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Most prompt tokens one request may send through the draft (its memory grows with them; "
         "docs: Resource bounds); None = the draft's context. Longer prompts get a DraftLimitError.",
     )
     self_draft_window: int = Field(
-        16, ge=1, le=512,
-        description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt tokens.",
+        16,
+        ge=1,
+        le=512,
+        description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt "
+        "tokens.",
     )
     pool_kernel: int = Field(13, ge=1, description="Average-pooling kernel along the prompt (odd).")
     chunk_size: int = Field(32, ge=1, description="Document tokens are kept or dropped in chunks of this size.")
@@ -211,7 +226,8 @@ class SpecPrefillConfig(CompressionSettings):
         "default the draft's. Needed for a draft of another vocabulary than the served model.",
     )
     draft_cache_mb: int = Field(
-        DEFAULT_DRAFT_CACHE_MB, ge=0,
+        DEFAULT_DRAFT_CACHE_MB,
+        ge=0,
         description="Draft prefix KV cache per device, in MiB (0 = off): a prompt that starts like one scored before "
         "(same documents, another question) has the draft prefill only the rest.",
     )
@@ -229,7 +245,9 @@ class SpecPrefillConfig(CompressionSettings):
     @classmethod
     def _odd_kernel(cls, value: int) -> int:
         if value % 2 == 0:
-            raise ValueError(f"pool_kernel must be odd so pooling keeps the prompt length; got {value}, try {value + 1}")
+            raise ValueError(
+                f"pool_kernel must be odd so pooling keeps the prompt length; got {value}, try {value + 1}"
+            )
         return value
 
     @field_validator("draft")
@@ -321,6 +339,8 @@ def adapter_config(backend: str, draft: str, **fields: object) -> SpecPrefillCon
     if backend != "transformers" and is_self_spec(draft):
         raise ValueError(f"draft {draft!r} needs the main model in-process; with a vLLM server use a separate draft")
     if backend == "transformers" and fields.get("tokenizer") is not None:
-        raise ValueError("tokenizer names the served model's tokenizer of a vLLM backend; in-process the main "
-                         "model's own is used: leave it unset")
-    return SpecPrefillConfig(draft=draft, **fields)  # type: ignore[arg-type]
+        raise ValueError(
+            "tokenizer names the served model's tokenizer of a vLLM backend; in-process the main "
+            "model's own is used: leave it unset"
+        )
+    return SpecPrefillConfig(draft=draft, **fields)

@@ -38,8 +38,15 @@ class Decoding:
     """
 
     def __init__(
-        self, tokenizer: Any, layout: PromptLayout, params: GenerationParams, kept: torch.Tensor, draft_ms: float,
-        started: float, draft_path: DraftPath | None = None, draft_cached_tokens: int = 0,
+        self,
+        tokenizer: Any,
+        layout: PromptLayout,
+        params: GenerationParams,
+        kept: torch.Tensor,
+        draft_ms: float,
+        started: float,
+        draft_path: DraftPath | None = None,
+        draft_cached_tokens: int = 0,
         keep_policy: KeepPolicy = "fixed",
     ) -> None:
         self.layout = layout

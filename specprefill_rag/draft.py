@@ -44,8 +44,9 @@ def _attention_configs(model: nn.Module) -> list[Any]:
 QUERY_BLOCK = 256  # queries per SDPA call after prefix-cached keys
 
 
-def attention_after_cached_keys(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def attention_after_cached_keys(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
     """Causal SDPA for queries that are the last ``q`` of ``k`` tokens (a prefill after prefix-cached keys).
 
     transformers builds no mask for an attention implementation registered only locally (as
@@ -80,7 +81,8 @@ def attention_after_cached_keys(module: nn.Module, query: torch.Tensor, key: tor
 def attention_dispatch(model: nn.Module, attention: Any) -> Iterator[str]:
     """Route every attention call of ``model`` through ``attention`` (the signature of transformers'
     SDPA function), for the ``with`` body only; the models' previous settings come back in ``finally``.
-    Yields the private attention-implementation name in use (tests check it is gone afterwards)."""
+    Yields the private attention-implementation name in use (tests check it is gone afterwards).
+    """
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -114,7 +116,7 @@ def capture_attention(
 
     prompt_length = accumulator.prompt_length
 
-    def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):  # type: ignore[no-untyped-def]
+    def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
         if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
             output = attention_after_cached_keys(module, query, key, value, scaling, **kwargs)
         else:
@@ -135,7 +137,7 @@ class _StopForward(Exception):
     """Raised by a pre-hook to end a forward pass after the layers a layer-prefix draft needs."""
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+def decoder_layers(model: Any) -> nn.ModuleList:
     """The stack of decoder layers of a causal LM (the ModuleList as long as ``num_hidden_layers``)."""
     n_layers = model.config.num_hidden_layers
     for module in model.modules():
@@ -189,7 +191,7 @@ class ModelDraft:
     scored before prefills only its remainder (at least the last token, whose query is scored).
     """
 
-    model: nn.Module
+    model: Any  # a transformers PreTrainedModel (nn.Module's attribute types hide its config)
     look_ahead: int = 8
     pool_kernel: int = 13
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
@@ -228,14 +230,20 @@ class ModelDraft:
         its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error.
 
         Prompts the prefix cache can serve are scored alone (only their remainder is computed, which is
-        cheaper than a padded row); the rest share one forward."""
+        cheaper than a padded row); the rest share one forward.
+        """
         alone = [len(prompts) == 1 or self._has_cached_prefix(p) for p in prompts]
         batched = [p for p, single in zip(prompts, alone) if not single]
         from .batch_draft import score_model_batch
 
-        together = iter(score_model_batch(self, batched) if len(batched) > 1 else [_score_or_error(self.score_prompt, p)
-                                                                                   for p in batched])
-        return [_score_or_error(self.score_prompt, p) if single else next(together) for p, single in zip(prompts, alone)]
+        together = iter(
+            score_model_batch(self, batched)
+            if len(batched) > 1
+            else [_score_or_error(self.score_prompt, p) for p in batched]
+        )
+        return [
+            _score_or_error(self.score_prompt, p) if single else next(together) for p, single in zip(prompts, alone)
+        ]
 
     def _has_cached_prefix(self, input_ids: torch.Tensor) -> bool:
         if self.prefix_cache is None:
@@ -254,7 +262,7 @@ class LayerPrefixDraft:
     ``prefix_cache``, at most ``L - query_window`` leading tokens are reused, so every query is computed.
     """
 
-    model: nn.Module
+    model: Any  # a transformers PreTrainedModel (nn.Module's attribute types hide its config)
     n_layers: int
     pool_kernel: int = 13
     query_window: int = 1

@@ -249,12 +249,17 @@ class PrefixReuse:
     past: Any
     cached_tokens: int = 0
     cache: DraftPrefixCache | None = None
-    model: nn.Module | None = None
+    model: Any = None  # the draft's PreTrainedModel, once begun
     draft: DraftIdentity | None = None
 
     @classmethod
     def begin(
-        cls, cache: DraftPrefixCache | None, model: nn.Module, layers: int, token_ids: torch.Tensor, max_reuse: int,
+        cls,
+        cache: DraftPrefixCache | None,
+        model: Any,
+        layers: int,
+        token_ids: torch.Tensor,
+        max_reuse: int,
         needs_past: bool,
     ) -> PrefixReuse:
         """Look ``token_ids`` ([L]) up for ``model`` run for ``layers`` layers, reusing at most ``max_reuse`` tokens."""

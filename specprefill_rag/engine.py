@@ -68,9 +68,12 @@ class SpecPrefillEngine:
         self._setup(config, main, draft)
 
     @classmethod
-    def shared(cls, config: SpecPrefillConfig, backend: str = "transformers", timeout: float = 60.0) -> SpecPrefillEngine:
+    def shared(
+        cls, config: SpecPrefillConfig, backend: str = "transformers", timeout: float = 60.0
+    ) -> SpecPrefillEngine:
         """One engine per distinct (config, backend) in this process; models are shared across configs
-        too. ``backend``: ``"transformers"`` (main model in-process) or a vLLM server URL."""
+        too. ``backend``: ``"transformers"`` (main model in-process) or a vLLM server URL.
+        """
         key = (config, backend)
         with _engines_lock:
             if key not in _engines:
@@ -90,7 +93,8 @@ class SpecPrefillEngine:
     ) -> SpecPrefillEngine:
         """An engine over models already loaded; ``draft_model=None`` means the main model drafts for
         itself (whole, or its first n layers with ``draft='self:<n>'``). ``draft_tokenizer``: the draft's
-        own, when it differs from the main model's (the mapped path); default ``tokenizer``."""
+        own, when it differs from the main model's (the mapped path); default ``tokenizer``.
+        """
         engine = cls.__new__(cls)
         config = _make_config(config, settings)
         draft = LoadedModel(draft_model, draft_tokenizer or tokenizer, "draft") if draft_model is not None else None
@@ -103,20 +107,30 @@ class SpecPrefillEngine:
             available = len(decoder_layers(main.model))
             n_layers = config.self_draft_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * available))
             if n_layers > available:
-                raise InvalidRequestError(f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})")
+                raise InvalidRequestError(
+                    f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})"
+                )
             window, cache = config.self_draft_window, _prefix_cache(config, main.model)
             scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, window, cache)
-            scoring: DirectScoring | MappedScoring = DirectScoring(scorer, main.context_length, 1, config.max_draft_tokens, path="self")
+            scoring: DirectScoring | MappedScoring = DirectScoring(
+                scorer, main.context_length, 1, config.max_draft_tokens, path="self"
+            )
         else:
             drafting = draft if draft is not None else main
             draft_eos = eos_token_ids(drafting.model, drafting.tokenizer)
             cache = _prefix_cache(config, drafting.model)
             scorer = ModelDraft(drafting.model, config.look_ahead, config.pool_kernel, draft_eos, cache)
-            scoring = draft_scoring(scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens)
+            scoring = draft_scoring(
+                scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens
+            )
         self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scoring, main)
 
     def _assemble(
-        self, config: SpecPrefillConfig, tokenizer: Any, backend: MainBackend, scoring: DirectScoring | MappedScoring,
+        self,
+        config: SpecPrefillConfig,
+        tokenizer: Any,
+        backend: MainBackend,
+        scoring: DirectScoring | MappedScoring,
         main: LoadedModel | None,
     ) -> None:
         self.config = config
@@ -146,7 +160,8 @@ class SpecPrefillEngine:
         except with ``positions="contiguous"``, whose kept tokens go as an ordinary prompt.
         The draft (``config.draft``) runs here. The main model's tokenizer is ``config.tokenizer`` (the
         served model's name or folder), by default the draft's; the server's ``/tokenize`` checks it.
-        A draft of another vocabulary than that tokenizer scores through the mapped path."""
+        A draft of another vocabulary than that tokenizer scores through the mapped path.
+        """
         from .backends.vllm import connect
 
         config = _make_config(config, settings)
@@ -170,7 +185,11 @@ class SpecPrefillEngine:
     # -- prompts ---------------------------------------------------------------------------------
 
     def layout(
-        self, question: str, documents: Sequence[DocumentLike], instructions: str | None = None, use_chat_template: bool = True
+        self,
+        question: str,
+        documents: Sequence[DocumentLike],
+        instructions: str | None = None,
+        use_chat_template: bool = True,
     ) -> PromptLayout:
         """Token ids and roles of a RAG prompt rendered with the main model's chat template."""
         check_flag(use_chat_template, "use_chat_template")
@@ -198,7 +217,8 @@ class SpecPrefillEngine:
     ) -> Selection:
         """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed), the
         prompt tokens the draft took from its prefix cache and the keep policy asked for. ``prepared``:
-        ``draft_scoring.prepare(layout)`` when the caller already ran it, so the prompt is rendered once."""
+        ``draft_scoring.prepare(layout)`` when the caller already ran it, so the prompt is rendered once.
+        """
         checked = check_keep_rate(keep_rate)
         rate = self.config.keep_rate if checked is None else checked
         budget = self.pipeline.budget(layout, rate, self.config.max_document_tokens)
@@ -213,9 +233,10 @@ class SpecPrefillEngine:
         return self.pipeline.sparse_prompt(layout, kept)
 
     @property
-    def max_draft_tokens(self) -> int:
+    def max_draft_tokens(self) -> int | None:
         """Most prompt tokens (the draft's own) one request may send through the draft:
-        ``config.max_draft_tokens``, at most the draft's context less its look-ahead."""
+        ``config.max_draft_tokens``, at most the draft's context less its look-ahead (None: no limit).
+        """
         return self.draft_scoring.token_limit
 
     # -- generation ------------------------------------------------------------------------------
@@ -284,7 +305,8 @@ class SpecPrefillEngine:
     ) -> DraftInput | None:
         """Refuse a request before any model runs: bad layout or keep rate, too long for the main model's
         context, or for the draft (its context, ``max_draft_tokens``). Returns what the draft will read
-        (None when no draft runs), for :meth:`select`."""
+        (None when no draft runs), for :meth:`select`.
+        """
         check_layout(layout, len(self.tokenizer))
         rate = check_keep_rate(keep_rate)
         self.check_length(len(layout), params.max_new_tokens)
@@ -304,7 +326,11 @@ class SpecPrefillEngine:
         return Decoding(self.tokenizer, layout, params, kept, draft_ms, started, path, cached, chosen.keep_policy)
 
     def _decode(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float,
+        self,
+        layout: PromptLayout,
+        params: GenerationParams,
+        keep_rate: RequestKeepRate,
+        started: float,
         prepared: DraftInput | None,
     ) -> Iterator[StreamChunk]:
         chosen = self.select(layout, keep_rate, prepared)
@@ -327,7 +353,8 @@ class SpecPrefillEngine:
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from
         the backend's async interface (over HTTP for a vLLM server: no thread per request). Close the
-        generator (``aclose``) to stop early; that ends the main model's request."""
+        generator (``aclose``) to stop early; that ends the main model's request.
+        """
         return self._astream(layout, check_params(params) or GenerationParams(), keep_rate, time.perf_counter())
 
     async def agenerate_layout(
@@ -366,7 +393,11 @@ class SpecPrefillEngine:
         return self._adecode(layout, params, keep_rate, started, prepared)
 
     async def _adecode(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float,
+        self,
+        layout: PromptLayout,
+        params: GenerationParams,
+        keep_rate: RequestKeepRate,
+        started: float,
         prepared: DraftInput | None,
     ) -> AsyncGenerator[StreamChunk, None]:
         chosen = await asyncio.to_thread(self.select, layout, keep_rate, prepared)
@@ -378,7 +409,8 @@ class SpecPrefillEngine:
         self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`astream_layout` with the kept indices chosen elsewhere: the gateway scores the drafts of
-        concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival."""
+        concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival.
+        """
         self.check_length(len(layout), params.max_new_tokens)
         return self._astream_kept(layout, params, chosen, started)
 

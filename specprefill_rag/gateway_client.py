@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -32,7 +32,8 @@ _STATS_FIELDS = {f.name for f in fields(SpecPrefillStats)}
 @dataclass(frozen=True)
 class GatewayReply:
     """One streamed piece: the chunk, and (last chunk only) the gateway's extra stats such as
-    ``document_source``, ``n_documents``, ``queue_ms``, ``draft_error``."""
+    ``document_source``, ``n_documents``, ``queue_ms``, ``draft_error``.
+    """
 
     chunk: StreamChunk
     extras: dict[str, Any]
@@ -40,7 +41,8 @@ class GatewayReply:
 
 def gateway_card(base_url: str, timeout: float, api_key: str | None = None) -> dict[str, Any] | None:
     """The served model's card when ``base_url`` is a SpecPrefill gateway, None for another OpenAI server
-    (e.g. a vLLM server). Raises :class:`GatewayClientError` when nothing answers."""
+    (e.g. a vLLM server). Raises :class:`GatewayClientError` when nothing answers.
+    """
     try:
         response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=_headers(api_key), timeout=timeout)
     except httpx.HTTPError as error:
@@ -58,7 +60,8 @@ def gateway_card(base_url: str, timeout: float, api_key: str | None = None) -> d
 def find_gateway(backend: str, timeout: float, api_key: SecretStr | None) -> GatewayClient | None:
     """A client of the SpecPrefill gateway at ``backend``, or None when the answers come from an engine in
     this process: ``backend`` is ``"transformers"`` or another OpenAI server (a vLLM server with the plugin).
-    The adapters' one way to decide; raises :class:`GatewayClientError` when a URL does not answer."""
+    The adapters' one way to decide; raises :class:`GatewayClientError` when a URL does not answer.
+    """
     if backend == "transformers":
         return None
     key = api_key.get_secret_value() if api_key else None
@@ -68,7 +71,8 @@ def find_gateway(backend: str, timeout: float, api_key: SecretStr | None) -> Gat
 
 def engine_here(config: Any, backend: str, timeout: float, is_gateway: bool) -> Any:
     """The process's shared :class:`~specprefill_rag.SpecPrefillEngine` for an adapter's ``config``
-    (imports torch); refused when ``backend`` is a gateway (``is_gateway``), whose engine runs there."""
+    (imports torch); refused when ``backend`` is a gateway (``is_gateway``), whose engine runs there.
+    """
     if is_gateway:
         raise InvalidRequestError(f"{backend} is a SpecPrefill gateway: the engine runs there, not here")
     from . import SpecPrefillEngine
@@ -106,8 +110,12 @@ class GatewayClient:
     def body(self, messages: list[dict[str, Any]], options: dict[str, Any], params: GenerationParams) -> dict[str, Any]:
         """The request: OpenAI chat fields plus ``spec_prefill`` (``options`` with None values left out)."""
         body: dict[str, Any] = {
-            "model": self.model, "messages": messages, "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature, "top_p": params.top_p, "stream": True,
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stream": True,
             "spec_prefill": {k: v for k, v in options.items() if v is not None},
         }
         if params.seed is not None:
@@ -130,7 +138,7 @@ class GatewayClient:
             raise GatewayClientError(f"the gateway at {self.base_url} failed mid-request ({error})") from None
         reader.check_complete(self.base_url)
 
-    async def astream(self, body: dict[str, Any]) -> AsyncIterator[GatewayReply]:
+    async def astream(self, body: dict[str, Any]) -> AsyncGenerator[GatewayReply, None]:
         """Stream one request on the event loop; closing the iterator closes the request."""
         url = self.base_url + "/v1/chat/completions"
         reader = _StreamReader()

@@ -21,6 +21,7 @@ import torch
 
 from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
 from .draft import DraftScore
+from .draft_cache import DraftPrefixCache
 from .errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
 from .models import model_lock, same_vocabulary
 from .prompt import PromptLayout
@@ -35,9 +36,11 @@ DEFAULT_REDUCE: Reduce = "max"
 
 class TokenScorer(Protocol):
     """A draft that scores token ids of its own vocabulary (:class:`~specprefill_rag.draft.ModelDraft`,
-    :class:`~specprefill_rag.draft.LayerPrefixDraft`)."""
+    :class:`~specprefill_rag.draft.LayerPrefixDraft`).
+    """
 
     model: Any
+    prefix_cache: DraftPrefixCache | None
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long ids -> ``[L]`` float32 importance."""
@@ -45,6 +48,10 @@ class TokenScorer(Protocol):
 
     def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
         """``[L]`` long ids -> importance and the leading tokens the draft's prefix cache supplied."""
+        ...
+
+    def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
+        """Several ``[L_i]`` prompts in one forward (the gateway's batches); each its result or its own error."""
         ...
 
 
@@ -65,15 +72,19 @@ def score_layout(
     scoring: DirectScoring | MappedScoring, layout: PromptLayout, prepared: DraftInput | None = None
 ) -> DraftScore:
     """Prepare what the draft reads (unless ``prepared``, from ``scoring.prepare(layout)``, is given), score
-    it under the draft's lock, and carry it onto ``layout``."""
+    it under the draft's lock, and carry it onto ``layout``.
+    """
     prepared = prepared or scoring.prepare(layout)
     scored = draft_score(scoring.draft, prepared.token_ids)
     return DraftScore(scoring.finish(prepared, scored.importance), scored.cached_tokens)
 
 
-def check_draft_context(draft_tokens: int, look_ahead: int, context_length: int | None, max_tokens: int | None = None) -> None:
+def check_draft_context(
+    draft_tokens: int, look_ahead: int, context_length: int | None, max_tokens: int | None = None
+) -> None:
     """Raise unless ``draft_tokens`` prompt tokens and ``look_ahead - 1`` decoded ones fit the draft, and
-    the prompt is within ``max_tokens`` (``max_draft_tokens``)."""
+    the prompt is within ``max_tokens`` (``max_draft_tokens``).
+    """
     if context_length is not None and draft_tokens + look_ahead - 1 > context_length:
         raise DraftContextLengthError(draft_tokens, look_ahead, context_length)
     check_draft_tokens(draft_tokens, max_tokens)
@@ -82,7 +93,8 @@ def check_draft_context(draft_tokens: int, look_ahead: int, context_length: int 
 @dataclass(frozen=True)
 class DraftInput:
     """What the draft reads for one main layout: ``token_ids`` ``[L_d]`` of its own vocabulary, and the
-    layout it was rendered as (``draft_layout``; the main layout itself on the direct path)."""
+    layout it was rendered as (``draft_layout``; the main layout itself on the direct path).
+    """
 
     layout: PromptLayout
     draft_layout: PromptLayout
@@ -94,7 +106,8 @@ class DraftInput:
 
 class _LayoutScoring:
     """What both paths share: their limit, and scoring as prepare -> draft -> finish (:func:`score_layout`).
-    Subclasses are dataclasses with ``context_length``, ``look_ahead`` and ``max_tokens``."""
+    Subclasses are dataclasses with ``context_length``, ``look_ahead`` and ``max_tokens``.
+    """
 
     context_length: int | None
     look_ahead: int
@@ -111,7 +124,8 @@ class _LayoutScoring:
 
     def score(self, layout: PromptLayout, prepared: DraftInput | None = None) -> DraftScore:
         """:meth:`importance`, with the leading draft tokens its prefix cache supplied; ``prepared``: this
-        layout's :meth:`prepare`, when the caller already has it (the mapped path renders the prompt there)."""
+        layout's :meth:`prepare`, when the caller already has it (the mapped path renders the prompt there).
+        """
         return score_layout(self, layout, prepared)  # type: ignore[arg-type]
 
 
@@ -170,7 +184,9 @@ class MappedScoring(_LayoutScoring):
         return DraftInput(layout, draft_layout)
 
     def finish(self, prepared: DraftInput, scores: torch.Tensor) -> torch.Tensor:
-        """The draft's ``[L_d]`` scores carried onto the main layout's ``[L]`` tokens through the documents' characters."""
+        """The draft's ``[L_d]`` scores carried onto the main layout's ``[L]`` tokens through the documents'
+        characters.
+        """
         _, draft_offsets, draft_spans = _characters(prepared.draft_layout)
         _, main_offsets, main_spans = _characters(prepared.layout)
         return map_importance(

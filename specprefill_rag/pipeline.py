@@ -48,11 +48,13 @@ class Pipeline:
         self.config = config
         self.sparse_prefill = sparse_prefill
 
-    def budget(self, layout: PromptLayout, keep_rate: KeepRate, max_document_tokens: int | None,
-               enabled: bool = True) -> Budget:
+    def budget(
+        self, layout: PromptLayout, keep_rate: KeepRate, max_document_tokens: int | None, enabled: bool = True
+    ) -> Budget:
         """A request's budget; compressed when enabled and worth a draft: something to drop ("auto" always
-        may), a long enough prompt, a backend that prefills what is kept."""
-        whole = keep_rate != AUTO and keep_rate >= 1.0 and max_document_tokens is None
+        may), a long enough prompt, a backend that prefills what is kept.
+        """
+        whole = not isinstance(keep_rate, str) and keep_rate >= 1.0 and max_document_tokens is None
         # renumbered kept tokens are an ordinary prompt: a vLLM server without the plugin prefills them too
         unsupported = self.config.positions == "original" and not self.sparse_prefill
         short = len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0
@@ -60,7 +62,8 @@ class Pipeline:
 
     def keep_budget(self, keep_rate: KeepRate) -> KeepBudget:
         """The selection's budget policy: ``"auto"`` is :class:`ImportanceMass` with the config's ``auto_keep_*``
-        settings, a number a :class:`FixedRate`."""
+        settings, a number a :class:`FixedRate`.
+        """
         if keep_rate == AUTO:
             config = self.config
             return ImportanceMass(config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling)
@@ -70,17 +73,32 @@ class Pipeline:
         """Every prompt token: the request is not compressed (or its draft failed: ``draft_error``)."""
         return Selection(torch.arange(len(layout)), keep_policy=budget.policy, draft_error=draft_error)
 
-    def select(self, layout: PromptLayout, budget: Budget, importance: torch.Tensor, draft_ms: float,
-               draft_cached_tokens: int = 0, queue_ms: float = 0.0, batch_size: int = 0) -> Selection:
+    def select(
+        self,
+        layout: PromptLayout,
+        budget: Budget,
+        importance: torch.Tensor,
+        draft_ms: float,
+        draft_cached_tokens: int = 0,
+        queue_ms: float = 0.0,
+        batch_size: int = 0,
+    ) -> Selection:
         """The kept tokens for ``[L]`` importance (document chunks by the budget, everything else whole) and
-        what scoring it cost."""
-        kept = select_kept(importance, layout.document_index, keep_rate=self.keep_budget(budget.keep_rate),
-                           chunk_size=self.config.chunk_size, max_document_tokens=budget.max_document_tokens)
+        what scoring it cost.
+        """
+        kept = select_kept(
+            importance,
+            layout.document_index,
+            keep_rate=self.keep_budget(budget.keep_rate),
+            chunk_size=self.config.chunk_size,
+            max_document_tokens=budget.max_document_tokens,
+        )
         return Selection(kept, draft_ms, draft_cached_tokens, budget.policy, queue_ms, batch_size)
 
     def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor) -> SparsePrompt:
         """What the main model prefills: the ``[K]`` kept tokens at their original positions, or renumbered
-        ``0..K-1`` with ``config.positions="contiguous"``."""
+        ``0..K-1`` with ``config.positions="contiguous"``.
+        """
         if self.config.positions == "contiguous":
             return SparsePrompt.renumbered(layout.input_ids, kept)
         return SparsePrompt.kept(layout.input_ids, kept)

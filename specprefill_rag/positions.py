@@ -73,7 +73,9 @@ def decode_runs(runs: Sequence[int]) -> torch.Tensor:
     return starts.repeat_interleave(lengths) + offsets
 
 
-def validate(prompt_length: int, kept: torch.Tensor, n_prompt_tokens: int, max_new_tokens: int, max_positions: int) -> None:
+def validate(
+    prompt_length: int, kept: torch.Tensor, n_prompt_tokens: int, max_new_tokens: int, max_positions: int
+) -> None:
     """Check a compressed request against its prompt and the model; raises :class:`InvalidRequestError`."""
     if kept.numel() != n_prompt_tokens:
         raise InvalidRequestError(f"{kept.numel()} kept positions for {n_prompt_tokens} prompt tokens; they must match")
@@ -88,7 +90,8 @@ def validate(prompt_length: int, kept: torch.Tensor, n_prompt_tokens: int, max_n
 
 def cache_salt(prompt_length: int, runs: Sequence[int]) -> str:
     """Prefix-cache salt derived from the positions: the same compact tokens at other positions
-    must never share KV blocks (vLLM hashes tokens, not positions)."""
+    must never share KV blocks (vLLM hashes tokens, not positions).
+    """
     digest = hashlib.sha256(f"specprefill:{prompt_length}:{','.join(map(str, runs))}".encode()).hexdigest()
     return digest[:64]
 

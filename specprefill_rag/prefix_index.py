@@ -19,7 +19,8 @@ BLOCK_TOKENS = 16
 
 def block_hashes(seed: Hashable, token_ids: torch.Tensor, block: int = BLOCK_TOKENS) -> list[int]:
     """``[1 + L // block]`` chained hashes of ``token_ids`` ([L] integer, CPU); element ``i`` names
-    (``seed``, the first ``i * block`` ids), element 0 the seed alone."""
+    (``seed``, the first ``i * block`` ids), element 0 the seed alone.
+    """
     data = token_ids.to(torch.int64).numpy().tobytes()
     step = block * 8
     hashes = [hash(seed)]
@@ -47,7 +48,8 @@ class PrefixIndex:
 
     def deepest(self, hashes: list[int]) -> tuple[int, set[int]]:
         """``(i, entries)``: the most leading blocks ``i`` that any entry shares with ``hashes``, and those
-        entries (every entry whose common prefix with the prompt is longest is among them)."""
+        entries (every entry whose common prefix with the prompt is longest is among them).
+        """
         low, high = 0, len(hashes) - 1  # the hashes present form a prefix of the chain: bisect its end
         if hashes[0] not in self._through:
             return 0, set()

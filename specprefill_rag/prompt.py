@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import IntEnum
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -40,7 +40,7 @@ class Document:
     id: str | None = None
 
 
-DocumentLike = Union[Document, str, bytes, Mapping[str, Any]]
+DocumentLike = Document | str | bytes | Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def _decode_utf8(value: bytes, name: str) -> str:
         return value.decode("utf-8")
     except UnicodeDecodeError as error:
         raise InvalidRequestError(
-            f"{name} is not valid UTF-8 (byte {error.start}: {value[error.start:error.start + 4]!r}); "
+            f"{name} is not valid UTF-8 (byte {error.start}: {value[error.start : error.start + 4]!r}); "
             "decode it with its real encoding before passing it"
         ) from None
 
@@ -168,7 +168,10 @@ def rag_turns(question: str, documents: Sequence[DocumentLike], instructions: st
     """Validate a RAG request and lay it out as ``[system?, user]`` turns; the question comes last."""
     question = check_text(question, "question", "user's question")
     instructions = check_optional_text(instructions, "instructions", "system instructions")
-    user = document_segments(documents) + [Segment("Question: ", Role.TEMPLATE), Segment(question.strip(), Role.QUESTION)]
+    user = document_segments(documents) + [
+        Segment("Question: ", Role.TEMPLATE),
+        Segment(question.strip(), Role.QUESTION),
+    ]
     system = [Turn("system", (Segment(instructions, Role.INSTRUCTION),))] if instructions else []
     return system + [Turn("user", tuple(user))]
 
@@ -278,7 +281,8 @@ def build_rag_layout(
 
 def protect_tail(layout: PromptLayout, n_tokens: int) -> PromptLayout:
     """Mark the last ``n_tokens`` document tokens as question (kept): for prompts whose question is
-    not separated from the retrieved text, such as a raw prompt or an unmarked chat message."""
+    not separated from the retrieved text, such as a raw prompt or an unmarked chat message.
+    """
     candidates = torch.nonzero(layout.document_index >= 0).flatten()[-n_tokens:]
     roles, document_index = layout.roles.clone(), layout.document_index.clone()
     roles[candidates] = Role.QUESTION

@@ -37,7 +37,8 @@ class TurnsSource:
 @dataclass(frozen=True)
 class SegmentsSource:
     """Rendered segments, tokenized as they are by another tokenizer (template text included): the
-    source of layouts built from text the caller rendered (``generate_text``)."""
+    source of layouts built from text the caller rendered (``generate_text``).
+    """
 
     segments: tuple[Segment, ...]
     add_special_tokens: bool

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -115,7 +114,7 @@ class ImportanceMass:
         return min(max(rate, self.floor), self.ceiling)
 
 
-KeepBudget = Union[FixedRate, ImportanceMass]
+KeepBudget = FixedRate | ImportanceMass
 
 
 def select_kept(

@@ -45,18 +45,24 @@ def build_tokenizer(vocab_size: int = 400, seed_text: list[str] | None = None) -
 FAMILIES: dict[str, dict[str, Any]] = {
     "chatml": {  # Qwen2/2.5, SmolLM2
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        "bos": "<|im_start|>", "eos": "<|im_end|>", "pad": "<|endoftext|>",
+        "bos": "<|im_start|>",
+        "eos": "<|im_end|>",
+        "pad": "<|endoftext|>",
         "template": CHAT_TEMPLATE,
     },
     "qwen3": {  # ChatML plus non-special added tokens that still steer the model
         "specials": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         "added": ["<think>", "</think>", "<tool_call>", "</tool_call>"],
-        "bos": "<|im_start|>", "eos": "<|im_end|>", "pad": "<|endoftext|>",
+        "bos": "<|im_start|>",
+        "eos": "<|im_end|>",
+        "pad": "<|endoftext|>",
         "template": CHAT_TEMPLATE,
     },
     "llama3": {
         "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-        "bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|end_of_text|>",
+        "bos": "<|begin_of_text|>",
+        "eos": "<|eot_id|>",
+        "pad": "<|end_of_text|>",
         "template": (
             "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
             "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
@@ -65,7 +71,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
     "mistral": {
         "specials": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
-        "bos": "<s>", "eos": "</s>", "pad": "<unk>",
+        "bos": "<s>",
+        "eos": "</s>",
+        "pad": "<unk>",
         "template": (
             "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
             "{% set messages = messages[1:] %}{% endif %}{{ bos_token }}{% for message in messages %}"
@@ -105,7 +113,8 @@ def build_model(
     """A random Llama: hidden 64, 4 query heads sharing 2 KV heads (GQA), SDPA attention.
 
     At the default ``initializer_range`` attention is almost uniform, so greedy tokens rarely depend on
-    positions; 0.2 makes it sharp enough that they do (tests of position ids)."""
+    positions; 0.2 makes it sharp enough that they do (tests of position ids).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)

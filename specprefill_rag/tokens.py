@@ -47,7 +47,8 @@ def added_token_ids(tokenizer: Any) -> frozenset[int]:
 
 def control_spans(tokenizer: Any, text: str, offset: int = 0) -> list[tuple[int, int, int]]:
     """``(start, end, token_id)`` of every added token the tokenizer finds in trusted ``text``,
-    character positions shifted by ``offset``."""
+    character positions shifted by ``offset``.
+    """
     added = added_token_ids(tokenizer)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return [
@@ -57,7 +58,9 @@ def control_spans(tokenizer: Any, text: str, offset: int = 0) -> list[tuple[int,
     ]
 
 
-def encode_as_text(tokenizer: Any, text: str, offset: int = 0, add_special_tokens: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
+def encode_as_text(
+    tokenizer: Any, text: str, offset: int = 0, add_special_tokens: bool = False
+) -> tuple[list[int], list[tuple[int, int]]]:
     """Ids and character offsets of ``text`` with every special-token string taken as text."""
     encoding = text_only_tokenizer(tokenizer).encode(text, add_special_tokens=add_special_tokens)
     return list(encoding.ids), [(start + offset, end + offset) for start, end in encoding.offsets]
@@ -103,7 +106,8 @@ _CUT_WINDOW = 256
 
 def _cut(text: str, start: int) -> int:
     """End of the piece starting at ``start``: before a single space that precedes a word near
-    ``start + _PIECE_CHARS`` (where pre-tokenizers split anyway), else exactly there."""
+    ``start + _PIECE_CHARS`` (where pre-tokenizers split anyway), else exactly there.
+    """
     end = start + _PIECE_CHARS
     if end >= len(text):
         return len(text)

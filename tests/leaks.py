@@ -11,7 +11,9 @@ from contextlib import contextmanager
 
 def client_threads() -> set[threading.Thread]:
     """Live threads, less those of the stand-in HTTP servers the tests run."""
-    return {t for t in threading.enumerate() if "process_request_thread" not in t.name and "serve_forever" not in t.name}
+    return {
+        t for t in threading.enumerate() if "process_request_thread" not in t.name and "serve_forever" not in t.name
+    }
 
 
 def open_sockets() -> set[str]:

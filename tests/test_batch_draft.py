@@ -80,8 +80,13 @@ def test_rows_equal_single_scores_on_smollm2():
     from specprefill_rag.models import shared_model
 
     loaded = shared_model("smollm2-135m", dtype="float32")  # bfloat16 rounds padded rows differently
-    draft = ModelDraft(loaded.model, look_ahead=8, pool_kernel=13, eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer))
-    texts = ["The Brooklyn Bridge opened in 1883. " * 12 + "When did it open?", "Apollo 11 landed in 1969. " * 30 + "When?"]
+    draft = ModelDraft(
+        loaded.model, look_ahead=8, pool_kernel=13, eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer)
+    )
+    texts = [
+        "The Brooklyn Bridge opened in 1883. " * 12 + "When did it open?",
+        "Apollo 11 landed in 1969. " * 30 + "When?",
+    ]
     prompts = [torch.tensor(loaded.tokenizer(t)["input_ids"]) for t in texts]
     assert prompts[0].numel() != prompts[1].numel()
     assert_rows_equal_single(draft, prompts)

@@ -13,7 +13,6 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 
-
 @torch.inference_mode()
 def test_legacy_cache_model_continues_like_one_forward(tiny_model, tokenizer):
     from longllmlingua import LegacyCacheModel
@@ -44,8 +43,10 @@ def test_offline_tiktoken_restores_the_environment(monkeypatch):
 def test_longllmlingua_compresses_with_the_real_package(tiny_model_dir):
     from longllmlingua import LongLLMLingua
 
-    documents = [" ".join(["The bridge opened in 1883 after thirteen years of work."] * 12),
-                 " ".join(["Paris is the capital of France and a large city."] * 12)]
+    documents = [
+        " ".join(["The bridge opened in 1883 after thirteen years of work."] * 12),
+        " ".join(["Paris is the capital of France and a large city."] * 12),
+    ]
     compressed = LongLLMLingua(tiny_model_dir).compress(documents, "When did the bridge open?", rate=0.3)
     assert 0 < len(compressed) < 0.8 * sum(len(d) for d in documents)
 
@@ -60,30 +61,57 @@ def task_data(tmp_path, monkeypatch):
     import tasks
 
     facts = [(f"Topic{i}", f"What is the colour of object {i}?", f"colour{i}") for i in range(8)]
-    squad = {"data": [{"paragraphs": [{"context": f"{topic} facts. Object {i} is {answer} all year round.",
-                                       "qas": [{"question": question, "answers": [{"text": answer}]}]}]}
-                      for i, (topic, question, answer) in enumerate(facts)]}
+    squad = {
+        "data": [
+            {
+                "paragraphs": [
+                    {
+                        "context": f"{topic} facts. Object {i} is {answer} all year round.",
+                        "qas": [{"question": question, "answers": [{"text": answer}]}],
+                    }
+                ]
+            }
+            for i, (topic, question, answer) in enumerate(facts)
+        ]
+    }
     (tmp_path / "squad").mkdir()
     (tmp_path / "squad" / "dev-v1.1.reconstructed.json").write_text(json.dumps(squad))
-    rows = [{"question": f"Which two topics mention object {i}?", "answer": f"colour{i}",
-             "context": [[f"Title{i}-{j}", [f"Sentence {j} about object {i}. ", "More text."]] for j in range(10)],
-             "supporting_facts": [[f"Title{i}-2", 0], [f"Title{i}-7", 1]]} for i in range(6)]
+    rows = [
+        {
+            "question": f"Which two topics mention object {i}?",
+            "answer": f"colour{i}",
+            "context": [[f"Title{i}-{j}", [f"Sentence {j} about object {i}. ", "More text."]] for j in range(10)],
+            "supporting_facts": [[f"Title{i}-2", 0], [f"Title{i}-7", 1]],
+        }
+        for i in range(6)
+    ]
     (tmp_path / "hotpotqa").mkdir()
     (tmp_path / "hotpotqa" / "hotpotqa_train_distractor_100.json").write_text(json.dumps(rows))
     (tmp_path / "lost_in_the_middle").mkdir()
     with gzip.open(tmp_path / "lost_in_the_middle" / "nq-open-oracle.jsonl.gz", "wt") as lines:
         for topic, question, answer in facts:
-            lines.write(json.dumps({"question": question, "answers": [answer],
-                                    "ctxs": [{"title": topic, "text": f"The object is {answer}."}]}) + "\n")
+            lines.write(
+                json.dumps(
+                    {
+                        "question": question,
+                        "answers": [answer],
+                        "ctxs": [{"title": topic, "text": f"The object is {answer}."}],
+                    }
+                )
+                + "\n"
+            )
     prompts = tmp_path / "longbench" / "prompt_configs"
     prompts.mkdir(parents=True)
     prompts.joinpath("dataset2prompt.json").write_text(
-        json.dumps({task: f"{task}: read {{context}} and answer {{input}}" for task in tasks.LONGBENCH_TASKS}))
+        json.dumps({task: f"{task}: read {{context}} and answer {{input}}" for task in tasks.LONGBENCH_TASKS})
+    )
     for task in tasks.LONGBENCH_TASKS:
         passages = [f"Passage {k}:\nText {k} of {task}.\n" for k in range(1, 4)]
         context = "".join(passages) if task == "hotpotqa" else f"{task} text."
-        records = [{"context": context, "input": f"Question {i} on {task}?", "answers": ["x"], "dataset": task}
-                   for i in range(6)]
+        records = [
+            {"context": context, "input": f"Question {i} on {task}?", "answers": ["x"], "dataset": task}
+            for i in range(6)
+        ]
         (tmp_path / "longbench" / f"{task}.jsonl").write_text("\n".join(json.dumps(r) for r in records))
     monkeypatch.setattr(tasks, "DATA", tmp_path)
     return tasks
@@ -146,8 +174,15 @@ def test_ttft_shape_path_runs_without_a_tokenizer(monkeypatch):
 
     import ttft
 
-    tiny = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=300, max_position_embeddings=2048)
+    tiny = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=2048,
+    )
     monkeypatch.setitem(ttft.SHAPES, "tiny", tiny)
     draft, main = ttft.shape_model("tiny", torch.bfloat16, "cpu"), ttft.shape_model("tiny", torch.bfloat16, "cpu")
     assert next(main.parameters()).dtype == torch.bfloat16
@@ -161,8 +196,16 @@ def test_ttft_shape_path_runs_without_a_tokenizer(monkeypatch):
 
 def _run(samples: list[int], method: str, keep_rate: float, seed: int = 0) -> dict:
     def record(sample: int, name: str, rate: float, value: float) -> dict:
-        return {"sample": sample, "method": name, "keep_rate": rate, "contains": value, "logprob": -value,
-                "answer_kept": value, "gold_document_kept": 1.0, "kept_share": rate}
+        return {
+            "sample": sample,
+            "method": name,
+            "keep_rate": rate,
+            "contains": value,
+            "logprob": -value,
+            "answer_kept": value,
+            "gold_document_kept": 1.0,
+            "kept_share": rate,
+        }
 
     records = []
     for sample in samples:
@@ -175,8 +218,9 @@ def test_merge_joins_runs_on_the_same_samples_and_keeps_full_once():
     from merge import merge
     from quality import summarise
 
-    merged = merge([_run([0, 1], "specprefill", 0.1), _run([0, 1, 2, 3], "specprefill", 0.2),
-                    _run([2, 3], "specprefill", 0.1)])
+    merged = merge(
+        [_run([0, 1], "specprefill", 0.1), _run([0, 1, 2, 3], "specprefill", 0.2), _run([2, 3], "specprefill", 0.1)]
+    )
     assert merged["samples"] == 4
     rows = {(r["method"], r["keep_rate"]): r for r in summarise(merged, "contains")}
     assert rows[("full", 1.0)]["n"] == 4
@@ -212,7 +256,9 @@ def test_failed_samples_are_left_out_of_the_rows_and_listed():
 
     report = _run([0, 1, 2], "longllmlingua", 0.1)
     report["records"] = [r for r in report["records"] if not (r["method"] == "longllmlingua" and r["sample"] == 1)]
-    report["records"].append({"sample": 1, "method": "longllmlingua", "keep_rate": 0.1, "failed": "llmlingua: AssertionError"})
+    report["records"].append(
+        {"sample": 1, "method": "longllmlingua", "keep_rate": 0.1, "failed": "llmlingua: AssertionError"}
+    )
     row = {r["method"]: r for r in summarise(report, "contains")}["longllmlingua"]
     assert row["n"] == 2 and row["score"] == 0.0  # samples 0 and 2
     assert "longllmlingua at keep 0.1 on sample(s) 1: llmlingua: AssertionError." in markdown(report, "contains")
@@ -235,9 +281,12 @@ def test_draft_cache_summary_reads_the_hits_against_the_bound():
     from draft_cache import summarize
 
     def question(cold_draft, warm_draft, warm_ttft):
-        return {"prompt_tokens": 1000, "cache_bytes": 2**20,
-                "cold": {"draft_ms": cold_draft, "ttft_ms": 2 * cold_draft, "kept_tokens": 100},
-                "warm": {"draft_ms": warm_draft, "ttft_ms": warm_ttft, "kept_tokens": 100}}
+        return {
+            "prompt_tokens": 1000,
+            "cache_bytes": 2**20,
+            "cold": {"draft_ms": cold_draft, "ttft_ms": 2 * cold_draft, "kept_tokens": 100},
+            "warm": {"draft_ms": warm_draft, "ttft_ms": warm_ttft, "kept_tokens": 100},
+        }
 
     rows = [question(1000, 1000, 2000), question(1000, 50, 1000), question(1000, 100, 1200), question(1000, 80, 1100)]
     summary = summarize(rows, full_ms=10_000)
@@ -255,8 +304,11 @@ def test_auto_tuning_reads_the_fixed_curve_at_autos_kept_share():
     report = _run([0, 1], "specprefill", 0.1)
     for record in report["records"]:
         record["kept_share"] = 0.1 if record["method"] == "specprefill" else 1.0
-    auto = [{**r, "method": "specprefill-auto", "keep_rate": 0.8, "kept_share": 0.55, "contains": 1.0}
-            for r in report["records"] if r["method"] == "specprefill"]
+    auto = [
+        {**r, "method": "specprefill-auto", "keep_rate": 0.8, "kept_share": 0.55, "contains": 1.0}
+        for r in report["records"]
+        if r["method"] == "specprefill"
+    ]
     report["records"] += auto
     (row,) = tuning_rows(report, "contains")
     # the fixed curve runs from (0.1, 0.5) to full (1.0, 1.0): 0.75 at 0.55; auto scores 1.0
@@ -267,8 +319,11 @@ def test_held_out_pairs_auto_with_the_fixed_rate_per_sample():
     from auto_tuning import held_out
 
     report = _run([0, 1, 2, 3], "specprefill", 0.25)  # fixed: contains 0, 1, 0, 1
-    report["records"] += [{**r, "method": "specprefill-auto", "keep_rate": 0.8, "contains": 1.0}
-                          for r in report["records"] if r["method"] == "specprefill"]
+    report["records"] += [
+        {**r, "method": "specprefill-auto", "keep_rate": 0.8, "contains": 1.0}
+        for r in report["records"]
+        if r["method"] == "specprefill"
+    ]
     assert "contains: +0.500 (+0.000 to +1.000)" in held_out(report, ["contains"])
     report["records"].append({**report["records"][1], "keep_rate": 0.3})
     with pytest.raises(SystemExit, match="one fixed specprefill rate"):
@@ -281,12 +336,14 @@ def test_ttft_lengths_bound_counts_the_tokens_kept_whole(monkeypatch, tiny_model
     import argparse
 
     import ttft_lengths
+
     from specprefill_rag import SpecPrefillEngine
 
     text = (Path(__file__).parent.parent / "examples" / "documents" / "brooklyn_bridge.txt").read_text()
     monkeypatch.setattr(ttft_lengths, "documents_of", lambda _tokenizer, _length: [text[:600], text[600:1200]])
-    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, draft_tokenizer=tokenizer,
-                                           min_prompt_tokens=0, draft_cache_mb=0)
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, tiny_draft, draft_tokenizer=tokenizer, min_prompt_tokens=0, draft_cache_mb=0
+    )
     args = argparse.Namespace(keep_rate=0.1, repeats=1, self_layers=1)
     row = ttft_lengths.run_length(engine, None, 0, args, probe_memory=False)
     assert set(row["kept_tokens"]) == {"specprefill", "self-1"}
@@ -302,9 +359,20 @@ def test_ttft_lengths_bound_counts_the_tokens_kept_whole(monkeypatch, tiny_model
 
 def _headline_study(task: str, scores: dict[str, list[float]]) -> dict:
     """A quality report: method -> per-sample scores at keep 0.1 (full at 1.0)."""
-    records = [{"sample": i, "method": method, "keep_rate": 1.0 if method == "full" else 0.1, "contains": value,
-                "logprob": -1.0, "answer_kept": value, "gold_document_kept": 1.0, "kept_share": 0.1}
-               for method, values in scores.items() for i, value in enumerate(values)]
+    records = [
+        {
+            "sample": i,
+            "method": method,
+            "keep_rate": 1.0 if method == "full" else 0.1,
+            "contains": value,
+            "logprob": -1.0,
+            "answer_kept": value,
+            "gold_document_kept": 1.0,
+            "kept_share": 0.1,
+        }
+        for method, values in scores.items()
+        for i, value in enumerate(values)
+    ]
     settings = {"task": task, "max_new_tokens": 16}
     return {"task": task, "samples": len(scores["full"]), "records": records, "settings": settings}
 
@@ -312,13 +380,22 @@ def _headline_study(task: str, scores: dict[str, list[float]]) -> dict:
 def test_headline_reads_each_study_and_the_ttft_row_of_its_keep_rate():
     from headline import paired_table, quality_table
 
-    studies = {"niah": _headline_study("niah", {"full": [1, 1, 1, 1], "specprefill": [1, 1, 1, 1],
-                                                "self": [1, 1, 1, 0], "longllmlingua": [0, 0, 0, 0]}),
-               "squad": _headline_study("squad", {"full": [1, 1, 0, 1], "specprefill": [1, 0, 0, 1],
-                                                  "longllmlingua": [1, 1, 0, 0]})}
-    ttft = {"keep_rate": 0.1, "results": [{"length": 2048, "bound": 3.0, "speedup": {"specprefill": 9.9}},
-                                          {"length": 4096, "bound": 2.0, "speedup": {"specprefill": 1.8,
-                                                                                      "self-11": 1.9}}]}
+    studies = {
+        "niah": _headline_study(
+            "niah",
+            {"full": [1, 1, 1, 1], "specprefill": [1, 1, 1, 1], "self": [1, 1, 1, 0], "longllmlingua": [0, 0, 0, 0]},
+        ),
+        "squad": _headline_study(
+            "squad", {"full": [1, 1, 0, 1], "specprefill": [1, 0, 0, 1], "longllmlingua": [1, 1, 0, 0]}
+        ),
+    }
+    ttft = {
+        "keep_rate": 0.1,
+        "results": [
+            {"length": 2048, "bound": 3.0, "speedup": {"specprefill": 9.9}},
+            {"length": 4096, "bound": 2.0, "speedup": {"specprefill": 1.8, "self-11": 1.9}},
+        ],
+    }
     table = quality_table(studies, [ttft], 4096, [0.1, 0.3]).splitlines()
     specprefill = next(line for line in table if line.startswith("| specprefill | 0.1 |"))
     assert "| 1.00, 100% (100%-100%) | 0.50, 67% " in specprefill and "1.80x (bound 2.00x)" in specprefill
@@ -341,14 +418,33 @@ def test_resume_compares_only_the_settings_that_shape_the_methods_run(tmp_path):
 
     from quality import AUTO, resumed_report
 
-    settings = {"task": "niah", "samples": 30, "documents": 5, "length": 4000, "seed": 0, "main": "m", "draft": "d",
-                "keep_rates": [0.1, 0.3], "methods": ["specprefill", "random"], "max_new_tokens": 16}
+    settings = {
+        "task": "niah",
+        "samples": 30,
+        "documents": 5,
+        "length": 4000,
+        "seed": 0,
+        "main": "m",
+        "draft": "d",
+        "keep_rates": [0.1, 0.3],
+        "methods": ["specprefill", "random"],
+        "max_new_tokens": 16,
+    }
     records = [{"sample": 0, "method": "full", "keep_rate": 1.0}]
     (tmp_path / "study.json").write_text(json.dumps({"samples": 1, "settings": settings, "records": records}))
 
     def resume(**changes) -> list[dict]:
-        args = argparse.Namespace(**{**settings, "resume": True, "auto_shares": [0.8], "auto_floors": [0.1],
-                                     "auto_ceilings": [0.5], "sampler": 1, **changes})
+        args = argparse.Namespace(
+            **{
+                **settings,
+                "resume": True,
+                "auto_shares": [0.8],
+                "auto_floors": [0.1],
+                "auto_ceilings": [0.5],
+                "sampler": 1,
+                **changes,
+            }
+        )
         return resumed_report(args, tmp_path / "study")["records"]
 
     assert resume() == records
@@ -395,8 +491,19 @@ def test_merge_keeps_the_settings_of_one_study_split_over_runs(tmp_path):
     from merge import MergeError, merge
     from quality import resumed_report
 
-    settings = {"task": "niah", "seed": 0, "documents": 5, "length": 1500, "max_new_tokens": 16, "main": "m",
-                "draft": "d", "keep_rates": [0.1], "methods": ["specprefill"], "sampler": 1, "samples": 4}
+    settings = {
+        "task": "niah",
+        "seed": 0,
+        "documents": 5,
+        "length": 1500,
+        "max_new_tokens": 16,
+        "main": "m",
+        "draft": "d",
+        "keep_rates": [0.1],
+        "methods": ["specprefill"],
+        "sampler": 1,
+        "samples": 4,
+    }
     head, tail = _run([0, 1], "specprefill", 0.1), _run([2, 3], "specprefill", 0.1)
     head["settings"] = settings | {"out": "study"}
     tail["settings"] = settings | {"only_samples": [2, 3], "out": "tail"}
@@ -413,4 +520,3 @@ def test_merge_keeps_the_settings_of_one_study_split_over_runs(tmp_path):
     tail["settings"] = settings | {"keep_rates": [0.3]}  # another study on the same samples: only those settings
     tail["sample_digests"] = ["a", "b", "c", "d"]
     assert set(merge([head, tail])["settings"]) == {"task", "seed", "documents", "length", "max_new_tokens", "sampler"}
-

@@ -38,7 +38,9 @@ def test_documents_argument_inserted_when_absent(tokenizer):
 
 def test_documents_not_found_and_not_inserted_fall_back(tokenizer):
     messages = [ChatMessage("user", [" ".join(DOCS * 5) + " When?"])]
-    result = chat_layout(tokenizer, messages, documents=["text that is not there"], insert_missing=False, question="When?")
+    result = chat_layout(
+        tokenizer, messages, documents=["text that is not there"], insert_missing=False, question="When?"
+    )
     assert result.document_source == "none"
     assert texts_of(tokenizer, result.layout, Role.QUESTION) == "When?"
 

@@ -31,7 +31,19 @@ def test_ask_json_reports_numeric_stats(tmp_path, tiny_model_dir, capsys):
 def test_ask_keep_rate_auto_reports_the_chosen_share(tmp_path, tiny_model_dir, capsys):
     docs = write_documents(tmp_path)
     model = str(tiny_model_dir)
-    argv = ["ask", "--question", "When?", "--docs", *docs, "--main", model, "--draft", model, "--min-prompt-tokens", "0"]
+    argv = [
+        "ask",
+        "--question",
+        "When?",
+        "--docs",
+        *docs,
+        "--main",
+        model,
+        "--draft",
+        model,
+        "--min-prompt-tokens",
+        "0",
+    ]
     assert main([*argv, "--keep-rate", "auto", "--max-new-tokens", "2", "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["keep_policy"] == "auto" and stats["compressed"] is True
@@ -67,8 +79,21 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
     from specprefill_rag.config import DEFAULT_DRAFT_CACHE_MB
 
     monkeypatch.setenv("SPECPREFILL_API_KEY", "from-env")
-    args = parser().parse_args(["serve", "--port", "9001", "--keep-rate", "0.2", "--draft-batch-size", "8",
-                                "--on-draft-error", "fail", "--request-timeout", "30"])
+    args = parser().parse_args(
+        [
+            "serve",
+            "--port",
+            "9001",
+            "--keep-rate",
+            "0.2",
+            "--draft-batch-size",
+            "8",
+            "--on-draft-error",
+            "fail",
+            "--request-timeout",
+            "30",
+        ]
+    )
     settings = serve_settings(args)
     assert (settings.port, settings.keep_rate, settings.draft_batch_size) == (9001, 0.2, 8)
     assert settings.on_draft_error == "fail" and settings.request_timeout_s == 30
@@ -76,11 +101,27 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
     assert "from-env" not in repr(settings)  # the key is never printed
     explicit = serve_settings(parser().parse_args(["serve", "--api-key", "given"]))
     assert explicit.api_key.get_secret_value() == "given"
-    auto = serve_settings(parser().parse_args(["serve", "--keep-rate", "auto", "--auto-keep-floor", "0.2",
-                                               "--auto-keep-ceiling", "0.4", "--auto-keep-share", "0.7"]))
+    auto = serve_settings(
+        parser().parse_args(
+            [
+                "serve",
+                "--keep-rate",
+                "auto",
+                "--auto-keep-floor",
+                "0.2",
+                "--auto-keep-ceiling",
+                "0.4",
+                "--auto-keep-share",
+                "0.7",
+            ]
+        )
+    )
     config = auto.engine_config()
-    assert config.keep_rate == "auto" and (config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling) \
-        == (0.7, 0.2, 0.4)
+    assert config.keep_rate == "auto" and (
+        config.auto_keep_share,
+        config.auto_keep_floor,
+        config.auto_keep_ceiling,
+    ) == (0.7, 0.2, 0.4)
     bounded = serve_settings(parser().parse_args(["serve", "--max-draft-tokens", "2048", "--draft-cache-mb", "0"]))
     assert (bounded.engine_config().max_draft_tokens, bounded.engine_config().draft_cache_mb) == (2048, 0)
     assert serve_settings(parser().parse_args(["serve"])).engine_config().draft_cache_mb == DEFAULT_DRAFT_CACHE_MB
@@ -104,11 +145,33 @@ def test_draft_batch_size_defaults_to_the_measured_choice_per_device():
 
 # The serve options every release so far has had: generated from GatewaySettings now, they must all stay.
 RELEASED_SERVE_OPTIONS = [
-    "--main", "--draft", "--host", "--port", "--api-key", "--served-model-name", "--keep-rate", "--auto-keep-share",
-    "--auto-keep-floor", "--auto-keep-ceiling", "--max-document-tokens", "--min-prompt-tokens", "--look-ahead",
-    "--positions", "--device", "--dtype", "--on-draft-error", "--on-missing-plugin", "--max-draft-tokens",
-    "--draft-cache-mb", "--queue-size", "--draft-batch-size", "--draft-batch-tokens", "--batch-window-ms",
-    "--request-timeout", "--upstream-timeout", "--log-level",
+    "--main",
+    "--draft",
+    "--host",
+    "--port",
+    "--api-key",
+    "--served-model-name",
+    "--keep-rate",
+    "--auto-keep-share",
+    "--auto-keep-floor",
+    "--auto-keep-ceiling",
+    "--max-document-tokens",
+    "--min-prompt-tokens",
+    "--look-ahead",
+    "--positions",
+    "--device",
+    "--dtype",
+    "--on-draft-error",
+    "--on-missing-plugin",
+    "--max-draft-tokens",
+    "--draft-cache-mb",
+    "--queue-size",
+    "--draft-batch-size",
+    "--draft-batch-tokens",
+    "--batch-window-ms",
+    "--request-timeout",
+    "--upstream-timeout",
+    "--log-level",
 ]
 
 
@@ -128,18 +191,45 @@ def test_every_gateway_setting_is_a_serve_option_and_no_released_option_is_gone(
 def test_generated_serve_options_parse_into_the_settings():
     from specprefill_rag.cli import parser, serve_settings
 
-    args = parser().parse_args([
-        "serve", "--keep-rate", "auto", "--look-ahead", "4", "--positions", "contiguous", "--dtype", "float32",
-        "--allowed-host", "gw.internal", "--allowed-host", "*.example.com", "--cors-origin", "https://app.example",
-        "--header-timeout", "2.5", "--max-body-bytes", "4096", "--protect-tail-tokens", "8",
-    ])
+    args = parser().parse_args(
+        [
+            "serve",
+            "--keep-rate",
+            "auto",
+            "--look-ahead",
+            "4",
+            "--positions",
+            "contiguous",
+            "--dtype",
+            "float32",
+            "--allowed-host",
+            "gw.internal",
+            "--allowed-host",
+            "*.example.com",
+            "--cors-origin",
+            "https://app.example",
+            "--header-timeout",
+            "2.5",
+            "--max-body-bytes",
+            "4096",
+            "--protect-tail-tokens",
+            "8",
+        ]
+    )
     settings = serve_settings(args)
     assert settings.keep_rate == "auto" and settings.look_ahead == 4 and settings.positions == "contiguous"
-    assert settings.allowed_hosts == ("gw.internal", "*.example.com") and settings.cors_origins == ("https://app.example",)
+    assert settings.allowed_hosts == ("gw.internal", "*.example.com") and settings.cors_origins == (
+        "https://app.example",
+    )
     assert settings.header_timeout_s == 2.5 and settings.max_body_bytes == 4096
     config = settings.engine_config()
     assert (config.keep_rate, config.look_ahead, config.positions, config.dtype, config.protect_tail_tokens) == (
-        "auto", 4, "contiguous", "float32", 8)
+        "auto",
+        4,
+        "contiguous",
+        "float32",
+        8,
+    )
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--keep-rate", "lots"])
     with pytest.raises(SystemExit):

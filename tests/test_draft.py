@@ -19,7 +19,11 @@ def reference_importance(model, input_ids, look_ahead, pool_kernel, n_layers=Non
     """
     prompt_length = input_ids.numel()
     with torch.no_grad():
-        full = model.generate(input_ids[None], max_new_tokens=look_ahead - 1, do_sample=False) if look_ahead > 1 else input_ids[None]
+        full = (
+            model.generate(input_ids[None], max_new_tokens=look_ahead - 1, do_sample=False)
+            if look_ahead > 1
+            else input_ids[None]
+        )
         implementation = model.config._attn_implementation
         model.set_attn_implementation("eager")
         try:
@@ -27,7 +31,9 @@ def reference_importance(model, input_ids, look_ahead, pool_kernel, n_layers=Non
         finally:
             model.set_attn_implementation(implementation)
     attentions = attentions[:n_layers] if n_layers else attentions
-    rows = torch.stack([a[0, :, prompt_length - 1 : prompt_length - 1 + look_ahead, :prompt_length] for a in attentions])
+    rows = torch.stack(
+        [a[0, :, prompt_length - 1 : prompt_length - 1 + look_ahead, :prompt_length] for a in attentions]
+    )
     rows = rows / rows.sum(-1, keepdim=True)  # [layers, H, N, L]
     pooled = F.avg_pool1d(rows.flatten(0, 2)[:, None], pool_kernel, 1, pool_kernel // 2).view(rows.shape)
     return pooled.amax(dim=(0, 1)).mean(0)
@@ -91,7 +97,9 @@ def test_model_draft_matches_reference(tokenizer, tiny_model, look_ahead):
 def test_layer_prefix_draft_uses_first_layers_only(tokenizer, tiny_model):
     input_ids = prompt_ids(tokenizer)
     got = LayerPrefixDraft(tiny_model, n_layers=1, pool_kernel=13).score(input_ids)
-    torch.testing.assert_close(got, reference_importance(tiny_model, input_ids, 1, 13, n_layers=1), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        got, reference_importance(tiny_model, input_ids, 1, 13, n_layers=1), atol=1e-5, rtol=1e-4
+    )
     assert not decoder_layers(tiny_model)[1]._forward_pre_hooks
 
 

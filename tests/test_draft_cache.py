@@ -199,8 +199,15 @@ def test_concurrent_stores_and_lookups_stay_consistent(tiny_model):
 def test_sliding_window_drafts_are_not_cached(tokenizer):
     from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, sliding_window=16)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=16,
+    )
     config._attn_implementation = "sdpa"
     model = MistralForCausalLM(config).eval()
     cache = DraftPrefixCache(2**30, min_reuse_share=0.0)
@@ -250,8 +257,9 @@ def test_concurrent_requests_on_the_same_documents(engines):
 
 
 def test_self_draft_engine_uses_the_cache(tiny_model, tokenizer):
-    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft="self:1", keep_rate=0.3, min_prompt_tokens=0,
-                                           draft_cache_mb=5)
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, draft="self:1", keep_rate=0.3, min_prompt_tokens=0, draft_cache_mb=5
+    )
     documents = random_documents(3, 80, seed=13)
     engine.generate(QUESTIONS[0], documents, max_new_tokens=2)
     assert engine.generate(QUESTIONS[1], documents, max_new_tokens=2).stats.draft_cached_tokens > 0

@@ -10,7 +10,6 @@ from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.errors import ContextLengthError
 from specprefill_rag.prompt import Role
 from specprefill_rag.selection import select_kept
-
 from specprefill_rag.testing import random_documents
 
 QUESTION = "When did the bridge open?"
@@ -27,7 +26,7 @@ def greedy_tokens(model, prompt_ids: torch.Tensor, max_new_tokens: int, eos: int
     """transformers' greedy ``generate`` on ``prompt_ids`` ``[L]``: the new tokens, up to end-of-sequence."""
     with torch.no_grad():
         generated = model.generate(prompt_ids[None], max_new_tokens=max_new_tokens, do_sample=False)
-    tokens = generated[0, prompt_ids.numel():].tolist()
+    tokens = generated[0, prompt_ids.numel() :].tolist()
     return tokens[: tokens.index(eos)] if eos in tokens else tokens
 
 
@@ -89,7 +88,9 @@ def test_plain_self_draft_takes_the_default_share_of_layers_and_the_question_win
     from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
     from specprefill_rag.draft import LayerPrefixDraft
 
-    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft="self", self_draft_window=5, min_prompt_tokens=0)
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, draft="self", self_draft_window=5, min_prompt_tokens=0
+    )
     layers = tiny_model.config.num_hidden_layers
     expected = LayerPrefixDraft(tiny_model, max(1, round(DEFAULT_SELF_LAYER_SHARE * layers)), 13, query_window=5)
     layout = engine.layout(QUESTION, random_documents(3, 80))
@@ -135,7 +136,10 @@ def test_async_stream_equals_stream(engine, stop):
 def test_async_generate_layout_and_early_close(engine):
     layout = engine.layout(QUESTION, random_documents(3, 60))
     params = GenerationParams(max_new_tokens=12)
-    assert asyncio.run(engine.agenerate_layout(layout, params)).token_ids == engine.generate_layout(layout, params).token_ids
+    assert (
+        asyncio.run(engine.agenerate_layout(layout, params)).token_ids
+        == engine.generate_layout(layout, params).token_ids
+    )
 
     async def first_then_close():
         stream = engine.astream_layout(layout, GenerationParams(max_new_tokens=200))
@@ -165,12 +169,23 @@ def _auto_selection(engine, layout, share, floor, ceiling):
     return select_kept(importance, layout.document_index, keep_rate=budget, chunk_size=engine.config.chunk_size)
 
 
-@pytest.mark.parametrize(("share", "floor", "ceiling"), [(0.999, 0.05, 0.25), (0.5, 0.6, 0.7)], ids=["ceiling", "floor"])
-def test_auto_keeps_between_floor_and_ceiling_and_reports_the_chosen_share(tiny_model, tiny_draft, tokenizer, share,
-                                                                           floor, ceiling):
+@pytest.mark.parametrize(
+    ("share", "floor", "ceiling"), [(0.999, 0.05, 0.25), (0.5, 0.6, 0.7)], ids=["ceiling", "floor"]
+)
+def test_auto_keeps_between_floor_and_ceiling_and_reports_the_chosen_share(
+    tiny_model, tiny_draft, tokenizer, share, floor, ceiling
+):
     engine = SpecPrefillEngine.from_models(
-        tiny_model, tokenizer, tiny_draft, keep_rate="auto", auto_keep_share=share, auto_keep_floor=floor,
-        auto_keep_ceiling=ceiling, min_prompt_tokens=0, look_ahead=3, draft_cache_mb=0,
+        tiny_model,
+        tokenizer,
+        tiny_draft,
+        keep_rate="auto",
+        auto_keep_share=share,
+        auto_keep_floor=floor,
+        auto_keep_ceiling=ceiling,
+        min_prompt_tokens=0,
+        look_ahead=3,
+        draft_cache_mb=0,
     )
     layout = engine.layout(QUESTION, random_documents(4, 120))
     stats = engine.generate_layout(layout, GenerationParams(max_new_tokens=4)).stats
@@ -183,8 +198,13 @@ def test_auto_keeps_between_floor_and_ceiling_and_reports_the_chosen_share(tiny_
 
 
 def test_per_call_auto_overrides_a_fixed_engine_rate_and_back(tiny_model, tiny_draft, tokenizer):
-    settings = {"auto_keep_share": 0.8, "auto_keep_floor": 0.6, "auto_keep_ceiling": 0.7, "min_prompt_tokens": 0,
-                "look_ahead": 3}
+    settings = {
+        "auto_keep_share": 0.8,
+        "auto_keep_floor": 0.6,
+        "auto_keep_ceiling": 0.7,
+        "min_prompt_tokens": 0,
+        "look_ahead": 3,
+    }
     fixed_engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, keep_rate=0.2, **settings)
     auto_engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, keep_rate="auto", **settings)
     documents, params = random_documents(4, 120), GenerationParams(max_new_tokens=4)
@@ -210,8 +230,9 @@ def test_auto_compresses_and_short_prompts_still_go_whole(engine, tiny_model, to
     assert not stats.compressed and stats.keep_rate == 1.0 and stats.keep_policy == "auto"
 
 
-def test_contiguous_positions_prefill_the_same_kept_tokens_as_an_ordinary_prompt(position_sensitive_model, tiny_draft,
-                                                                                   tokenizer):
+def test_contiguous_positions_prefill_the_same_kept_tokens_as_an_ordinary_prompt(
+    position_sensitive_model, tiny_draft, tokenizer
+):
     main = position_sensitive_model
     settings = {"keep_rate": 0.2, "min_prompt_tokens": 0, "look_ahead": 3}
     original = SpecPrefillEngine.from_models(main, tokenizer, tiny_draft, **settings)

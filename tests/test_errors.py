@@ -12,7 +12,6 @@ from specprefill_rag import (
     TokenizerMismatchError,
 )
 from specprefill_rag.models import load_model
-
 from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
 
@@ -31,7 +30,11 @@ def test_keep_rate_outside_range(keep_rate, engine):
 
 @pytest.mark.parametrize(
     "settings, field",
-    [({"pool_kernel": 12}, "pool_kernel must be odd"), ({"draft": "self:x"}, "self:<n>"), ({"chunk_size": 0}, "chunk_size")],
+    [
+        ({"pool_kernel": 12}, "pool_kernel must be odd"),
+        ({"draft": "self:x"}, "self:<n>"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
 )
 def test_bad_config_names_the_field(settings, field):
     with pytest.raises(ValidationError, match=field):
@@ -52,7 +55,10 @@ def test_empty_question(engine, question):
 
 @pytest.mark.parametrize(
     "documents, match",
-    [([], "no documents given"), ("a string, not a list", "documents must be a list .* got str; wrap a single document")],
+    [
+        ([], "no documents given"),
+        ("a string, not a list", "documents must be a list .* got str; wrap a single document"),
+    ],
 )
 def test_no_documents(engine, documents, match):
     with pytest.raises(InvalidRequestError, match=match):

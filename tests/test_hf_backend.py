@@ -72,7 +72,11 @@ def test_decode_positions_continue_at_prompt_length(tokenizer, tiny_model):
 
     handle = tiny_model.register_forward_pre_hook(record, with_kwargs=True)
     try:
-        list(HFBackend(tiny_model, frozenset()).generate(SparsePrompt.kept(input_ids, kept), GenerationParams(max_new_tokens=4)))
+        list(
+            HFBackend(tiny_model, frozenset()).generate(
+                SparsePrompt.kept(input_ids, kept), GenerationParams(max_new_tokens=4)
+            )
+        )
     finally:
         handle.remove()
     assert seen[0] == (kept.tolist(), list(range(kept.numel())))

@@ -93,8 +93,9 @@ def test_the_stats_say_which_path_ran(tiny_model, tiny_draft, tokenizer):
 
 def test_the_draft_reads_the_turns_with_its_own_chat_template(tiny_model, tokenizer):
     llama3 = build_family_tokenizer("llama3")
-    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, build_model(llama3, layers=1), draft_tokenizer=llama3,
-                                           **SETTINGS)
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, build_model(llama3, layers=1), draft_tokenizer=llama3, **SETTINGS
+    )
     layout = engine.layout(QUESTION, random_documents(3, 60), instructions="Be brief.")
     draft_layout = engine.draft_scoring.draft_layout(layout)
     assert draft_layout.text.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.")
@@ -109,8 +110,10 @@ def test_raw_text_and_chat_layouts_are_mapped_too(mapped):
     layout = mapped.text_layout(prompt, parse_special_tokens=True)
     assert result.stats.draft_path == "mapped" and result.stats.compressed
     assert torch.isin(torch.nonzero(layout.roles != Role.DOCUMENT).flatten(), result.kept_positions).all()
-    for messages in ([ChatMessage("user", [" ".join(mark_document(d) for d in documents) + " " + QUESTION])],
-                     [ChatMessage("user", [" ".join(documents) + " " + QUESTION])]):  # markers; the tail fallback
+    for messages in (
+        [ChatMessage("user", [" ".join(mark_document(d) for d in documents) + " " + QUESTION])],
+        [ChatMessage("user", [" ".join(documents) + " " + QUESTION])],
+    ):  # markers; the tail fallback
         chat = chat_layout(mapped.tokenizer, messages, protect_tail_tokens=8).layout
         assert mapped.generate_layout(chat, GenerationParams(max_new_tokens=2)).stats.draft_path == "mapped"
 
@@ -138,6 +141,7 @@ def test_a_tokenizer_for_an_in_process_main_model_is_refused(tiny_model_dir):
 
 
 # -- vLLM: the client needs the main model's tokenizer, checked by the server's /tokenize -----------
+
 
 class TokenizingStandIn(StandIn):
     """The stand-in vLLM server, plus ``/tokenize`` with the served model's tokenizer."""

@@ -6,8 +6,7 @@ import zipfile
 import pytest
 import torch
 
-from specprefill_rag import ModelLoadError
-from specprefill_rag import model_store
+from specprefill_rag import ModelLoadError, model_store
 from specprefill_rag.model_store import ChunkedModel, install, installed_path
 from specprefill_rag.models import _dtype, content_digest, cpu_has_native_bfloat16, resolve
 
@@ -16,8 +15,15 @@ PARTS = [b"GGUF" + b"a" * 1000, b"b" * 3000, b"c" * 17]
 
 def fake_model(parts=PARTS, sha=None) -> ChunkedModel:
     data = b"".join(parts)
-    return ChunkedModel("fake-1b", "Fake-1B.gguf", "fake-model-part", "1.0", len(parts), len(data),
-                        sha or hashlib.sha256(data).hexdigest())
+    return ChunkedModel(
+        "fake-1b",
+        "Fake-1B.gguf",
+        "fake-model-part",
+        "1.0",
+        len(parts),
+        len(data),
+        sha or hashlib.sha256(data).hexdigest(),
+    )
 
 
 def fake_fetch(model, parts=PARTS):

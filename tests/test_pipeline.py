@@ -22,13 +22,21 @@ def pipeline(sparse_prefill=True, **settings) -> Pipeline:
     return Pipeline(SpecPrefillConfig(min_prompt_tokens=0, chunk_size=16, **settings), sparse_prefill)
 
 
-@pytest.mark.parametrize("why, make, rate, cap, enabled", [
-    ("keep everything", pipeline, 1.0, None, True),
-    ("disabled for this request", pipeline, 0.3, None, False),
-    ("shorter than min_prompt_tokens", lambda: Pipeline(SpecPrefillConfig(min_prompt_tokens=81), True), 0.3, None,
-     True),
-    ("original positions on a server without the plugin", lambda: pipeline(sparse_prefill=False), 0.3, None, True),
-])
+@pytest.mark.parametrize(
+    "why, make, rate, cap, enabled",
+    [
+        ("keep everything", pipeline, 1.0, None, True),
+        ("disabled for this request", pipeline, 0.3, None, False),
+        (
+            "shorter than min_prompt_tokens",
+            lambda: Pipeline(SpecPrefillConfig(min_prompt_tokens=81), True),
+            0.3,
+            None,
+            True,
+        ),
+        ("original positions on a server without the plugin", lambda: pipeline(sparse_prefill=False), 0.3, None, True),
+    ],
+)
 def test_requests_that_are_not_compressed(why, make, rate, cap, enabled):
     budget = make().budget(layout(), rate, cap, enabled)
     assert not budget.compressed, why
@@ -53,8 +61,9 @@ def test_selection_keeps_the_best_chunks_and_everything_outside_documents():
     importance = torch.zeros(80)
     importance[40:56] = 1.0  # the document's third chunk of 16
     budget = pipeline().budget(layout(), 0.25, None)
-    chosen = pipeline().select(layout(), budget, importance, draft_ms=5.0, draft_cached_tokens=3, queue_ms=2.0,
-                               batch_size=4)
+    chosen = pipeline().select(
+        layout(), budget, importance, draft_ms=5.0, draft_cached_tokens=3, queue_ms=2.0, batch_size=4
+    )
     assert chosen.kept.tolist() == list(range(8)) + list(range(40, 56)) + list(range(72, 80))
     assert (chosen.draft_ms, chosen.draft_cached_tokens, chosen.queue_ms, chosen.batch_size) == (5.0, 3, 2.0, 4)
 

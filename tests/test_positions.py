@@ -23,8 +23,14 @@ def test_runs_are_compact():
 
 @pytest.mark.parametrize(
     "runs, match",
-    [([0, 4, 2], "pairs"), ([0, 0], "lengths > 0"), ([-1, 2], "starts must be >= 0"), ([5, 2, 3, 1], "increasing"),
-     ([0, 2, 1, 2], "increasing"), ([0, "2"], "integer")],
+    [
+        ([0, 4, 2], "pairs"),
+        ([0, 0], "lengths > 0"),
+        ([-1, 2], "starts must be >= 0"),
+        ([5, 2, 3, 1], "increasing"),
+        ([0, 2, 1, 2], "increasing"),
+        ([0, "2"], "integer"),
+    ],
 )
 def test_malformed_runs(runs, match):
     with pytest.raises(InvalidRequestError, match=match):

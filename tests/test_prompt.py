@@ -53,7 +53,11 @@ def test_template_that_alters_content_is_rejected(tokenizer):
 
 
 def test_raw_prompt_protects_special_tokens_and_tail(tokenizer):
-    prompt = "<|im_start|>user\n" + "the quick brown fox jumps over the lazy dog " * 5 + "<|im_end|>\n<|im_start|>assistant\n"
+    prompt = (
+        "<|im_start|>user\n"
+        + "the quick brown fox jumps over the lazy dog " * 5
+        + "<|im_end|>\n<|im_start|>assistant\n"
+    )
     layout = build_text_layout(tokenizer, prompt, protect_tail_tokens=4, parse_special_tokens=True)
     special = torch.isin(layout.input_ids, torch.tensor(tokenizer.all_special_ids))
     assert (layout.roles[special] == Role.TEMPLATE).all()

@@ -7,21 +7,64 @@ from specprefill_rag.serve.schema import ChatCompletionRequest, CompletionReques
 from tests.serve_helpers import tiny_engine
 
 PUBLIC_NAMES = {
-    "ContextLengthError", "DraftLimitError", "DraftOutOfMemoryError", "DraftContextLengthError", "DraftScoringError",
-    "Document", "GenerationParams", "GenerationResult", "InvalidRequestError", "ModelLoadError", "PromptLayout", "Role",
-    "Selection", "SpecPrefillConfig", "SpecPrefillEngine", "SpecPrefillError", "SpecPrefillStats", "StreamChunk",
-    "TokenizerMismatchError", "__version__",
+    "ContextLengthError",
+    "DraftLimitError",
+    "DraftOutOfMemoryError",
+    "DraftContextLengthError",
+    "DraftScoringError",
+    "Document",
+    "GenerationParams",
+    "GenerationResult",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "PromptLayout",
+    "Role",
+    "Selection",
+    "SpecPrefillConfig",
+    "SpecPrefillEngine",
+    "SpecPrefillError",
+    "SpecPrefillStats",
+    "StreamChunk",
+    "TokenizerMismatchError",
+    "__version__",
 }
-ROUTES = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/tokenize"),
-          ("GET", "/health"), ("GET", "/metrics")}
-SAMPLING_FIELDS = {"model", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "n", "presence_penalty",
-                   "frequency_penalty", "spec_prefill", "max_tokens", "logprobs"}
+ROUTES = {
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("GET", "/v1/models"),
+    ("POST", "/tokenize"),
+    ("GET", "/health"),
+    ("GET", "/metrics"),
+}
+SAMPLING_FIELDS = {
+    "model",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "spec_prefill",
+    "max_tokens",
+    "logprobs",
+}
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "suffix"}
 SPEC_PREFILL_FIELDS = {"enabled", "keep_rate", "max_document_tokens", "documents", "question", "insert_documents"}
-METRICS = {"specprefill_requests", "specprefill_queue_depth", "specprefill_draft_ms", "specprefill_draft_batch_size",
-           "specprefill_kept_share", "specprefill_ttft_ms", "specprefill_draft_errors", "specprefill_draft_cache_bytes",
-           "specprefill_draft_cache_entries"}
+METRICS = {
+    "specprefill_requests",
+    "specprefill_queue_depth",
+    "specprefill_draft_ms",
+    "specprefill_draft_batch_size",
+    "specprefill_kept_share",
+    "specprefill_ttft_ms",
+    "specprefill_draft_errors",
+    "specprefill_draft_cache_bytes",
+    "specprefill_draft_cache_entries",
+}
 
 
 def test_public_names_stay():

@@ -28,7 +28,9 @@ def engine(tokenizer):
 
 
 @pytest.mark.parametrize("needle, question, answers, needle_document, depth", NEEDLES[1:])
-def test_smollm2_keeps_the_needle_among_another_tokenizers_tokens(engine, needle, question, answers, needle_document, depth):
+def test_smollm2_keeps_the_needle_among_another_tokenizers_tokens(
+    engine, needle, question, answers, needle_document, depth
+):
     documents = haystack(needle, needle_document, depth)
     layout = engine.layout(question, documents, INSTRUCTIONS)
     draft_layout = engine.draft_scoring.draft_layout(layout)

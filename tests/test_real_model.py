@@ -39,7 +39,13 @@ NEEDLES = [
         0,
         0.5,
     ),
-    ("The access code for the Halvorsen vault is 4417.", "What is the access code for the Halvorsen vault?", ("4417",), 4, 0.2),
+    (
+        "The access code for the Halvorsen vault is 4417.",
+        "What is the access code for the Halvorsen vault?",
+        ("4417",),
+        4,
+        0.2,
+    ),
 ]
 
 

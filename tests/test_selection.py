@@ -125,7 +125,9 @@ def test_importance_mass_never_keeps_less_than_the_floor(case, share, floor, cei
     from specprefill_rag.selection import ImportanceMass
 
     importance, document_index, _, chunk_size = case
-    kept = select_kept(importance, document_index, keep_rate=ImportanceMass(share, floor, ceiling), chunk_size=chunk_size)
+    kept = select_kept(
+        importance, document_index, keep_rate=ImportanceMass(share, floor, ceiling), chunk_size=chunk_size
+    )
     n_documents = int((document_index >= 0).sum())
     kept_documents = int((document_index[kept] >= 0).sum())
     assert kept_documents >= math.ceil(floor * n_documents - 1e-9)

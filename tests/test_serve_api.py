@@ -34,8 +34,9 @@ def client(gateway):
 
 def ask(client, documents=DOCUMENTS, **options):
     extra = {"spec_prefill": {"documents": documents, **options}}
-    return client.chat.completions.create(model=MODEL, messages=chat_messages(), max_tokens=8, temperature=0,
-                                          extra_body=extra)
+    return client.chat.completions.create(
+        model=MODEL, messages=chat_messages(), max_tokens=8, temperature=0, extra_body=extra
+    )
 
 
 def test_chat_answer_equals_the_in_process_engine(client, engine):
@@ -47,12 +48,14 @@ def test_chat_answer_equals_the_in_process_engine(client, engine):
     assert response.usage.completion_tokens == stats["completion_tokens"]
 
 
-def test_a_contiguous_positions_engine_answers_through_the_gateway_as_in_process(tokenizer, tiny_draft,
-                                                                                 position_sensitive_model):
+def test_a_contiguous_positions_engine_answers_through_the_gateway_as_in_process(
+    tokenizer, tiny_draft, position_sensitive_model
+):
     original = tiny_engine(tokenizer, position_sensitive_model, tiny_draft)
     contiguous_config = original.config.model_copy(update={"positions": "contiguous"})
-    contiguous = SpecPrefillEngine.from_models(position_sensitive_model, tokenizer, tiny_draft,
-                                               config=contiguous_config)
+    contiguous = SpecPrefillEngine.from_models(
+        position_sensitive_model, tokenizer, tiny_draft, config=contiguous_config
+    )
     expected = reference_text(contiguous, DOCUMENTS)
     assert expected != reference_text(original, DOCUMENTS), "the positions must matter for this check"
     with running_gateway(contiguous) as url:
@@ -63,8 +66,13 @@ def test_a_contiguous_positions_engine_answers_through_the_gateway_as_in_process
 def test_streamed_and_async_answers_equal_the_whole_one(client, gateway, engine):
     expected = reference_text(engine, DOCUMENTS)
     stream = client.chat.completions.create(
-        model=MODEL, messages=chat_messages(), max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"spec_prefill": {"documents": DOCUMENTS}},
+        model=MODEL,
+        messages=chat_messages(),
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"spec_prefill": {"documents": DOCUMENTS}},
     )
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
@@ -74,7 +82,10 @@ def test_streamed_and_async_answers_equal_the_whole_one(client, gateway, engine)
     async def async_answer():
         async with openai.AsyncOpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=60) as aclient:
             response = await aclient.chat.completions.create(
-                model=MODEL, messages=chat_messages(), max_tokens=8, temperature=0,
+                model=MODEL,
+                messages=chat_messages(),
+                max_tokens=8,
+                temperature=0,
                 extra_body={"spec_prefill": {"documents": DOCUMENTS}},
             )
             return response.choices[0].message.content
@@ -102,8 +113,16 @@ def _engine_auto(engine, documents, keep_rate="auto"):
 @pytest.fixture(scope="module")
 def auto_engine(tokenizer, tiny_model, tiny_draft):
     """keep_rate 0.3, but "auto" keeps 60-70%: a gateway that ignored "auto" could not pass for it."""
-    return SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, keep_rate=0.3, min_prompt_tokens=0,
-                                         look_ahead=2, auto_keep_floor=0.6, auto_keep_ceiling=0.7)
+    return SpecPrefillEngine.from_models(
+        tiny_model,
+        tokenizer,
+        tiny_draft,
+        keep_rate=0.3,
+        min_prompt_tokens=0,
+        look_ahead=2,
+        auto_keep_floor=0.6,
+        auto_keep_ceiling=0.7,
+    )
 
 
 def test_keep_rate_auto_per_request_is_the_engines_choice(auto_engine):
@@ -123,9 +142,16 @@ def test_batched_drafts_choose_auto_budgets_like_the_engine(auto_engine):
 
         async def concurrent():
             async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as aclient:
-                asks = [aclient.chat.completions.create(model=MODEL, messages=chat_messages(), max_tokens=2, temperature=0,
-                                                        extra_body={"spec_prefill": {"documents": documents}})
-                        for documents in requests]
+                asks = [
+                    aclient.chat.completions.create(
+                        model=MODEL,
+                        messages=chat_messages(),
+                        max_tokens=2,
+                        temperature=0,
+                        extra_body={"spec_prefill": {"documents": documents}},
+                    )
+                    for documents in requests
+                ]
                 return await asyncio.wait_for(asyncio.gather(*asks), 120)
 
         answers = [a.model_extra["spec_prefill"] for a in asyncio.run(concurrent())]
@@ -138,16 +164,18 @@ def test_batched_drafts_choose_auto_budgets_like_the_engine(auto_engine):
 def test_document_content_parts_are_candidates(client):
     content = [{"type": "document", "text": d, "title": f"doc {i}"} for i, d in enumerate(DOCUMENTS)]
     content.append({"type": "text", "text": QUESTION})
-    response = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
-                                              max_tokens=4, temperature=0)
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=4, temperature=0
+    )
     stats = response.model_extra["spec_prefill"]
     assert stats["document_source"] == "blocks" and stats["n_documents"] == 3 and stats["compressed"]
 
 
 def test_text_completion_locates_documents_in_the_prompt(client, engine):
     prompt = "Context:\n" + "\n\n".join(DOCUMENTS) + "\nQuestion: " + QUESTION + "\nAnswer:"
-    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
-                                         extra_body={"spec_prefill": {"documents": DOCUMENTS}})
+    response = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body={"spec_prefill": {"documents": DOCUMENTS}}
+    )
     stats = response.model_extra["spec_prefill"]
     assert stats["document_source"] == "argument-located" and stats["compressed"]
     assert stats["prompt_tokens"] == len(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -168,8 +196,11 @@ def test_text_completion_locates_documents_in_the_prompt(client, engine):
         ({"spec_prefill": {"keep_rate": "Auto"}}, "spec_prefill.keep_rate", "a number or 'auto', got 'Auto'"),
         ({"spec_prefill": {"keep_ratio": 0.2}}, "spec_prefill.keep_ratio", "unsupported field"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'system', 'developer', 'user'"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         "messages.0.content.0", "'image_url'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content.0",
+            "'image_url'",
+        ),
         ({"spec_prefill": {"documents": []}}, "spec_prefill.documents", "at least 1 item"),
         ({"messages": [{"role": "assistant", "content": "Hi"}]}, "messages", "end with one"),
         ({"stop": [""]}, "stop", "non-empty"),

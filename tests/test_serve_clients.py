@@ -26,7 +26,9 @@ def gateway(engine):
 
 def ok_requests(url):
     metrics = httpx.get(url + "/metrics", timeout=10).text
-    line = next(x for x in metrics.splitlines() if x.startswith('specprefill_requests_total{endpoint="chat",outcome="ok"}'))
+    line = next(
+        x for x in metrics.splitlines() if x.startswith('specprefill_requests_total{endpoint="chat",outcome="ok"}')
+    )
     return float(line.split()[-1])
 
 
@@ -38,12 +40,15 @@ def test_langchain_chat_openai_in_a_rag_chain(gateway, engine):
     from langchain_openai import ChatOpenAI
 
     retriever = RunnableLambda(lambda question: [Document(page_content=text) for text in DOCUMENTS])
-    prompt = ChatPromptTemplate.from_messages([
-        ("system", "Answer the question using the context. Be brief."),
-        ("human", "Context:\n{context}\n\nQuestion: {question}"),
-    ])
-    llm = ChatOpenAI(base_url=gateway + "/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=8,
-                     max_retries=0, timeout=60)
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            ("system", "Answer the question using the context. Be brief."),
+            ("human", "Context:\n{context}\n\nQuestion: {question}"),
+        ]
+    )
+    llm = ChatOpenAI(
+        base_url=gateway + "/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=8, max_retries=0, timeout=60
+    )
     join = RunnableLambda(lambda docs: "\n\n".join(d.page_content for d in docs))
     chain = {"context": retriever | join, "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
     before = ok_requests(gateway)
@@ -64,8 +69,17 @@ def test_llamaindex_openai_like_in_a_query_engine(gateway):
     from llama_index.core.embeddings import MockEmbedding
     from llama_index.llms.openai_like import OpenAILike
 
-    llm = OpenAILike(api_base=gateway + "/v1", api_key="unused", model=MODEL, is_chat_model=True, temperature=0,
-                     max_tokens=8, context_window=1024, max_retries=0, timeout=60)
+    llm = OpenAILike(
+        api_base=gateway + "/v1",
+        api_key="unused",
+        model=MODEL,
+        is_chat_model=True,
+        temperature=0,
+        max_tokens=8,
+        context_window=1024,
+        max_retries=0,
+        timeout=60,
+    )
     embed = MockEmbedding(embed_dim=8)
     index = VectorStoreIndex.from_documents([Document(text=t) for t in DOCUMENTS], embed_model=embed)
     engine = index.as_query_engine(llm=llm, similarity_top_k=2, embed_model=embed)

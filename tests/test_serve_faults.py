@@ -19,8 +19,13 @@ from tests.serve_helpers import MODEL, chat_messages, gateway_of, running_gatewa
 from tests.test_vllm_client import StandIn, handler_class, serve
 
 DOCUMENTS = random_documents(3, 60)
-BODY = {"model": MODEL, "messages": chat_messages(), "max_tokens": 8, "temperature": 0,
-        "spec_prefill": {"documents": DOCUMENTS}}
+BODY = {
+    "model": MODEL,
+    "messages": chat_messages(),
+    "max_tokens": 8,
+    "temperature": 0,
+    "spec_prefill": {"documents": DOCUMENTS},
+}
 
 
 class Upstream(StandIn):
@@ -36,7 +41,9 @@ class Upstream(StandIn):
             return
         if self.mode == "cut":
             for token in self.tokens[:2]:
-                self.wfile.write(f'data: {{"choices": [{{"index": 0, "text": "", "token_ids": [{token}]}}]}}\n\n'.encode())
+                self.wfile.write(
+                    f'data: {{"choices": [{{"index": 0, "text": "", "token_ids": [{token}]}}]}}\n\n'.encode()
+                )
             return
         super()._stream_tokens()
 
@@ -53,10 +60,17 @@ def upstream():
 @contextmanager
 def gateway_before(upstream_url, tiny_model_dir, upstream_timeout_s, request_timeout_s):
     """A gateway whose main model is the stand-in at ``upstream_url``."""
-    engine = SpecPrefillEngine.for_vllm(upstream_url, draft=str(tiny_model_dir), keep_rate=0.3, min_prompt_tokens=0,
-                                        look_ahead=2, timeout=upstream_timeout_s)
-    with running_gateway(engine, main=upstream_url, upstream_timeout_s=upstream_timeout_s,
-                         request_timeout_s=request_timeout_s) as gateway_url:
+    engine = SpecPrefillEngine.for_vllm(
+        upstream_url,
+        draft=str(tiny_model_dir),
+        keep_rate=0.3,
+        min_prompt_tokens=0,
+        look_ahead=2,
+        timeout=upstream_timeout_s,
+    )
+    with running_gateway(
+        engine, main=upstream_url, upstream_timeout_s=upstream_timeout_s, request_timeout_s=request_timeout_s
+    ) as gateway_url:
         yield gateway_url
 
 
@@ -77,7 +91,10 @@ def test_upstream_killed_mid_stream_gives_502_and_the_next_request_succeeds(remo
     url, upstream = remote_gateway
     upstream.mode = "cut"
     refused = post(url)
-    assert refused.status_code == 502 and "closed the stream after 2 tokens, before it ended" in refused.json()["error"]["message"]
+    assert (
+        refused.status_code == 502
+        and "closed the stream after 2 tokens, before it ended" in refused.json()["error"]["message"]
+    )
     with httpx.stream("POST", url + "/v1/chat/completions", json={**BODY, "stream": True}, timeout=30) as streamed:
         events = [line for line in streamed.iter_lines() if line.startswith("data:")]
     assert streamed.status_code == 200 and '"BadGatewayError"' in events[-2] and events[-1] == "data: [DONE]"
@@ -111,8 +128,9 @@ def test_request_deadline_gives_504(upstream, tiny_model_dir):
 def test_client_disconnect_cancels_the_upstream_request(remote_gateway):
     url, upstream = remote_gateway
     upstream.mode, upstream.delay, upstream.tokens = "slow", 0.2, tuple(range(5, 60))
-    with httpx.stream("POST", url + "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 60},
-                      timeout=30) as streamed:
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 60}, timeout=30
+    ) as streamed:
         next(line for line in streamed.iter_lines() if line.startswith("data:"))
     assert upstream.disconnected.wait(60), "the gateway kept the upstream stream open after the client left"
     upstream.delay, upstream.tokens = 0.0, (5, 6, 7)
@@ -254,7 +272,11 @@ def test_openai_client_sees_429_as_rate_limit(engine):
         wait_for(lambda: gateway.queue.depth == 1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         with pytest.raises(openai.RateLimitError):
-            client.chat.completions.create(model=MODEL, messages=chat_messages(), max_tokens=2,
-                                           extra_body={"spec_prefill": {"documents": DOCUMENTS}})
+            client.chat.completions.create(
+                model=MODEL,
+                messages=chat_messages(),
+                max_tokens=2,
+                extra_body={"spec_prefill": {"documents": DOCUMENTS}},
+            )
         blocked.release.set()
         assert first.result().status_code == 200 and second.result().status_code == 200

@@ -19,8 +19,13 @@ def engine(tokenizer, tiny_model, tiny_draft):
 
 def request(index):
     documents = random_documents(2, 30 + index % 7 * 5, seed=100 + index)  # different lengths: padded batches
-    return {"model": MODEL, "messages": chat_messages(), "max_tokens": 4, "temperature": 0,
-            "extra_body": {"spec_prefill": {"documents": documents}}}
+    return {
+        "model": MODEL,
+        "messages": chat_messages(),
+        "max_tokens": 4,
+        "temperature": 0,
+        "extra_body": {"spec_prefill": {"documents": documents}},
+    }
 
 
 async def streamed_answer(client, index):
@@ -38,8 +43,12 @@ def test_64_concurrent_streams_equal_their_sequential_answers(engine):
         sequential = [client.chat.completions.create(**request(i)).choices[0].message.content for i in range(STREAMS)]
 
         async def concurrent():
-            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as aclient:
-                return await asyncio.wait_for(asyncio.gather(*(streamed_answer(aclient, i) for i in range(STREAMS))), 300)
+            async with openai.AsyncOpenAI(
+                base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120
+            ) as aclient:
+                return await asyncio.wait_for(
+                    asyncio.gather(*(streamed_answer(aclient, i) for i in range(STREAMS))), 300
+                )
 
         answers = asyncio.run(concurrent())
         assert [text for text, _ in answers] == sequential

@@ -63,8 +63,12 @@ def _connect(url) -> socket.socket:
 
 
 def _head(url, path, headers) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", f"Host: {urlsplit(url).netloc}", "Connection: close",
-             *(f"{k}: {v}" for k, v in headers.items())]
+    lines = [
+        f"POST {path} HTTP/1.1",
+        f"Host: {urlsplit(url).netloc}",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
@@ -102,6 +106,7 @@ def metric(url, outcome, endpoint="chat") -> float:
 
 # -- bodies ------------------------------------------------------------------------------------------
 
+
 def test_a_body_over_the_limit_gets_413_before_it_is_read(gateway):
     body = json.dumps({**GOOD, "messages": [{"role": "user", "content": "x" * (2 * BODY_LIMIT)}]}).encode()
     answer = raw(gateway, body)
@@ -114,8 +119,12 @@ def test_a_chunked_body_over_the_limit_gets_413_as_it_arrives(gateway):
         for _ in range(16):  # 16 x 8 KiB: twice the limit (and little enough for the sockets' buffers)
             yield b" " * 8192
 
-    response = httpx.post(gateway + "/v1/chat/completions", content=chunks(), timeout=SLACK_S,
-                          headers={"Content-Type": "application/json"})
+    response = httpx.post(
+        gateway + "/v1/chat/completions",
+        content=chunks(),
+        timeout=SLACK_S,
+        headers={"Content-Type": "application/json"},
+    )
     assert response.status_code == 413 and response.json()["error"]["type"] == "RequestTooLargeError"
     assert served_normally(gateway)
 
@@ -123,8 +132,10 @@ def test_a_chunked_body_over_the_limit_gets_413_as_it_arrives(gateway):
 def test_a_body_that_never_completes_gets_408(gateway):
     before = metric(gateway, "client_timeout")
     with closing(_connect(gateway)) as sock:
-        sock.sendall(_head(gateway, "/v1/chat/completions", {"Content-Type": "application/json",
-                                                              "Content-Length": "1000"}) + b'{"model": ')
+        sock.sendall(
+            _head(gateway, "/v1/chat/completions", {"Content-Type": "application/json", "Content-Length": "1000"})
+            + b'{"model": '
+        )
         started = time.monotonic()
         answer = _read_all(sock)
     assert status_of(answer) == 408 and "did not arrive within 1 s" in error_of(answer)["message"]
@@ -136,8 +147,10 @@ def test_a_body_that_never_completes_gets_408(gateway):
 def test_a_client_gone_mid_body_counts_as_disconnected_not_error(gateway):
     before = metric(gateway, "disconnected"), metric(gateway, "error")
     with closing(_connect(gateway)) as sock:
-        sock.sendall(_head(gateway, "/v1/chat/completions", {"Content-Type": "application/json",
-                                                              "Content-Length": "1000"}) + b'{"model": ')
+        sock.sendall(
+            _head(gateway, "/v1/chat/completions", {"Content-Type": "application/json", "Content-Length": "1000"})
+            + b'{"model": '
+        )
     deadline = time.monotonic() + SLACK_S
     while metric(gateway, "disconnected") == before[0]:
         assert time.monotonic() < deadline, "the disconnect was never counted"
@@ -160,7 +173,7 @@ def test_slow_headers_are_cut_off(gateway):
                     sockets[index].settimeout(0.05)
                     if sockets[index].recv(1) == b"":
                         open_.discard(index)
-                except socket.timeout:
+                except TimeoutError:
                     pass
                 except OSError:  # reset by the server
                     open_.discard(index)
@@ -183,8 +196,10 @@ def test_an_idle_connection_is_closed_and_a_keep_alive_one_serves_again(gateway)
 
 # -- browsers ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
-                                          None])
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None]
+)
 def test_a_post_that_is_not_json_gets_415(gateway, content_type):
     headers = {"Content-Type": content_type} if content_type else {}
     body = json.dumps(GOOD).encode()
@@ -193,8 +208,12 @@ def test_a_post_that_is_not_json_gets_415(gateway, content_type):
 
 
 def test_json_with_a_charset_is_json(gateway):
-    response = httpx.post(gateway + "/v1/chat/completions", content=json.dumps(GOOD).encode(), timeout=SLACK_S,
-                          headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    response = httpx.post(
+        gateway + "/v1/chat/completions",
+        content=json.dumps(GOOD).encode(),
+        timeout=SLACK_S,
+        headers={"Content-Type": "Application/JSON; charset=utf-8"},
+    )
     assert response.status_code == 200
 
 
@@ -215,20 +234,29 @@ def test_no_cors_unless_configured(gateway, engine):
     origin = {"Origin": "https://page.example"}
     answer = post(gateway, GOOD, headers=origin)
     assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
-    preflight = httpx.options(gateway + "/v1/chat/completions", timeout=SLACK_S,
-                              headers={**origin, "Access-Control-Request-Method": "POST"})
+    preflight = httpx.options(
+        gateway + "/v1/chat/completions", timeout=SLACK_S, headers={**origin, "Access-Control-Request-Method": "POST"}
+    )
     assert "access-control-allow-origin" not in preflight.headers
     with running_gateway(engine, cors_origins=("https://app.example",), api_key="k") as url:
-        allowed = httpx.options(url + "/v1/chat/completions", timeout=SLACK_S,
-                                headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
-                                         "Access-Control-Request-Headers": "authorization, content-type"})
+        allowed = httpx.options(
+            url + "/v1/chat/completions",
+            timeout=SLACK_S,
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
         assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
-        other = httpx.options(url + "/v1/chat/completions", timeout=SLACK_S,
-                              headers={**origin, "Access-Control-Request-Method": "POST"})
+        other = httpx.options(
+            url + "/v1/chat/completions", timeout=SLACK_S, headers={**origin, "Access-Control-Request-Method": "POST"}
+        )
         assert "access-control-allow-origin" not in other.headers
 
 
 # -- the key ---------------------------------------------------------------------------------------
+
 
 def test_with_a_key_every_route_but_health_and_metrics_needs_it(engine):
     with running_gateway(engine, api_key="s3cret") as url:
@@ -319,8 +347,10 @@ def test_a_huge_model_name_is_not_echoed(gateway):
 
 def test_a_prompt_far_over_the_context_is_refused_before_it_is_tokenized(gateway, engine):
     words = " ".join(["bridge river stone"] * 3000)  # 57 KB: under the body limit, far over 1,024 tokens
-    for body in ({**GOOD, "messages": [{"role": "user", "content": words}]},
-                 {**GOOD, "spec_prefill": {"documents": [words]}}):
+    for body in (
+        {**GOOD, "messages": [{"role": "user", "content": words}]},
+        {**GOOD, "spec_prefill": {"documents": [words]}},
+    ):
         response = post(gateway, body)
         assert response.status_code == 400 and "has at least" in response.json()["error"]["message"]
         assert response.json()["error"]["param"] == "messages"
@@ -334,7 +364,9 @@ def test_tokenize_runs_off_the_event_loop(gateway, monkeypatch):
     import specprefill_rag.serve.app as app_module
 
     threads, real = [], app_module.tokenize_request
-    monkeypatch.setattr(app_module, "tokenize_request", lambda *a: threads.append(threading.current_thread()) or real(*a))
+    monkeypatch.setattr(
+        app_module, "tokenize_request", lambda *a: threads.append(threading.current_thread()) or real(*a)
+    )
     # the route looked the function up at import; the module attribute is what it calls
     response = post(gateway, {"model": MODEL, "prompt": "When did the bridge open?"}, path="/tokenize")
     assert response.status_code == 200 and response.json()["count"] > 0
@@ -345,20 +377,26 @@ def test_tokenize_runs_off_the_event_loop(gateway, monkeypatch):
 
 # -- concurrency and memory ---------------------------------------------------------------------------
 
+
 def test_the_concurrency_bound_answers_429_with_a_retry_after(engine):
     """Two clients hold both slots by sending their bodies slowly; a third request of any kind gets 429."""
     with running_gateway(engine, max_concurrent_requests=2, body_timeout_s=SLACK_S) as url:
         holders = [_connect(url) for _ in range(2)]
         try:
             for sock in holders:
-                sock.sendall(_head(url, "/v1/chat/completions", {"Content-Type": "application/json",
-                                                                  "Content-Length": "1000"}) + b"{")
+                sock.sendall(
+                    _head(url, "/v1/chat/completions", {"Content-Type": "application/json", "Content-Length": "1000"})
+                    + b"{"
+                )
             deadline = time.monotonic() + SLACK_S
             while _in_flight(url) < 2:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-            for attempt in (lambda: post(url, GOOD), lambda: httpx.get(url + "/v1/models", timeout=SLACK_S),
-                            lambda: post(url, {"prompt": "x"}, path="/tokenize")):
+            for attempt in (
+                lambda: post(url, GOOD),
+                lambda: httpx.get(url + "/v1/models", timeout=SLACK_S),
+                lambda: post(url, {"prompt": "x"}, path="/tokenize"),
+            ):
                 refused = attempt()
                 assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
             assert metric(url, "overloaded") == 1
@@ -414,8 +452,11 @@ def test_a_burst_of_maximal_requests_keeps_memory_bounded(engine):
 
 def test_no_5xx_for_any_hostile_request_and_the_next_is_served(gateway):
     """Everything above in one burst, concurrently: all 4xx, all answered, then a normal request."""
-    bodies = [body for _, body, _ in HOSTILE_JSON] + [json.dumps({**GOOD, **extra}, default=str).encode()
-                                                     for extra, _, _ in BAD_VALUES if extra.get("max_tokens") != HUGE]
+    bodies = [body for _, body, _ in HOSTILE_JSON] + [
+        json.dumps({**GOOD, **extra}, default=str).encode()
+        for extra, _, _ in BAD_VALUES
+        if extra.get("max_tokens") != HUGE
+    ]
     bodies += [b"x" * (BODY_LIMIT + 1), json.dumps({**GOOD, "model": "?" * 10_000}).encode()]
     statuses = []
     threads = [threading.Thread(target=lambda b=body: statuses.append(status_of(raw(gateway, b)))) for body in bodies]

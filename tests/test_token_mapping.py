@@ -58,6 +58,7 @@ def test_spans_of_other_lengths_are_refused():
 
 # -- real tokenizers: the same content laid out by two vocabularies and templates ----------------------
 
+
 @pytest.fixture(scope="module")
 def other_tokenizer():
     return build_tokenizer(vocab_size=300)  # other merges, other ids
@@ -102,33 +103,46 @@ def test_every_main_document_token_scores_the_draft_tokens_overlapping_it(tokeni
     for main, draft in layout_pairs(tokenizer, other_tokenizer, llama3_tokenizer):
         assert not torch.equal(main.input_ids[: len(draft)], draft.input_ids[: len(main)])  # truly other tokens
         importance = torch.rand(len(draft), generator=torch.Generator().manual_seed(len(draft)))
-        mapped = map_importance(importance, draft.offsets, draft.document_spans, main.offsets, main.document_index,
-                                main.document_spans, "max")
+        mapped = map_importance(
+            importance,
+            draft.offsets,
+            draft.document_spans,
+            main.offsets,
+            main.document_index,
+            main.document_spans,
+            "max",
+        )
         torch.testing.assert_close(mapped, brute_force(importance, draft, main, "max"))
         assert (mapped[main.document_index >= 0] > 0).all() and (mapped[main.document_index < 0] == 0).all()
 
 
 def test_mean_weights_the_overlapping_draft_tokens_by_shared_characters(tokenizer, other_tokenizer, llama3_tokenizer):
     main, draft = layout_pairs(tokenizer, other_tokenizer, llama3_tokenizer)[0]
-    ascii_only = [t for t in torch.nonzero(main.document_index >= 0).flatten().tolist()
-                  if main.text[main.offsets[t, 0]:main.offsets[t, 1]].isascii()]  # one draft token per character
+    ascii_only = [
+        t
+        for t in torch.nonzero(main.document_index >= 0).flatten().tolist()
+        if main.text[main.offsets[t, 0] : main.offsets[t, 1]].isascii()
+    ]  # one draft token per character
     importance = torch.rand(len(draft), generator=torch.Generator().manual_seed(1))
-    mapped = map_importance(importance, draft.offsets, draft.document_spans, main.offsets, main.document_index,
-                            main.document_spans, "mean")
+    mapped = map_importance(
+        importance, draft.offsets, draft.document_spans, main.offsets, main.document_index, main.document_spans, "mean"
+    )
     torch.testing.assert_close(mapped[ascii_only], brute_force(importance, draft, main, "mean")[ascii_only])
 
 
 def test_no_score_crosses_a_document_boundary(tokenizer, other_tokenizer, llama3_tokenizer):
     for main, draft in layout_pairs(tokenizer, other_tokenizer, llama3_tokenizer):
         importance = torch.rand(len(draft), generator=torch.Generator().manual_seed(2))
-        before = map_importance(importance, draft.offsets, draft.document_spans, main.offsets, main.document_index,
-                                main.document_spans)
+        before = map_importance(
+            importance, draft.offsets, draft.document_spans, main.offsets, main.document_index, main.document_spans
+        )
         for span in range(len(main.document_spans)):
             start, end = draft.document_spans[span].tolist()
             elsewhere = (draft.offsets[:, 1] <= start) | (draft.offsets[:, 0] >= end)  # draft tokens off this span
             louder = torch.where(elsewhere, importance + 100.0, importance)
-            after = map_importance(louder, draft.offsets, draft.document_spans, main.offsets, main.document_index,
-                                   main.document_spans)
+            after = map_importance(
+                louder, draft.offsets, draft.document_spans, main.offsets, main.document_index, main.document_spans
+            )
             main_start, main_end = main.document_spans[span].tolist()
             inside = (main.document_index >= 0) & (main.offsets[:, 0] >= main_start) & (main.offsets[:, 1] <= main_end)
             assert inside.any()
@@ -140,8 +154,15 @@ def test_no_score_crosses_a_document_boundary(tokenizer, other_tokenizer, llama3
 def test_same_tokenizer_on_both_sides_maps_each_token_onto_itself(tokenizer, reduce):
     layout = build_rag_layout(tokenizer, QUESTION, random_documents(3, 60), instructions="Be brief.")
     importance = torch.rand(len(layout), generator=torch.Generator().manual_seed(4))
-    mapped = map_importance(importance, layout.offsets, layout.document_spans, layout.offsets, layout.document_index,
-                            layout.document_spans, reduce)
+    mapped = map_importance(
+        importance,
+        layout.offsets,
+        layout.document_spans,
+        layout.offsets,
+        layout.document_index,
+        layout.document_spans,
+        reduce,
+    )
     documents = layout.document_index >= 0
     if reduce == "max":
         assert torch.equal(mapped[documents], importance[documents])

@@ -7,7 +7,7 @@ It never knows how the tokens were chosen.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,7 +44,8 @@ class SparsePrompt:
     @classmethod
     def renumbered(cls, token_ids: torch.Tensor, kept: torch.Tensor) -> SparsePrompt:
         """The tokens of ``token_ids`` at the sorted indices ``kept`` as an ordinary prompt of their own:
-        positions ``0..K-1``, generation from ``K`` (``positions="contiguous"``)."""
+        positions ``0..K-1``, generation from ``K`` (``positions="contiguous"``).
+        """
         return cls.full(token_ids[kept])
 
 
@@ -59,13 +60,15 @@ class MainBackend(Protocol):
         """Largest position + 1 the main model supports."""
         ...
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
         """Yield generated token ids, the first right after prefill; stop at end-of-sequence
-        (not yielded) or after ``params.max_new_tokens``."""
+        (not yielded) or after ``params.max_new_tokens``.
+        """
         ...
 
     def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
         """:meth:`generate` for an event loop: the same tokens, without blocking the loop. Closing the
         generator early (``aclose``) releases the request. In-process backends run :meth:`generate`
-        in a worker thread (:func:`specprefill_rag.aio.iterate_in_thread`)."""
+        in a worker thread (:func:`specprefill_rag.aio.iterate_in_thread`).
+        """
         ...

@@ -8,7 +8,7 @@ positions nor mistakes non-contiguous positions for packed sequences. The KV cac
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncGenerator, Iterable, Iterator
+from collections.abc import AsyncGenerator, Generator, Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -66,7 +66,7 @@ class HFBackend:
             )
         return output.logits[0, -1]
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)

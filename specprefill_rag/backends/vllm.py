@@ -20,7 +20,7 @@ import ssl
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Generator, Iterator
 from typing import Any, Literal
 
 import httpx
@@ -31,9 +31,26 @@ from ..config import GenerationParams
 from ..errors import InvalidRequestError, SpecPrefillError
 from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
 from .base import SparsePrompt
-from .vllm_wire import VLLMServerError, VLLMServerTimeout, check_server_url, cut_short, interrupted, refused, sse_tokens, unreachable
+from .vllm_wire import (
+    VLLMServerError,
+    VLLMServerTimeout,
+    check_server_url,
+    cut_short,
+    interrupted,
+    refused,
+    sse_tokens,
+    unreachable,
+)
 
-__all__ = ["VLLMOfflineBackend", "VLLMServerBackend", "VLLMServerError", "VLLMServerTimeout", "connect", "request_fields", "sse_tokens"]
+__all__ = [
+    "VLLMOfflineBackend",
+    "VLLMServerBackend",
+    "VLLMServerError",
+    "VLLMServerTimeout",
+    "connect",
+    "request_fields",
+    "sse_tokens",
+]
 
 
 def _is_sparse(prompt: SparsePrompt) -> bool:
@@ -75,9 +92,10 @@ class VLLMOfflineBackend:
 
     def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
         """Use the end-of-sequence ids of the engine's tokenizer, after checking it is the served model's
-        (skipped when the engine runs without a tokenizer)."""
+        (skipped when the engine runs without a tokenizer).
+        """
         served = self.llm.get_tokenizer() if hasattr(self.llm, "get_tokenizer") else None
-        if hasattr(served, "get_vocab") and served.get_vocab() != tokenizer.get_vocab():
+        if served is not None and hasattr(served, "get_vocab") and served.get_vocab() != tokenizer.get_vocab():
             from ..errors import TokenizerMismatchError
 
             raise TokenizerMismatchError(
@@ -86,13 +104,17 @@ class VLLMOfflineBackend:
             )
         self.eos_ids = eos_ids
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
         from vllm import SamplingParams
 
         fields = request_fields(prompt)
         sampling = SamplingParams(
-            max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-            extra_args=fields.pop("extra_args", None), detokenize=False,
+            max_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            extra_args=fields.pop("extra_args", None),
+            detokenize=False,
         )
         output = self.llm.generate([fields], sampling, use_tqdm=False)[0]
         yield from _without_eos(list(output.outputs[0].token_ids), self.eos_ids)
@@ -161,8 +183,9 @@ class VLLMServerBackend:
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:
@@ -192,8 +215,13 @@ class VLLMServerBackend:
     def _body(self, prompt: SparsePrompt, params: GenerationParams) -> dict[str, Any]:
         fields = request_fields(prompt)
         body: dict[str, Any] = {
-            "model": self.model, "prompt": fields["prompt_token_ids"], "max_tokens": params.max_new_tokens,
-            "temperature": params.temperature, "top_p": params.top_p, "stream": True, "return_token_ids": True,
+            "model": self.model,
+            "prompt": fields["prompt_token_ids"],
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "stream": True,
+            "return_token_ids": True,
             "skip_special_tokens": False,
         }
         if params.seed is not None:
@@ -205,7 +233,8 @@ class VLLMServerBackend:
 
     def _count(self, received: int, tokens: list[int], params: GenerationParams) -> int:
         """Tokens received so far; more than were asked for means the server is not honouring the request
-        (it would otherwise stream forever without a read ever timing out)."""
+        (it would otherwise stream forever without a read ever timing out).
+        """
         if received + len(tokens) > params.max_new_tokens:
             raise VLLMServerError(
                 f"the server at {self.base_url} sent more than max_tokens={params.max_new_tokens} tokens; "
@@ -217,7 +246,7 @@ class VLLMServerBackend:
         if _is_sparse(prompt) and not self.supports_sparse_prefill:
             raise InvalidRequestError("this server has no specprefill plugin; send the full prompt")
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Iterator[int]:
+    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
         self._check_prompt(prompt)
         received, done = 0, False
         with self._open("POST", "/v1/completions", self._body(prompt, params)) as response:
@@ -236,7 +265,8 @@ class VLLMServerBackend:
 
     async def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
         """:meth:`generate` on the event loop (``httpx``): same request, tokens, errors and early close;
-        closing this generator closes the HTTP response."""
+        closing this generator closes the HTTP response.
+        """
         self._check_prompt(prompt)
         url = self.base_url + "/v1/completions"
         received, answered, done = 0, False, False
@@ -264,14 +294,17 @@ class VLLMServerBackend:
     def _async_client(self) -> httpx.AsyncClient:
         """One pooled client per event loop: requests on a loop reuse its connections (no new TCP or TLS
         handshake per request); an httpx client cannot outlive or cross the loop it connected on.
-        No connection cap: each stream holds a connection until it ends, and a cap would queue them."""
+        No connection cap: each stream holds a connection until it ends, and a cap would queue them.
+        """
         loop = asyncio.get_running_loop()
         with self._async_clients_lock:
             for closed in [other for other in self._async_clients if other.is_closed()]:
                 del self._async_clients[closed]  # its connections died with it; drop both
             if loop not in self._async_clients:
                 limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
-                self._async_clients[loop] = httpx.AsyncClient(timeout=self.timeout, verify=self._ssl_context(), limits=limits)
+                self._async_clients[loop] = httpx.AsyncClient(
+                    timeout=self.timeout, verify=self._ssl_context(), limits=limits
+                )
             return self._async_clients[loop]
 
     def _ssl_context(self) -> ssl.SSLContext:
@@ -285,7 +318,8 @@ def connect(
     server: str | Any, timeout: float = 60.0, on_missing_plugin: Literal["error", "full_prompt"] = "error"
 ) -> VLLMServerBackend | VLLMOfflineBackend:
     """The backend for a vLLM server URL (contacted now, so an unreachable one fails before any model
-    loads) or for an in-process ``vllm.LLM``; end-of-sequence ids come later, from the draft."""
+    loads) or for an in-process ``vllm.LLM``; end-of-sequence ids come later, from the draft.
+    """
     if on_missing_plugin not in ("error", "full_prompt"):
         raise InvalidRequestError(
             f"on_missing_plugin must be 'error' or 'full_prompt', got {shown(on_missing_plugin)}; pass one of them"
@@ -304,11 +338,16 @@ def connect(
     return VLLMOfflineBackend(server, frozenset())
 
 
-def check_server_tokenizer(backend: VLLMServerBackend, tokenizer: Any, sample: str = "SpecPrefill checks 1, 2, 3.") -> None:
+def check_server_tokenizer(
+    backend: VLLMServerBackend, tokenizer: Any, sample: str = "SpecPrefill checks 1, 2, 3."
+) -> None:
     """Raise when the server's tokenizer splits ``sample`` differently from the local one (skipped
-    when the server runs without a tokenizer)."""
+    when the server runs without a tokenizer).
+    """
     try:
-        served = backend._request("POST", "/tokenize", {"model": backend.model, "prompt": sample, "add_special_tokens": False})
+        served = backend._request(
+            "POST", "/tokenize", {"model": backend.model, "prompt": sample, "add_special_tokens": False}
+        )
     except SpecPrefillError:
         return
     local = tokenizer(sample, add_special_tokens=False)["input_ids"]

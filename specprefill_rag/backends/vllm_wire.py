@@ -37,7 +37,8 @@ def _kind(error: BaseException) -> type[VLLMServerError]:
 
 class StreamEvent(NamedTuple):
     """One server-sent-events line: its token ids, up to the first end-of-sequence id, and ``end``:
-    ``"eos"`` (stop reading), ``"done"`` (``data: [DONE]``: the stream is complete) or None."""
+    ``"eos"`` (stop reading), ``"done"`` (``data: [DONE]``: the stream is complete) or None.
+    """
 
     tokens: list[int]
     end: Literal["eos", "done"] | None = None
@@ -48,7 +49,8 @@ def sse_tokens(line: str | bytes, eos_ids: frozenset[int]) -> StreamEvent:
 
     A streamed request that vLLM refuses still gets status 200; the refusal comes as an ``error``
     event, raised here as for a non-streamed one (4xx: :class:`InvalidRequestError`). An event that is
-    not vLLM's is a :class:`VLLMServerError`."""
+    not vLLM's is a :class:`VLLMServerError`.
+    """
     try:
         text = (line.decode() if isinstance(line, bytes) else line).strip()
     except UnicodeDecodeError:

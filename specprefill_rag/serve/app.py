@@ -86,12 +86,21 @@ def _guards(app: FastAPI, gateway: Gateway, settings: GatewaySettings) -> None:
     """Admission (key, bound, body), then CORS when configured, then the Host allow-list outermost."""
     key = settings.api_key.get_secret_value() if settings.api_key is not None else None
     body_limit = settings.resolved_max_body_bytes(gateway.engine.backend.context_length)
-    app.add_middleware(RequestGuard, api_key=key, slots=gateway.slots,
-                       max_body_bytes=body_limit, body_timeout_s=settings.body_timeout_s,
-                       count=gateway.metrics.finished)
+    app.add_middleware(
+        RequestGuard,
+        api_key=key,
+        slots=gateway.slots,
+        max_body_bytes=body_limit,
+        body_timeout_s=settings.body_timeout_s,
+        count=gateway.metrics.finished,
+    )
     if settings.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.resolved_allowed_hosts()))
 
 
@@ -109,10 +118,21 @@ def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, serv
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        gateway_card = {"gateway": True, "version": __version__, "draft": settings.draft,
-                        "keep_rate": settings.keep_rate}
-        card = {"id": served, "object": "model", "created": int(time.time()), "owned_by": "specprefill-rag",
-                "root": settings.main, "max_model_len": engine.backend.context_length, "spec_prefill": gateway_card}
+        gateway_card = {
+            "gateway": True,
+            "version": __version__,
+            "draft": settings.draft,
+            "keep_rate": settings.keep_rate,
+        }
+        card = {
+            "id": served,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "specprefill-rag",
+            "root": settings.main,
+            "max_model_len": engine.backend.context_length,
+            "spec_prefill": gateway_card,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
@@ -130,7 +150,8 @@ def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, serv
 
 async def _json(request: Request) -> dict[str, Any]:
     """The body as a JSON object. jiter bounds the nesting depth and the digits of a number, and refuses lone
-    surrogates; NaN and Infinity are not JSON."""
+    surrogates; NaN and Infinity are not JSON.
+    """
     try:
         body = pydantic_core.from_json(await request.body(), allow_inf_nan=False)
     except ValueError as error:
@@ -141,8 +162,13 @@ async def _json(request: Request) -> dict[str, Any]:
 
 
 def _unknown_model(model: str, served: str) -> GatewayError:
-    return GatewayError(404, f"The model `{echoed(model)}` does not exist; this gateway serves `{served}`",
-                        "NotFoundError", "not_found", "model")
+    return GatewayError(
+        404,
+        f"The model `{echoed(model)}` does not exist; this gateway serves `{served}`",
+        "NotFoundError",
+        "not_found",
+        "model",
+    )
 
 
 def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
@@ -168,8 +194,9 @@ def _completion_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings
         return await _complete(gateway, request, CompletionRequest, TEXT, layout, served)
 
 
-async def _plan(gateway: Gateway, request: Request, schema: type[BaseModel],
-                make_layout: Callable[[Any], ChatLayout], served: str) -> tuple[Any, Plan]:
+async def _plan(
+    gateway: Gateway, request: Request, schema: type[BaseModel], make_layout: Callable[[Any], ChatLayout], served: str
+) -> tuple[Any, Plan]:
     """Authorize, parse and lay out one request (every failure a :class:`GatewayError`)."""
     started = time.perf_counter()
     body = _parse(schema, await _json(request))
@@ -178,16 +205,23 @@ async def _plan(gateway: Gateway, request: Request, schema: type[BaseModel],
     layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
     limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
     try:
-        params = GenerationParams(max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p,
-                                  seed=body.seed, stop=body.stop_strings)
+        params = GenerationParams(
+            max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_strings
+        )
     except ValidationError as error:
         field, message = first_problem(error)
         raise bad_request(message, field) from None
     return body, Plan(layout, params, body.spec_prefill, started)
 
 
-async def _complete(gateway: Gateway, request: Request, schema: type[BaseModel], api: ApiFormat,
-                    make_layout: Callable[[Any], ChatLayout], served: str) -> Response:
+async def _complete(
+    gateway: Gateway,
+    request: Request,
+    schema: type[BaseModel],
+    api: ApiFormat,
+    make_layout: Callable[[Any], ChatLayout],
+    served: str,
+) -> Response:
     endpoint = "chat" if api.is_chat else "completions"
     remote = gateway.settings.main_is_remote
     try:
@@ -213,8 +247,9 @@ async def _complete(gateway: Gateway, request: Request, schema: type[BaseModel],
     return await _whole(gateway, plan, stream, first, writer, endpoint)
 
 
-async def _whole(gateway: Gateway, plan: Plan, stream: RequestStream, first: Answer | None,
-                 writer: ResponseWriter, endpoint: str) -> Response:
+async def _whole(
+    gateway: Gateway, plan: Plan, stream: RequestStream, first: Answer | None, writer: ResponseWriter, endpoint: str
+) -> Response:
     texts, final, answer = [], None, first
     try:
         while answer is not None:
@@ -236,10 +271,18 @@ async def _whole(gateway: Gateway, plan: Plan, stream: RequestStream, first: Ans
     return JSONResponse(writer.whole("".join(texts), final.chunk.finish_reason or "stop", stats, spec_prefill or {}))
 
 
-async def _events(gateway: Gateway, plan: Plan, stream: RequestStream, first: Answer | None,
-                  writer: ResponseWriter, include_usage: bool, endpoint: str) -> AsyncIterator[bytes]:
+async def _events(
+    gateway: Gateway,
+    plan: Plan,
+    stream: RequestStream,
+    first: Answer | None,
+    writer: ResponseWriter,
+    include_usage: bool,
+    endpoint: str,
+) -> AsyncIterator[bytes]:
     """The SSE body: chunks, the stats in the last one, ``[DONE]``; an error after the first chunk
-    becomes an ``error`` event (the status line is already sent)."""
+    becomes an ``error`` event (the status line is already sent).
+    """
     outcome, stats, answer, is_first = "disconnected", None, first, True
     try:
         while answer is not None:

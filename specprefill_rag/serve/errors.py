@@ -11,8 +11,21 @@ from dataclasses import dataclass, field
 from ..backends.vllm import VLLMServerError, VLLMServerTimeout
 from ..errors import ContextLengthError, InvalidRequestError, SpecPrefillError
 
-OUTCOMES = ("ok", "bad_request", "unauthorized", "not_found", "queue_full", "draft_failed", "upstream_error",
-            "timeout", "disconnected", "error", "too_large", "client_timeout", "overloaded")
+OUTCOMES = (
+    "ok",
+    "bad_request",
+    "unauthorized",
+    "not_found",
+    "queue_full",
+    "draft_failed",
+    "upstream_error",
+    "timeout",
+    "disconnected",
+    "error",
+    "too_large",
+    "client_timeout",
+    "overloaded",
+)
 # Longest piece of a client's value an error message repeats (a 1 MB model name is not echoed back whole).
 _ECHO_LIMIT = 80
 
@@ -55,13 +68,16 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 
 
 def unauthorized() -> GatewayError:
-    return GatewayError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'", "AuthenticationError",
-                        "unauthorized")
+    return GatewayError(
+        401, "missing or wrong API key; send 'Authorization: Bearer <key>'", "AuthenticationError", "unauthorized"
+    )
 
 
 def too_large(limit: int) -> GatewayError:
-    message = f"the request body is over the gateway's limit of {limit} bytes; send fewer or shorter documents, or " \
-              "raise --max-body-bytes"
+    message = (
+        f"the request body is over the gateway's limit of {limit} bytes; send fewer or shorter documents, or "
+        "raise --max-body-bytes"
+    )
     return GatewayError(413, message, "RequestTooLargeError", "too_large", headers={"Connection": "close"})
 
 
@@ -91,8 +107,10 @@ def deadline_exceeded(seconds: float, phase: str) -> GatewayError:
 
 
 def draft_failed(error: BaseException) -> GatewayError:
-    message = f"the draft model failed on this request ({type(error).__name__}: {error}); the gateway runs with " \
-              "--on-draft-error fail, so nothing was sent to the main model"
+    message = (
+        f"the draft model failed on this request ({type(error).__name__}: {error}); the gateway runs with "
+        "--on-draft-error fail, so nothing was sent to the main model"
+    )
     return GatewayError(500, message, "DraftScoringError", "draft_failed")
 
 

@@ -19,8 +19,8 @@ import torch
 
 from ..chat import ChatLayout
 from ..config import GenerationParams
-from ..engine import SpecPrefillEngine
 from ..draft import DraftScore
+from ..engine import SpecPrefillEngine
 from ..models import model_lock
 from ..pipeline import Budget
 from ..prompt import PromptLayout
@@ -56,9 +56,13 @@ class Answer:
         """The response's ``spec_prefill`` object (last chunk only)."""
         if self.chunk.stats is None:
             return None
-        extras = {"document_source": plan.layout.document_source, "n_documents": plan.layout.n_documents,
-                  "queue_ms": self.selection.queue_ms, "draft_batch_size": self.selection.batch_size,
-                  "draft_error": self.selection.draft_error}
+        extras = {
+            "document_source": plan.layout.document_source,
+            "n_documents": plan.layout.n_documents,
+            "queue_ms": self.selection.queue_ms,
+            "draft_batch_size": self.selection.batch_size,
+            "draft_error": self.selection.draft_error,
+        }
         return {**self.chunk.stats.as_dict(), **extras}
 
 
@@ -68,8 +72,13 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, engine: SpecPrefillEngine) -> None:
         self.settings = settings
         self.engine = engine
-        self.queue = DraftQueue(self._score_batch, settings.queue_size, settings.resolved_draft_batch_size(),
-                                settings.draft_batch_tokens, settings.batch_window_ms / 1000.0)
+        self.queue = DraftQueue(
+            self._score_batch,
+            settings.queue_size,
+            settings.resolved_draft_batch_size(),
+            settings.draft_batch_tokens,
+            settings.batch_window_ms / 1000.0,
+        )
         self.slots = Slots(settings.max_concurrent_requests)
         self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache)
         self.queue.on_batch = self.metrics.batch
@@ -96,7 +105,11 @@ class Gateway:
         """The engine's request path (:class:`~specprefill_rag.pipeline.Pipeline`), the draft scored in the queue."""
         layout, options, pipeline = plan.layout.layout, plan.options, self.engine.pipeline
         rate = options.keep_rate if options.keep_rate is not None else self.settings.keep_rate
-        cap = options.max_document_tokens if options.max_document_tokens is not None else self.settings.max_document_tokens
+        cap = (
+            options.max_document_tokens
+            if options.max_document_tokens is not None
+            else self.settings.max_document_tokens
+        )
         budget = pipeline.budget(layout, rate, cap, options.enabled)
         if not budget.compressed:
             return pipeline.whole(layout, budget)
@@ -111,14 +124,18 @@ class Gateway:
         except Exception as error:  # the draft failed on this prompt: too long for it, out of memory, non-finite...
             return self._after_draft_error(layout, budget, error)
         queue_ms = max((time.perf_counter() - queued) * 1000.0 - scored.draft_ms, 0.0)
-        return pipeline.select(layout, budget, importance, scored.draft_ms, scored.cached_tokens, queue_ms,
-                               scored.batch_size)
+        return pipeline.select(
+            layout, budget, importance, scored.draft_ms, scored.cached_tokens, queue_ms, scored.batch_size
+        )
 
     def _after_draft_error(self, layout: PromptLayout, budget: Budget, error: Exception) -> Selection:
         on_error = self.settings.on_draft_error
         self.metrics.draft_errors.labels(type(error).__name__, on_error).inc()
         if on_error == "fail":
             raise draft_failed(error)
-        log.warning("draft failed (%s: %s); sending the request uncompressed (--on-draft-error full)",
-                    type(error).__name__, error)
+        log.warning(
+            "draft failed (%s: %s); sending the request uncompressed (--on-draft-error full)",
+            type(error).__name__,
+            error,
+        )
         return self.engine.pipeline.whole(layout, budget, draft_error=f"{type(error).__name__}: {error}")

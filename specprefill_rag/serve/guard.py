@@ -111,7 +111,8 @@ async def read_body(receive: Receive, limit: int, timeout_s: float) -> bytes:
 
 def _replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that hands the app the body already read, then the client's later messages
-    (its disconnect)."""
+    (its disconnect).
+    """
     pending = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def replayed() -> Message:
@@ -141,8 +142,15 @@ class RequestGuard:
         count: ``count(endpoint, outcome)`` for refused completion requests (metrics).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, slots: Slots, max_body_bytes: int,
-                 body_timeout_s: float, count: Callable[[str, str], None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        slots: Slots,
+        max_body_bytes: int,
+        body_timeout_s: float,
+        count: Callable[[str, str], None],
+    ) -> None:
         self.app = app
         self._key = api_key.encode() if api_key is not None else None
         self.slots = slots

@@ -41,8 +41,10 @@ def _documents(options: SpecPrefillOptions) -> list[Document] | None:
     if options.documents is None:
         return None
     try:
-        return [as_document(d if isinstance(d, str) else Document(d.text, d.title, d.id), i)
-                for i, d in enumerate(options.documents)]
+        return [
+            as_document(d if isinstance(d, str) else Document(d.text, d.title, d.id), i)
+            for i, d in enumerate(options.documents)
+        ]
     except InvalidRequestError as error:
         raise bad_request(str(error), DOCUMENTS_FIELD) from None
 
@@ -50,7 +52,8 @@ def _documents(options: SpecPrefillOptions) -> list[Document] | None:
 def check_fits(tokenizer: Any, texts: Sequence[str], context_length: int, as_text: bool = True) -> None:
     """Refuse texts that cannot fit the context before they are rendered and tokenized whole: an oversized
     request then costs one piece of tokenization, not memory in proportion to its size. Texts of fewer
-    characters than the context are never counted (they are small)."""
+    characters than the context are never counted (they are small).
+    """
     if sum(len(text) for text in texts) <= context_length:
         return
     tokens = count_tokens_at_least(tokenizer, texts, context_length, as_text)
@@ -58,8 +61,9 @@ def check_fits(tokenizer: Any, texts: Sequence[str], context_length: int, as_tex
         raise ContextLengthError(tokens, 0, context_length, at_least=True)
 
 
-def chat_request_layout(tokenizer: Any, body: ChatCompletionRequest, protect_tail_tokens: int,
-                        context_length: int) -> ChatLayout:
+def chat_request_layout(
+    tokenizer: Any, body: ChatCompletionRequest, protect_tail_tokens: int, context_length: int
+) -> ChatLayout:
     """The layout of a chat request; a problem is a 400 naming ``messages`` or ``spec_prefill.documents``."""
     options = body.spec_prefill
     messages = [_core_message(m) for m in body.messages]
@@ -67,8 +71,14 @@ def chat_request_layout(tokenizer: Any, body: ChatCompletionRequest, protect_tai
     check_fits(tokenizer, [m.text for m in messages], context_length)
     check_fits(tokenizer, [d.text for d in documents or ()], context_length)  # located or inserted: both count
     try:
-        return chat_layout(tokenizer, messages, documents, protect_tail_tokens, question=options.question,
-                           insert_missing=options.insert_documents)
+        return chat_layout(
+            tokenizer,
+            messages,
+            documents,
+            protect_tail_tokens,
+            question=options.question,
+            insert_missing=options.insert_documents,
+        )
     except ContextLengthError:
         raise
     except InvalidRequestError as error:
@@ -80,14 +90,18 @@ def _located_segments(prompt: str, documents: list[Document]) -> list[Segment]:
     for index, document in enumerate(documents):
         start = prompt.find(document.text)
         if start < 0:
-            raise bad_request(f"spec_prefill.documents[{index}] does not occur verbatim in the prompt; send the "
-                              "documents exactly as they appear in it, or leave them out", DOCUMENTS_FIELD)
+            raise bad_request(
+                f"spec_prefill.documents[{index}] does not occur verbatim in the prompt; send the "
+                "documents exactly as they appear in it, or leave them out",
+                DOCUMENTS_FIELD,
+            )
         spans.append((start, start + len(document.text), index))
     segments, cursor = [], 0
     for start, end, index in sorted(spans):
         if start < cursor:
-            raise bad_request(f"spec_prefill.documents[{index}] overlaps another document in the prompt",
-                              DOCUMENTS_FIELD)
+            raise bad_request(
+                f"spec_prefill.documents[{index}] overlaps another document in the prompt", DOCUMENTS_FIELD
+            )
         client_text = Segment(prompt[cursor:start], Role.QUESTION, scaffold=True)
         segments += [client_text, Segment(prompt[start:end], Role.DOCUMENT, index)]
         cursor = end
@@ -110,7 +124,8 @@ def completion_request_layout(engine: Any, body: CompletionRequest, context_leng
 
 def tokenize_request(tokenizer: Any, body: TokenizeRequest, context_length: int) -> list[int]:
     """``POST /tokenize``: the prompt's token ids as the main model reads them (special-token strings are control
-    tokens, as in a completion prompt); a prompt longer than the context is refused, not tokenized whole."""
+    tokens, as in a completion prompt); a prompt longer than the context is refused, not tokenized whole.
+    """
     check_fits(tokenizer, [body.prompt], context_length, as_text=False)
     ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
     if len(ids) > context_length:

@@ -13,31 +13,52 @@ _SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 class GatewayMetrics:
     """Requests by outcome, queue depth, draft time and batch size, kept share, TTFT, draft errors, and
-    the draft prefix cache's bytes and entries (``draft_cache``: a ``DraftPrefixCache``, or ``None``)."""
+    the draft prefix cache's bytes and entries (``draft_cache``: a ``DraftPrefixCache``, or ``None``).
+    """
 
     def __init__(self, queue_depth: Callable[[], int], draft_cache: Any | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
-        self.requests = Counter("specprefill_requests", "Requests answered, by endpoint and outcome.",
-                                ["endpoint", "outcome"], registry=self.registry)
+        self.requests = Counter(
+            "specprefill_requests",
+            "Requests answered, by endpoint and outcome.",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
         self.queue_depth = Gauge("specprefill_queue_depth", "Requests waiting for the draft.", registry=self.registry)
         self.queue_depth.set_function(lambda: float(queue_depth()))
-        self.draft_ms = Histogram("specprefill_draft_ms", "Draft time of one batch, ms.", buckets=_MS_BUCKETS,
-                                  registry=self.registry)
-        self.draft_batch = Histogram("specprefill_draft_batch_size", "Prompts per draft batch.",
-                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
-        self.kept_share = Histogram("specprefill_kept_share", "Kept share of document tokens per request.",
-                                    buckets=_SHARE_BUCKETS, registry=self.registry)
-        self.ttft_ms = Histogram("specprefill_ttft_ms", "Arrival to first token, ms.", buckets=_MS_BUCKETS,
-                                 registry=self.registry)
-        self.draft_errors = Counter("specprefill_draft_errors", "Draft failures, by error type and policy.",
-                                    ["error", "policy"], registry=self.registry)
-        cache_bytes = Gauge("specprefill_draft_cache_bytes", "Bytes held by the draft prefix cache.",
-                            registry=self.registry)
+        self.draft_ms = Histogram(
+            "specprefill_draft_ms", "Draft time of one batch, ms.", buckets=_MS_BUCKETS, registry=self.registry
+        )
+        self.draft_batch = Histogram(
+            "specprefill_draft_batch_size",
+            "Prompts per draft batch.",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
+        self.kept_share = Histogram(
+            "specprefill_kept_share",
+            "Kept share of document tokens per request.",
+            buckets=_SHARE_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft_ms = Histogram(
+            "specprefill_ttft_ms", "Arrival to first token, ms.", buckets=_MS_BUCKETS, registry=self.registry
+        )
+        self.draft_errors = Counter(
+            "specprefill_draft_errors",
+            "Draft failures, by error type and policy.",
+            ["error", "policy"],
+            registry=self.registry,
+        )
+        cache_bytes = Gauge(
+            "specprefill_draft_cache_bytes", "Bytes held by the draft prefix cache.", registry=self.registry
+        )
         cache_bytes.set_function(lambda: float(draft_cache.nbytes if draft_cache is not None else 0))
-        cache_entries = Gauge("specprefill_draft_cache_entries", "Prompts held by the draft prefix cache.",
-                              registry=self.registry)
+        cache_entries = Gauge(
+            "specprefill_draft_cache_entries", "Prompts held by the draft prefix cache.", registry=self.registry
+        )
         cache_entries.set_function(lambda: float(len(draft_cache) if draft_cache is not None else 0))
         for endpoint in ("chat", "completions"):
             for outcome in OUTCOMES:

@@ -19,7 +19,7 @@ class HeaderDeadlineProtocol(H11Protocol):
     header_timeout_s = 10.0
     _header_deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+    def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._arm_header_deadline()
 
@@ -39,7 +39,8 @@ class HeaderDeadlineProtocol(H11Protocol):
 
     def _headers_overdue(self, cycle: Any) -> None:
         """Close the connection if no request began since the deadline was armed (``cycle`` is the request
-        then current, None on a new connection) and none is being answered."""
+        then current, None on a new connection) and none is being answered.
+        """
         idle = cycle is None or cycle.response_complete
         if self.cycle is cycle and idle and not self.transport.is_closing():
             self.transport.close()

@@ -35,7 +35,8 @@ class QueueFull(Exception):
 @dataclass(frozen=True)
 class Scored:
     """One prompt's draft result: ``[L]`` importance, the batch it was scored in and that batch's time,
-    and the leading tokens the draft's prefix cache supplied."""
+    and the leading tokens the draft's prefix cache supplied.
+    """
 
     importance: torch.Tensor
     batch_size: int
@@ -88,7 +89,8 @@ class DraftQueue:
 
     async def score(self, input_ids: torch.Tensor) -> Scored:
         """Wait for this ``[L]`` prompt's importance. Raises :class:`QueueFull`, or the draft's own error
-        for this prompt. Cancelling the caller takes the prompt out of the queue."""
+        for this prompt. Cancelling the caller takes the prompt out of the queue.
+        """
         if self.depth >= self.capacity:
             raise QueueFull(self.depth, self._retry_after_s())
         self.start()
@@ -106,7 +108,8 @@ class DraftQueue:
     def _retry_after_s(self) -> int:
         """Seconds until the queue has likely drained enough for one more request: the batches ahead times a
         batch's recent time, or, before any batch has finished, the time the running one has taken so far
-        (a lower bound of its length)."""
+        (a lower bound of its length).
+        """
         batches_ahead = self.depth / self.batch_size + 1
         batch_s = self._recent_batch_s
         if not batch_s and self._batch_started is not None:

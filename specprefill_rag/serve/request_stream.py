@@ -47,7 +47,8 @@ class RequestStream:
 
     async def next(self) -> Answer | None:
         """The next answer chunk, or None at the end. Raises :class:`ClientGone`, a 504
-        :class:`GatewayError` past the deadline, or the request's own error."""
+        :class:`GatewayError` past the deadline, or the request's own error.
+        """
         step = self._step = asyncio.ensure_future(self._answers.__anext__())
         remaining = max(self._deadline - time.monotonic(), 0.0)
         done, _ = await asyncio.wait({step, self._watch}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
@@ -67,7 +68,8 @@ class RequestStream:
 
     async def close(self) -> None:
         """Stop watching and end the answer stream (closes the main model's request). Call it shielded
-        from cancellation: it runs when the response task is being cancelled (client gone)."""
+        from cancellation: it runs when the response task is being cancelled (client gone).
+        """
         pending = [task for task in (self._watch, self._step) if task is not None and not task.done()]
         for task in pending:
             task.cancel()

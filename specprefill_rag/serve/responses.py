@@ -42,8 +42,11 @@ TEXT = ApiFormat("text_completion", "text_completion", "cmpl-", is_chat=False)
 
 def usage(stats: Any) -> dict[str, int]:
     """OpenAI usage from :class:`SpecPrefillStats`: the full prompt's tokens, not the kept ones."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+    }
 
 
 @dataclass
@@ -65,8 +68,9 @@ class ResponseWriter:
         body = self._envelope(self.api.object_name, [self.api.choice(text, finish_reason)])
         return {**body, "usage": usage(stats), "spec_prefill": spec_prefill}
 
-    def chunk(self, text: str, first: bool, finish_reason: str | None = None,
-              spec_prefill: dict[str, Any] | None = None) -> dict[str, Any]:
+    def chunk(
+        self, text: str, first: bool, finish_reason: str | None = None, spec_prefill: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         body = self._envelope(self.api.chunk_name, [self.api.delta(text, finish_reason, first)])
         return {**body, "spec_prefill": spec_prefill} if spec_prefill is not None else body
 

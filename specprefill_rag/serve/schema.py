@@ -10,7 +10,7 @@ options travel in ``spec_prefill`` (OpenAI clients send it with ``extra_body``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -38,18 +38,21 @@ class SpecPrefillOptions(_Strict):
 
     enabled: bool = Field(True, description="False: send the whole prompt, no draft.")
     keep_rate: StrictKeepRate | None = Field(
-        None, description="Share of document tokens kept, in (0, 1], or 'auto' (chosen per request from the draft's "
-        "importance)."
+        None,
+        description="Share of document tokens kept, in (0, 1], or 'auto' (chosen per request from the draft's "
+        "importance).",
     )
     max_document_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS, description="Cap on kept document tokens.")
-    documents: list[Union[str, DocumentOption]] | None = Field(
-        None, min_length=1,
+    documents: list[str | DocumentOption] | None = Field(
+        None,
+        min_length=1,
         description="The retrieved documents: located verbatim in the messages, else inserted before the last user "
         "message's text. Without them, documents come from document content parts or the fallback rule.",
     )
     question: str | None = Field(None, description="The question when it is not simply the last user message.")
     insert_documents: bool = Field(
-        True, description="False: documents not all found verbatim in the messages are not inserted; the fallback "
+        True,
+        description="False: documents not all found verbatim in the messages are not inserted; the fallback "
         "rule applies instead.",
     )
 
@@ -68,12 +71,12 @@ class DocumentPart(_Strict):
     id: str | None = None
 
 
-ContentPart = Annotated[Union[TextPart, DocumentPart], Field(discriminator="type")]
+ContentPart = Annotated[TextPart | DocumentPart, Field(discriminator="type")]
 
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, list[ContentPart]]
+    content: str | list[ContentPart]
 
 
 class StreamOptions(_Strict):
@@ -93,7 +96,7 @@ class _Sampling(_Strict):
     temperature: float = Field(1.0, ge=0.0, description=f"0 = greedy; else at least {MIN_TEMPERATURE}.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)], None] = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -144,7 +147,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a text prompt (a list of one prompt is accepted)."""
 
-    prompt: Union[str, list[str]]
+    prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
     echo: bool = False
     logprobs: int | None = None
@@ -182,15 +185,20 @@ class TokenizeRequest(_Strict):
 def _is_branch_label(part: object) -> bool:
     """pydantic names the union member it tried in an error's location (``str``, ``list[...]``...)."""
     text = str(part)
-    return text in ("str", "int", "float", "bool", "none") or "[" in text or text.startswith("function-") \
+    return (
+        text in ("str", "int", "float", "bool", "none")
+        or "[" in text
+        or text.startswith("function-")
         or text[:1].isupper()
+    )
 
 
 def first_problem(error: ValidationError) -> tuple[str, str]:
     """The most specific validation problem as (field path, message), e.g. ``("spec_prefill.keep_rate", ...)``.
 
     A value no member of a union accepts fails once per member; the deepest failure says the most, and of
-    equally deep ones a broken constraint (a list too long) more than a member whose type did not match."""
+    equally deep ones a broken constraint (a list too long) more than a member whose type did not match.
+    """
     problem = max(error.errors(), key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
     field = ".".join(str(part) for part in problem["loc"] if not _is_branch_label(part)) or "body"
     if problem["type"] == "extra_forbidden":

@@ -26,16 +26,16 @@ def uvicorn_config(app: Any, settings: GatewaySettings, **options: Any) -> Any:
     uvicorn = _uvicorn()
     from .protocol import with_header_timeout  # imports uvicorn: only once it is known to be installed
 
-    return uvicorn.Config(app, http=with_header_timeout(settings.header_timeout_s),
-                          limit_concurrency=settings.max_connections, **options)
+    return uvicorn.Config(
+        app, http=with_header_timeout(settings.header_timeout_s), limit_concurrency=settings.max_connections, **options
+    )
 
 
 def run(settings: GatewaySettings, log_level: str = "info") -> None:
     """Serve until interrupted (``specprefill-rag serve``)."""
     from .app import create_app
 
-    config = uvicorn_config(create_app(settings), settings, host=settings.host, port=settings.port,
-                            log_level=log_level)
+    config = uvicorn_config(create_app(settings), settings, host=settings.host, port=settings.port, log_level=log_level)
     _uvicorn().Server(config).run()
 
 

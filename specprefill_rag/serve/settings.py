@@ -47,7 +47,8 @@ class GatewaySettings(CompressionSettings):
     host: str = Field("127.0.0.1", description="Address to bind; other than loopback, set api_key.")
     port: int = Field(8100, ge=0, le=65535, description="Port to bind.")
     api_key: SecretStr | None = Field(
-        None, description="Bearer key every request but /health and /metrics must carry (the CLI's default: "
+        None,
+        description="Bearer key every request but /health and /metrics must carry (the CLI's default: "
         "$SPECPREFILL_API_KEY); None = open.",
     )
     served_model_name: str | None = Field(None, description="Model name in /v1/models; default: the main model's.")
@@ -56,15 +57,19 @@ class GatewaySettings(CompressionSettings):
         "full", description="A failed draft: send the request uncompressed ('full') or answer 500 ('fail')."
     )
     on_missing_plugin: Literal["error", "full_prompt"] = Field(
-        "error", description="A vLLM main without the plugin: refuse to start, or send every prompt whole "
+        "error",
+        description="A vLLM main without the plugin: refuse to start, or send every prompt whole "
         "(positions 'contiguous' needs no plugin: compressed prompts go as ordinary ones).",
     )
     max_draft_tokens: int | None = Field(
-        None, ge=1, description="Most prompt tokens one request may send through the draft (its memory; docs: "
-        "Resource bounds); None: the draft's context. Longer prompts follow on_draft_error."
+        None,
+        ge=1,
+        description="Most prompt tokens one request may send through the draft (its memory; docs: "
+        "Resource bounds); None: the draft's context. Longer prompts follow on_draft_error.",
     )
     draft_cache_mb: int = Field(
-        DEFAULT_DRAFT_CACHE_MB, ge=0,
+        DEFAULT_DRAFT_CACHE_MB,
+        ge=0,
         description="Draft prefix KV cache, MiB (0 = off); budget it in the host's memory.",
     )
     queue_size: int = Field(256, ge=1, description="Requests waiting for the draft at most; more get 429.")
@@ -78,33 +83,47 @@ class GatewaySettings(CompressionSettings):
     request_timeout_s: float = Field(600.0, gt=0.0, description="Deadline of one request: queue, draft and answer.")
     upstream_timeout_s: float = Field(60.0, gt=0.0, description="Seconds to wait on the vLLM server per connect/read.")
     max_body_bytes: int | None = Field(
-        None, ge=1024, le=1 << 34,
+        None,
+        ge=1024,
+        le=1 << 34,
         description="Largest request body, bytes (more: 413, read no further). None: 32 bytes per token of the main "
         "model's context, at least 1 MiB.",
     )
     max_concurrent_requests: int = Field(
-        128, ge=1, le=65536,
+        128,
+        ge=1,
+        le=65536,
         description="Requests in flight at once, of every kind (drafted, short, /tokenize, /v1/models); more get 429 "
         "with a Retry-After from measured service times. /health and /metrics are not counted.",
     )
     max_connections: int = Field(
-        1024, ge=1, le=65536, description="Open connections plus running requests at most (uvicorn's "
+        1024,
+        ge=1,
+        le=65536,
+        description="Open connections plus running requests at most (uvicorn's "
         "limit_concurrency); past it new requests get 503.",
     )
     header_timeout_s: float = Field(
-        10.0, gt=0.0, le=3600.0, description="A client must send a request's headers within this many seconds of "
+        10.0,
+        gt=0.0,
+        le=3600.0,
+        description="A client must send a request's headers within this many seconds of "
         "connecting (or of its previous answer); else the connection is closed.",
     )
     body_timeout_s: float = Field(
-        30.0, gt=0.0, le=3600.0, description="A client must send the whole body within this many seconds of its "
-        "headers; else 408.",
+        30.0,
+        gt=0.0,
+        le=3600.0,
+        description="A client must send the whole body within this many seconds of its headers; else 408.",
     )
     allowed_hosts: tuple[str, ...] | None = Field(
-        None, description="Host header values answered ('*.example.com' patterns, '*' = any); others get 400. None: "
+        None,
+        description="Host header values answered ('*.example.com' patterns, '*' = any); others get 400. None: "
         "the loopback names and the bound address when bound to loopback, else any.",
     )
     cors_origins: tuple[str, ...] = Field(
-        (), description="Browser origins allowed to call the gateway (CORS); none by default, so web pages cannot "
+        (),
+        description="Browser origins allowed to call the gateway (CORS); none by default, so web pages cannot "
         "read its answers.",
     )
 
@@ -113,8 +132,10 @@ class GatewaySettings(CompressionSettings):
     def _usable_key(cls, value: SecretStr | None) -> SecretStr | None:
         key = value.get_secret_value() if value is not None else None
         if key is not None and (not key or key != key.strip()):
-            raise ValueError("api_key is empty or starts or ends with whitespace, so no client could send it; pass "
-                             "the key without surrounding spaces, or leave it unset for an open gateway")
+            raise ValueError(
+                "api_key is empty or starts or ends with whitespace, so no client could send it; pass "
+                "the key without surrounding spaces, or leave it unset for an open gateway"
+            )
         return value
 
     @field_validator("allowed_hosts")
@@ -176,6 +197,11 @@ class GatewaySettings(CompressionSettings):
     def engine_config(self) -> SpecPrefillConfig:
         """The core engine's config: the compression settings given here, the models, the draft's bounds."""
         main = self.draft if self.main_is_remote else self.main  # a remote main: the engine only needs a tokenizer
-        return SpecPrefillConfig(main=main, draft=self.draft, max_draft_tokens=self.max_draft_tokens,
-                                 draft_cache_mb=self.draft_cache_mb, device=self.resolved_device(),
-                                 **self.compression())
+        return SpecPrefillConfig(
+            main=main,
+            draft=self.draft,
+            max_draft_tokens=self.max_draft_tokens,
+            draft_cache_mb=self.draft_cache_mb,
+            device=self.resolved_device(),
+            **self.compression(),
+        )

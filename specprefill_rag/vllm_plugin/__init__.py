@@ -53,7 +53,8 @@ def check_vllm_version(version: str) -> None:
 def register() -> None:
     """Entry point: register the architectures, the V1 position remap and the admission checks
     (``L + max_tokens <= max_model_len``, one kept position per prompt token: :mod:`.admission`);
-    idempotent."""
+    idempotent.
+    """
     import vllm
     from vllm import ModelRegistry
 

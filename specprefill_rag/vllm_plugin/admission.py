@@ -27,7 +27,8 @@ _ORIGINAL = "_specprefill_original_process_inputs"
 
 def _spec_arguments(extra_args: dict[str, Any] | None) -> tuple[int, list[int]] | None:
     """``(L, run lengths)`` of a well-formed SpecPrefill request; None for others (malformed ones are
-    refused by :mod:`.validation`)."""
+    refused by :mod:`.validation`).
+    """
     args = extra_args or {}
     length, runs = args.get(PROMPT_LENGTH_KEY), args.get(RUNS_KEY)
     if not isinstance(length, int) or not isinstance(runs, list | tuple):
@@ -79,7 +80,8 @@ def _input_processor() -> type:
 
 def install_admission_checks() -> None:
     """Wrap ``InputProcessor.process_inputs`` with :func:`check_length` and :func:`check_kept_count`;
-    idempotent."""
+    idempotent.
+    """
     from vllm.exceptions import VLLMValidationError
 
     def make_wrapper(original: Any) -> Any:

@@ -60,7 +60,10 @@ def warn_if_inconsistent(slot: SlotPositions, new_req_data: Any, max_model_len: 
     if max_tokens is not None and slot.prompt_length + max_tokens > max_model_len:
         logger.warning(
             "request %s: original length %d + max_tokens %d exceeds max_model_len %d; positions clamped",
-            slot.req_id, slot.prompt_length, max_tokens, max_model_len,
+            slot.req_id,
+            slot.prompt_length,
+            max_tokens,
+            max_model_len,
         )
 
 

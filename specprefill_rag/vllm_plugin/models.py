@@ -1,10 +1,11 @@
 """Thin subclasses of vLLM's model classes: identical computation, a check at engine start that the
 running model runner is one the plugin remaps positions for, and the Model Runner V2 hook
-``get_model_state_cls`` (vLLM's ``resolve_model_state_cls`` asks the model for it first)."""
+``get_model_state_cls`` (vLLM's ``resolve_model_state_cls`` asks the model for it first).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
@@ -42,7 +43,7 @@ def _guarded(base: type) -> type:
 
     def __init__(self: Any, *, vllm_config: Any, prefix: str = "") -> None:
         check_supported(vllm_config)
-        base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        cast(Any, base).__init__(self, vllm_config=vllm_config, prefix=prefix)
 
     namespace = {"__init__": __init__, "get_model_state_cls": staticmethod(get_model_state_cls), "__module__": __name__}
     return type(f"SpecPrefill{base.__name__}", (base,), namespace)

@@ -6,7 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 
-def wrap_method(owner: type, name: str, marker: str, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+def wrap_method(
+    owner: type, name: str, marker: str, make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
     """Replace ``owner.name`` with ``make_wrapper(original)``; the original is kept as ``owner.marker``."""
     if marker in owner.__dict__:
         return

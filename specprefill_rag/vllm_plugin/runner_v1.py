@@ -31,9 +31,8 @@ class RequestPositions:
 
 def request_positions(request_state: Any) -> RequestPositions | None:
     """The request's SpecPrefill positions (decoded once, cached on the request state), or None."""
-    cached = getattr(request_state, "_specprefill_positions", False)
-    if cached is not False:
-        return cached
+    if hasattr(request_state, "_specprefill_positions"):
+        return request_state._specprefill_positions
     params = getattr(request_state, "sampling_params", None)
     args = (params.extra_args or {}) if params is not None else {}
     spec = None

@@ -30,9 +30,17 @@ def tiny_folder(tmp_path_factory):
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
-        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
     )
     folder = tmp_path_factory.mktemp("tiny-vllm")
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -46,7 +54,14 @@ def llm(tiny_folder):
     caching on (shared by the end-to-end tests and the plugin's bad-input rows)."""
     from vllm import LLM
 
-    engine = LLM(model=str(tiny_folder), max_model_len=1024, dtype="float32", max_num_batched_tokens=16,
-                 enable_prefix_caching=True, enforce_eager=True, gpu_memory_utilization=0.2)
+    engine = LLM(
+        model=str(tiny_folder),
+        max_model_len=1024,
+        dtype="float32",
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+    )
     yield engine
     del engine

@@ -37,8 +37,11 @@ def test_install_is_idempotent_and_remove_restores_vllms_function():
 
 def test_length_check():
     check_length(SPEC, 24, 124)  # the last generated token takes position 123
-    with pytest.raises(ValueError, match=r"L=100 \+ max_tokens=25 = 125 exceeds max_model_len=124.*at most 24 "
-                                         r"or send fewer documents"):
+    with pytest.raises(
+        ValueError,
+        match=r"L=100 \+ max_tokens=25 = 125 exceeds max_model_len=124.*at most 24 "
+        r"or send fewer documents",
+    ):
         check_length(SPEC, 25, 124)
     with pytest.raises(ValueError, match="max_tokens=104"):  # unset: vLLM's default max_model_len - K
         check_length(SPEC, None, 124)
@@ -47,8 +50,13 @@ def test_length_check():
 
 @pytest.mark.parametrize(
     "args",
-    [None, {}, {"other_plugin": 1}, {"specprefill_runs": [0, 4]},
-     {"specprefill_prompt_length": 9, "specprefill_runs": 4}],
+    [
+        None,
+        {},
+        {"other_plugin": 1},
+        {"specprefill_runs": [0, 4]},
+        {"specprefill_prompt_length": 9, "specprefill_runs": 4},
+    ],
 )
 def test_ordinary_and_malformed_requests_pass_to_their_own_checks(args):
     check_length(args, 10**6, 124)

@@ -28,7 +28,11 @@ ROWS = [
     ("prompt length: bool", {LENGTH: True, RUNS: [0, 1]}, f"{LENGTH} must be a positive integer, got True"),
     ("runs: None", {LENGTH: 10, RUNS: None}, f"{RUNS} must be a flat list of integer \\(start, length\\) pairs; send"),
     ("runs: str", {LENGTH: 10, RUNS: "0,3"}, f"{RUNS} must be a flat list"),
-    ("runs: odd length", {LENGTH: 10, RUNS: [0, 1, 9]}, f"{RUNS} must be a flat list of integer \\(start, length\\) pairs"),
+    (
+        "runs: odd length",
+        {LENGTH: 10, RUNS: [0, 1, 9]},
+        f"{RUNS} must be a flat list of integer \\(start, length\\) pairs",
+    ),
     ("runs: float", {LENGTH: 10, RUNS: [0, 1.0, 9, 2]}, "integer \\(start, length\\) pairs"),
     ("runs: negative start", {LENGTH: 10, RUNS: [-1, 2, 9, 1]}, "starts must be >= 0 and lengths > 0; send"),
     ("runs: zero length", {LENGTH: 10, RUNS: [0, 0, 9, 1]}, "starts must be >= 0 and lengths > 0"),
@@ -38,10 +42,18 @@ ROWS = [
     ("runs: past the prompt", {LENGTH: 10, RUNS: [0, 1, 4, 1, 9, 3]}, "must end at the last prompt position 9"),
 ]
 ADMISSION_ROWS = [  # (case, extra_args, max_tokens, message); no row expands its runs (2**40 would need 8 TB)
-    ("2**40 positions for 3 tokens", {LENGTH: 2**40, RUNS: [0, 2**40]}, 2,
-     "L=1099511627776 \\+ max_tokens=2 = 1099511627778 exceeds max_model_len=1024"),
-    ("4 positions for 3 tokens", {LENGTH: 10, RUNS: [0, 2, 4, 1, 9, 1]}, 2,
-     f"{RUNS} cover 4 positions but the prompt has 3 tokens; send exactly the kept token ids"),
+    (
+        "2**40 positions for 3 tokens",
+        {LENGTH: 2**40, RUNS: [0, 2**40]},
+        2,
+        "L=1099511627776 \\+ max_tokens=2 = 1099511627778 exceeds max_model_len=1024",
+    ),
+    (
+        "4 positions for 3 tokens",
+        {LENGTH: 10, RUNS: [0, 2, 4, 1, 9, 1]},
+        2,
+        f"{RUNS} cover 4 positions but the prompt has 3 tokens; send exactly the kept token ids",
+    ),
     ("L + max_tokens over max_model_len", GOOD, 1020, "L=10 \\+ max_tokens=1020 = 1030 exceeds max_model_len=1024"),
 ]
 

@@ -6,7 +6,6 @@ OpenAI-compatible server on 127.0.0.1, both on a tiny random Llama.
 
 import asyncio
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -44,12 +43,23 @@ def reference(model, prompt: SparsePrompt) -> list[int]:
 def test_mixed_batch_matches_transformers(llm, hf_model, prompt_ids):
     from vllm import SamplingParams
 
-    prompts = [SparsePrompt.kept(prompt_ids, KEPT_A), SparsePrompt.full(prompt_ids), SparsePrompt.kept(prompt_ids, KEPT_B)]
+    prompts = [
+        SparsePrompt.kept(prompt_ids, KEPT_A),
+        SparsePrompt.full(prompt_ids),
+        SparsePrompt.kept(prompt_ids, KEPT_B),
+    ]
     requests, params = [], []
     for prompt in prompts:
         fields = request_fields(prompt)
-        params.append(SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, detokenize=False,
-                                     extra_args=fields.pop("extra_args", None)))
+        params.append(
+            SamplingParams(
+                max_tokens=8,
+                temperature=0,
+                ignore_eos=True,
+                detokenize=False,
+                extra_args=fields.pop("extra_args", None),
+            )
+        )
         requests.append(fields)
     outputs = llm.generate(requests, params, use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outputs]
@@ -92,8 +102,13 @@ def test_server_engine_matches_transformers_engine(server, tiny_folder):
 
 
 def test_contiguous_positions_on_the_server_match_transformers(server, tiny_folder):
-    settings = {"draft": str(tiny_folder), "keep_rate": 0.3, "min_prompt_tokens": 0, "look_ahead": 2,
-                "positions": "contiguous"}
+    settings = {
+        "draft": str(tiny_folder),
+        "keep_rate": 0.3,
+        "min_prompt_tokens": 0,
+        "look_ahead": 2,
+        "positions": "contiguous",
+    }
     remote = SpecPrefillEngine.for_vllm(server, **settings)
     local = SpecPrefillEngine(main=str(tiny_folder), **settings)
     layout = remote.layout("When did the bridge open?", random_documents(3, 80))
@@ -110,8 +125,12 @@ def test_server_refuses_bad_positions_and_keeps_serving(server, tiny_folder):
     from specprefill_rag.backends.vllm import VLLMServerBackend
 
     backend = VLLMServerBackend(server, frozenset())
-    bad = {"model": backend.model, "prompt": [5, 6, 7], "max_tokens": 2,
-           "vllm_xargs": {"specprefill_prompt_length": 10, "specprefill_runs": [4, 2, 1, 1]}}
+    bad = {
+        "model": backend.model,
+        "prompt": [5, 6, 7],
+        "max_tokens": 2,
+        "vllm_xargs": {"specprefill_prompt_length": 10, "specprefill_runs": [4, 2, 1, 1]},
+    }
     with pytest.raises(InvalidRequestError, match="400.*increasing"):
         backend._request("POST", "/v1/completions", bad)
     unordered = SparsePrompt(torch.tensor([5, 6, 7]), torch.tensor([4, 0, 9]), 10)
@@ -130,8 +149,9 @@ def _refusal(server: str, body: dict) -> tuple[int, str]:
     import json
     import urllib.error
 
-    request = urllib.request.Request(server + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=60)
     return refused.value.code, refused.value.read().decode()
@@ -143,8 +163,12 @@ def test_server_refuses_generation_past_max_model_len_and_keeps_serving(server, 
     from specprefill_rag.backends.vllm import VLLMServerBackend
 
     backend = VLLMServerBackend(server, frozenset())
-    too_long = {"model": backend.model, "prompt": [5, 6, 7], "max_tokens": 1015,
-                "vllm_xargs": {"specprefill_prompt_length": 10, "specprefill_runs": [0, 1, 4, 1, 9, 1]}}
+    too_long = {
+        "model": backend.model,
+        "prompt": [5, 6, 7],
+        "max_tokens": 1015,
+        "vllm_xargs": {"specprefill_prompt_length": 10, "specprefill_runs": [0, 1, 4, 1, 9, 1]},
+    }
     code, text = _refusal(server, too_long)
     assert code == 400 and "L=10 + max_tokens=1015 = 1025 exceeds max_model_len=1024" in text
     miscounted = {**too_long, "prompt": [5, 6], "max_tokens": 3}  # 3 kept positions, 2 prompt tokens
@@ -167,7 +191,9 @@ def test_offline_engine_refuses_generation_past_max_model_len(llm):
     with pytest.raises(VLLMValidationError, match="exceeds max_model_len=1024"):
         llm.generate(prompt, SamplingParams(max_tokens=1015, extra_args=spec), use_tqdm=False)
     with pytest.raises(VLLMValidationError, match="cover 3 positions but the prompt has 4 tokens"):
-        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=2, extra_args=spec), use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=2, extra_args=spec), use_tqdm=False
+        )
     output = llm.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True, extra_args=spec), use_tqdm=False)
     assert len(output[0].outputs[0].token_ids) == 2
 

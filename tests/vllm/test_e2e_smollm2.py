@@ -1,7 +1,6 @@
 """vLLM end to end with the real SmolLM2-135M-Instruct (the embedded default model)."""
 
 import pytest
-import torch
 
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
@@ -26,8 +25,14 @@ def smollm2():
 def llm(smollm2):
     from vllm import LLM
 
-    engine = LLM(model=str(gguf_folder(embedded_gguf("smollm2-135m"))), max_model_len=2048, dtype="float32",
-                 max_num_batched_tokens=64, enforce_eager=True, gpu_memory_utilization=0.2)
+    engine = LLM(
+        model=str(gguf_folder(embedded_gguf("smollm2-135m"))),
+        max_model_len=2048,
+        dtype="float32",
+        max_num_batched_tokens=64,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+    )
     yield engine
     del engine
 
@@ -42,5 +47,7 @@ def test_compressed_request_matches_transformers(llm, smollm2):
     expected = list(HFBackend(smollm2.model, eos).generate(prompt, GREEDY))
     assert list(VLLMOfflineBackend(llm, eos).generate(prompt, GREEDY)) == expected
     full = SparsePrompt.full(layout.input_ids)
-    assert list(VLLMOfflineBackend(llm, eos).generate(full, GREEDY)) == list(HFBackend(smollm2.model, eos).generate(full, GREEDY))
+    assert list(VLLMOfflineBackend(llm, eos).generate(full, GREEDY)) == list(
+        HFBackend(smollm2.model, eos).generate(full, GREEDY)
+    )
     assert "1883" in smollm2.tokenizer.decode(expected)

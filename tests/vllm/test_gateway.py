@@ -33,8 +33,13 @@ def test_gateway_in_front_of_vllm_matches_the_in_process_engine(gateway, tiny_fo
     client = openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     assert model == str(tiny_folder)  # the vLLM server's model name
-    request = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12,
-               "temperature": 0, "extra_body": {"spec_prefill": {"documents": DOCUMENTS}}}
+    request = {
+        "model": model,
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "extra_body": {"spec_prefill": {"documents": DOCUMENTS}},
+    }
     response = client.chat.completions.create(**request)
     stats = response.model_extra["spec_prefill"]
 

@@ -4,7 +4,11 @@ import pytest
 from vllm import ModelRegistry
 
 from specprefill_rag.vllm_plugin import ARCHITECTURES, check_vllm_version, register
-from specprefill_rag.vllm_plugin.runner_v1 import install_position_remap, position_remap_installed, remove_position_remap
+from specprefill_rag.vllm_plugin.runner_v1 import (
+    install_position_remap,
+    position_remap_installed,
+    remove_position_remap,
+)
 from specprefill_rag.vllm_plugin.validation import PROBE_MARKER, check_arguments
 
 
@@ -60,7 +64,9 @@ def test_requests_without_arguments_pass():
 def _config(v2: bool, **text_config):
     from types import SimpleNamespace
 
-    return SimpleNamespace(use_v2_model_runner=v2, model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**text_config)))
+    return SimpleNamespace(
+        use_v2_model_runner=v2, model_config=SimpleNamespace(hf_text_config=SimpleNamespace(**text_config))
+    )
 
 
 def test_unsupported_runner_and_models_fail_loudly_at_engine_start():

@@ -42,8 +42,13 @@ def vllm_config(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("tiny-llama")
     LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
     ).save_pretrained(folder)
     model_config = ModelConfig(model=str(folder), skip_tokenizer_init=True, max_model_len=64, dtype="float32")
     scheduler_config = SchedulerConfig(

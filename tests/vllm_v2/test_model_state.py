@@ -40,9 +40,15 @@ def request(req_id: str, n_prompt: int, spec: Spec | None = None, computed: int 
     extra = {PROMPT_LENGTH_KEY: spec.prompt_length, RUNS_KEY: encode_runs(spec.kept)} if spec else None
     tokens = list(range(n_prompt))
     return NewRequestData(
-        req_id=req_id, prompt_token_ids=tokens, mm_features=[],
-        sampling_params=SamplingParams(max_tokens=max_tokens, extra_args=extra), pooling_params=None,
-        block_ids=([],), num_computed_tokens=computed, lora_request=None, prefill_token_ids=tokens,
+        req_id=req_id,
+        prompt_token_ids=tokens,
+        mm_features=[],
+        sampling_params=SamplingParams(max_tokens=max_tokens, extra_args=extra),
+        pooling_params=None,
+        block_ids=([],),
+        num_computed_tokens=computed,
+        lora_request=None,
+        prefill_token_ids=tokens,
     )
 
 
@@ -130,9 +136,7 @@ def test_mixed_batch_over_two_steps(state, buffers):
 def test_ordinary_batch_passes_positions_through(state, buffers):
     state.add_request(2, request("plain", 30))
     rows = [("plain", 2, 7, 23)]
-    assert state.prepare_inputs(batch(buffers, rows, padding=3), None)["positions"].tolist() == [
-        *range(7, 30), 0, 0, 0
-    ]
+    assert state.prepare_inputs(batch(buffers, rows, padding=3), None)["positions"].tolist() == [*range(7, 30), 0, 0, 0]
 
 
 def test_removed_requests_leave_no_state(state, buffers):

@@ -7,16 +7,16 @@ imports no torch: an application that sends its requests to a gateway loads no m
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from typing import Any
 
 from langchain_core.messages import BaseMessage
+
+from langchain_specprefill.documents import documents_argument, documents_json, to_chat_message, to_openai_message
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.gateway_client import GatewayClient
 from specprefill_rag.results import StreamChunk
-
-from langchain_specprefill.documents import documents_argument, documents_json, to_chat_message, to_openai_message
 
 Reply = tuple[StreamChunk, dict[str, Any]]
 
@@ -32,9 +32,13 @@ class LocalSession:
     def _layout(self, messages: list[BaseMessage], options: dict[str, Any]) -> Any:
         from specprefill_rag.chat import chat_layout
 
-        return chat_layout(self.settings.engine.tokenizer, [to_chat_message(m) for m in messages],
-                           documents_argument(options.get("documents")), self.settings.protect_tail_tokens,
-                           question=options.get("question"))
+        return chat_layout(
+            self.settings.engine.tokenizer,
+            [to_chat_message(m) for m in messages],
+            documents_argument(options.get("documents")),
+            self.settings.protect_tail_tokens,
+            question=options.get("question"),
+        )
 
     def _keep_rate(self, options: dict[str, Any]) -> Any:
         """The call's keep rate, else the constructor's (also for an engine given with ``from_engine``)."""
@@ -47,7 +51,7 @@ class LocalSession:
 
     async def astream(
         self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]
-    ) -> AsyncIterator[Reply]:
+    ) -> AsyncGenerator[Reply, None]:
         layout = self._layout(messages, options)
         chunks = self.settings.engine.astream_layout(layout.layout, params, self._keep_rate(options))
         async with aclosing(chunks):
@@ -60,7 +64,8 @@ class LocalSession:
 
 class GatewaySession:
     """A gateway: messages go out as OpenAI messages (documents as ``document`` parts or in
-    ``spec_prefill.documents``), the gateway's draft scores them and its main model answers."""
+    ``spec_prefill.documents``), the gateway's draft scores them and its main model answers.
+    """
 
     runs_here = False
 
@@ -70,8 +75,12 @@ class GatewaySession:
 
     def _body(self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]) -> dict[str, Any]:
         keep_rate = options.get("keep_rate", self.settings.keep_rate)
-        spec_prefill = {"keep_rate": keep_rate, "max_document_tokens": self.settings.max_document_tokens,
-                        "documents": documents_json(options.get("documents")), "question": options.get("question")}
+        spec_prefill = {
+            "keep_rate": keep_rate,
+            "max_document_tokens": self.settings.max_document_tokens,
+            "documents": documents_json(options.get("documents")),
+            "question": options.get("question"),
+        }
         return self.client.body([to_openai_message(m) for m in messages], spec_prefill, params)
 
     def stream(self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]) -> Iterator[Reply]:
@@ -80,7 +89,7 @@ class GatewaySession:
 
     async def astream(
         self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]
-    ) -> AsyncIterator[Reply]:
+    ) -> AsyncGenerator[Reply, None]:
         async with aclosing(self.client.astream(self._body(messages, params, options))) as replies:
             async for reply in replies:
                 yield reply.chunk, reply.extras

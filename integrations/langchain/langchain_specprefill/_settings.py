@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import BaseMessage
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
+
+from langchain_specprefill._sessions import GatewaySession, LocalSession, Reply
 from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import (
     DEFAULT_MODEL,
@@ -19,8 +21,6 @@ from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.gateway_client import api_key_from_environment, engine_here, find_gateway
 from specprefill_rag.results import GenerationResult
 
-from langchain_specprefill._sessions import GatewaySession, LocalSession, Reply
-
 if TYPE_CHECKING:
     from specprefill_rag import SpecPrefillEngine
 
@@ -29,7 +29,8 @@ CALL_OPTIONS = ("documents", "question", "keep_rate", "max_tokens", "temperature
 
 class SpecPrefillSettings(CompressionSettings):
     """SpecPrefill and decoding settings; nothing heavy is loaded until the first call. The compression
-    settings (``keep_rate``, ``look_ahead``, ``positions``...) are the engine's own fields."""
+    settings (``keep_rate``, ``look_ahead``, ``positions``...) are the engine's own fields.
+    """
 
     model: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
     draft_model: str = Field(DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
@@ -46,8 +47,9 @@ class SpecPrefillSettings(CompressionSettings):
         description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
     tokenizer: str | None = Field(
-        None, description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default the "
-        "draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped)."
+        None,
+        description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default the "
+        "draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped).",
     )
     device: str = Field("cpu", description="torch device, e.g. 'cpu' or 'cuda'.")
     temperature: float = Field(0.0, description="0 = greedy.")
@@ -63,10 +65,21 @@ class SpecPrefillSettings(CompressionSettings):
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillSettings:
-        self._config = adapter_config(self.backend, self.draft_model, main=self.model, tokenizer=self.tokenizer,
-                                      device=self.device, **self.compression())
-        GenerationParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                         seed=self.seed, stop=tuple(self.stop or ()))
+        self._config = adapter_config(
+            self.backend,
+            self.draft_model,
+            main=self.model,
+            tokenizer=self.tokenizer,
+            device=self.device,
+            **self.compression(),
+        )
+        GenerationParams(
+            max_new_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+        )
         return self
 
     @classmethod
@@ -86,7 +99,8 @@ class SpecPrefillSettings(CompressionSettings):
     @property
     def session(self) -> LocalSession | GatewaySession:
         """Where answers come from, decided on first use: a gateway when ``backend`` is a gateway's URL
-        (it says so in /v1/models), else the engine in this process."""
+        (it says so in /v1/models), else the engine in this process.
+        """
         if self._session is None:
             gateway = None if self._engine is not None else find_gateway(self.backend, self.timeout, self.api_key)
             self._session = GatewaySession(gateway, self) if gateway else LocalSession(self)
@@ -96,18 +110,22 @@ class SpecPrefillSettings(CompressionSettings):
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(CALL_OPTIONS)}")
-        params = generation_params({
-            "max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
-            "temperature": kwargs.get("temperature", self.temperature),
-            "top_p": kwargs.get("top_p", self.top_p),
-            "seed": kwargs.get("seed", self.seed),
-            "stop": self._stops(stop),
-        }, names={"max_new_tokens": "max_tokens"})
+        params = generation_params(
+            {
+                "max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
+                "temperature": kwargs.get("temperature", self.temperature),
+                "top_p": kwargs.get("top_p", self.top_p),
+                "seed": kwargs.get("seed", self.seed),
+                "stop": self._stops(stop),
+            },
+            names={"max_new_tokens": "max_tokens"},
+        )
         return params, kwargs
 
     def _stops(self, stop: Any) -> Any:
         """The constructor's stop strings then the call's (a str is one stop string), each once; anything
-        else is passed on as given, for GenerationParams to refuse."""
+        else is passed on as given, for GenerationParams to refuse.
+        """
         if isinstance(stop, str):
             stop = [stop]
         if stop is not None and not isinstance(stop, (list, tuple)):
@@ -122,18 +140,32 @@ class SpecPrefillSettings(CompressionSettings):
 
     def _areplies(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> AsyncIterator[Reply]:
+    ) -> AsyncGenerator[Reply, None]:
         params, options = self._call_options(stop, kwargs)
         return self.session.astream(messages, params, options)
 
     def _response_metadata(self, result: GenerationResult, extras: dict[str, Any]) -> dict[str, Any]:
         stats = {**result.stats.as_dict(), "draft_model": self.draft_model, **extras}
-        return {"model_name": self.model, "model_provider": "specprefill", "finish_reason": result.finish_reason,
-                "spec_prefill": stats}
+        return {
+            "model_name": self.model,
+            "model_provider": "specprefill",
+            "finish_reason": result.finish_reason,
+            "spec_prefill": stats,
+        }
 
     def _specprefill_params(self) -> dict[str, Any]:
-        return {"model": self.model, "draft_model": self.draft_model, "backend": self.backend,
-                "keep_rate": self.keep_rate, "timeout": self.timeout, "max_document_tokens": self.max_document_tokens,
-                "look_ahead": self.look_ahead, "min_prompt_tokens": self.min_prompt_tokens, "positions": self.positions,
-                "temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
-                "stop": self.stop}
+        return {
+            "model": self.model,
+            "draft_model": self.draft_model,
+            "backend": self.backend,
+            "keep_rate": self.keep_rate,
+            "timeout": self.timeout,
+            "max_document_tokens": self.max_document_tokens,
+            "look_ahead": self.look_ahead,
+            "min_prompt_tokens": self.min_prompt_tokens,
+            "positions": self.positions,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "stop": self.stop,
+        }

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict
-from specprefill_rag.results import StreamChunk
 
 from langchain_specprefill._settings import SpecPrefillSettings
+from specprefill_rag.results import StreamChunk
 
 
 def _usage(stats: Any) -> dict[str, int]:
@@ -76,7 +76,7 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
 
     async def _achunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> AsyncIterator[ChatGenerationChunk]:
+    ) -> AsyncGenerator[ChatGenerationChunk, None]:
         """:meth:`_chunks` on the event loop (the engine's native async path, or the gateway's)."""
         async with aclosing(self._areplies(messages, stop, kwargs)) as replies:
             async for chunk, extras in replies:
@@ -86,8 +86,12 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         if chunk.result is None:
             return ChatGenerationChunk(message=AIMessageChunk(content=chunk.text))
         metadata = self._response_metadata(chunk.result, extras)
-        last = AIMessageChunk(content=chunk.text, usage_metadata=_usage(chunk.result.stats),  # type: ignore[arg-type]
-                              response_metadata=metadata, chunk_position="last")
+        last = AIMessageChunk(
+            content=chunk.text,
+            usage_metadata=_usage(chunk.result.stats),
+            response_metadata=metadata,
+            chunk_position="last",
+        )
         return ChatGenerationChunk(message=last, generation_info={"finish_reason": chunk.result.finish_reason})
 
     def _generate(
@@ -126,7 +130,7 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         stop: list[str] | None = None,
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
-    ) -> AsyncIterator[ChatGenerationChunk]:
+    ) -> AsyncGenerator[ChatGenerationChunk, None]:
         async with aclosing(self._achunks(messages, stop, kwargs)) as chunks:
             async for chunk in chunks:
                 if run_manager:
@@ -136,7 +140,7 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
 
 def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
     """One message from a whole stream; usage and metadata from its last chunk."""
-    final = chunks[-1].message
+    final = cast(AIMessageChunk, chunks[-1].message)  # the adapter's own chunks
     message = AIMessage(
         content="".join(str(c.message.content) for c in chunks),
         usage_metadata=final.usage_metadata,

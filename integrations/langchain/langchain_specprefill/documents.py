@@ -12,6 +12,7 @@ from typing import Any
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+
 from specprefill_rag.errors import InvalidRequestError
 
 _ROLES = {"system": "system", "human": "user", "user": "user", "ai": "assistant", "assistant": "assistant"}
@@ -32,6 +33,7 @@ def format_docs(docs: Iterable[LCDocument | str], separator: str = "\n\n") -> st
 def document_prompt() -> Any:
     """A ``document_prompt`` for ``create_stuff_documents_chain`` that marks each document's span."""
     from langchain_core.prompts import PromptTemplate
+
     from specprefill_rag.chat import mark_document
 
     return PromptTemplate.from_template(mark_document("{page_content}"))
@@ -97,7 +99,8 @@ def to_chat_message(message: BaseMessage) -> Any:
 
 def _unmarked(text: str) -> list[str | dict[str, Any]]:
     """Text with :func:`format_docs` markers -> text and document parts. The markers hold a secret of this
-    process, so they are read here, never sent (importing the core's chat module, which needs torch)."""
+    process, so they are read here, never sent (importing the core's chat module, which needs torch).
+    """
     if "\x02" not in text:
         return [text]
     from specprefill_rag.chat import DOCUMENT_END, DOCUMENT_START
@@ -114,13 +117,16 @@ def _unmarked(text: str) -> list[str | dict[str, Any]]:
 
 def to_openai_message(message: BaseMessage) -> dict[str, Any]:
     """A LangChain message as an OpenAI chat message for a gateway: plain text content, or text and
-    ``document`` parts (from ``text-plain`` blocks and :func:`format_docs` markers)."""
+    ``document`` parts (from ``text-plain`` blocks and :func:`format_docs` markers).
+    """
     role, parts = _role_and_parts(message)
     expanded = [piece for part in parts for piece in (_unmarked(part) if isinstance(part, str) else [part])]
     if all(isinstance(part, str) for part in expanded):
         return {"role": role, "content": "".join(expanded)}  # type: ignore[arg-type]
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {k: v for k, v in p.items() if v is not None}
-               for p in expanded]
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {k: v for k, v in p.items() if v is not None}
+        for p in expanded
+    ]
     return {"role": role, "content": content}
 
 

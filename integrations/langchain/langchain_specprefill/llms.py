@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -12,17 +12,18 @@ from langchain_core.language_models.llms import LLM
 from langchain_core.messages import HumanMessage
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
-from specprefill_rag.arguments import check_unicode
-from specprefill_rag.results import StreamChunk
 
 from langchain_specprefill._settings import SpecPrefillSettings
+from specprefill_rag.arguments import check_unicode
+from specprefill_rag.results import StreamChunk
 
 
 class SpecPrefillLLM(SpecPrefillSettings, LLM):
     """Text LLM with SpecPrefill. The prompt is sent as one user turn through the main model's chat
     template; documents are found as for :class:`~langchain_specprefill.ChatSpecPrefill`
     (``documents=``, marked text from ``format_docs``, else everything but the protected tail).
-    The output never includes the prompt."""
+    The output never includes the prompt.
+    """
 
     model_config = ConfigDict(extra="forbid")  # an unknown setting is refused, not ignored
 
@@ -43,7 +44,7 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
 
     async def _achunks(
         self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         """:meth:`_chunks` on the event loop (the engine's native async path, or the gateway's)."""
         async with aclosing(self._areplies([HumanMessage(check_unicode(prompt, "prompt"))], stop, kwargs)) as replies:
             async for chunk, extras in replies:
@@ -104,7 +105,7 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         stop: list[str] | None = None,
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         async with aclosing(self._achunks(prompt, stop, kwargs)) as chunks:
             async for chunk in chunks:
                 if run_manager:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.testing import build_model, build_tokenizer
 

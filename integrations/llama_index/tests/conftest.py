@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.testing import build_model, build_tokenizer
 

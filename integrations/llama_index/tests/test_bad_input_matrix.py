@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from llama_index.core.base.llms.types import ImageBlock, MessageRole
 from llama_index.core.llms import ChatMessage
+from llama_index.llms.specprefill import SpecPrefillLLM
 from pydantic import ValidationError
+
 from specprefill_rag.errors import ContextLengthError, InvalidRequestError, SpecPrefillError
 from specprefill_rag.testing import random_documents
-
-from llama_index.llms.specprefill import SpecPrefillLLM
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,40 +56,105 @@ COMPLETE_CASES: list[tuple[str, Any, dict, type, str]] = [
     ("prompt: lone surrogate", SURROGATE, {}, InvalidRequestError, "prompt is not valid Unicode"),
     ("documents=: int", QUESTION, {"documents": 5}, InvalidRequestError, "documents must be a list .* got int"),
     ("documents=: empty list", QUESTION, {"documents": []}, InvalidRequestError, "documents=\\[\\] is empty"),
-    ("documents=: mapping text None", QUESTION, {"documents": [{"text": None}]}, InvalidRequestError,
-     "document 0's text must be a str"),
+    (
+        "documents=: mapping text None",
+        QUESTION,
+        {"documents": [{"text": None}]},
+        InvalidRequestError,
+        "document 0's text must be a str",
+    ),
     ("documents=: bytes not UTF-8", QUESTION, {"documents": [b"\xff"]}, InvalidRequestError, "not valid UTF-8"),
-    ("documents=: lone surrogate", QUESTION, {"documents": [SURROGATE]}, InvalidRequestError,
-     "document 0's text is not valid Unicode"),
+    (
+        "documents=: lone surrogate",
+        QUESTION,
+        {"documents": [SURROGATE]},
+        InvalidRequestError,
+        "document 0's text is not valid Unicode",
+    ),
     ("query=: int", QUESTION, {"query": 5}, InvalidRequestError, "question must be a str"),
     ("query=: whitespace only", QUESTION, {"query": "  "}, InvalidRequestError, "question is empty"),
-    ("keep_rate: str", QUESTION, {"documents": DOCUMENTS, "keep_rate": "half"}, InvalidRequestError,
-     "keep_rate must be a number or 'auto', got str"),
-    ("keep_rate: NaN", QUESTION, {"documents": DOCUMENTS, "keep_rate": float("nan")}, InvalidRequestError,
-     "keep_rate must be finite"),
+    (
+        "keep_rate: str",
+        QUESTION,
+        {"documents": DOCUMENTS, "keep_rate": "half"},
+        InvalidRequestError,
+        "keep_rate must be a number or 'auto', got str",
+    ),
+    (
+        "keep_rate: NaN",
+        QUESTION,
+        {"documents": DOCUMENTS, "keep_rate": float("nan")},
+        InvalidRequestError,
+        "keep_rate must be finite",
+    ),
     ("keep_rate: 0", QUESTION, {"documents": DOCUMENTS, "keep_rate": 0}, InvalidRequestError, "keep_rate must be in"),
-    ("unknown option", QUESTION, {"temperature": 0.5}, InvalidRequestError,
-     "unknown call options \\['temperature'\\]; use the supported ones"),
-    ("huge: prompt over the context", QUESTION, {"documents": LONG}, ContextLengthError,
-     "the prompt has \\d{4} tokens but the main model's context is 1024 tokens"),
+    (
+        "unknown option",
+        QUESTION,
+        {"temperature": 0.5},
+        InvalidRequestError,
+        "unknown call options \\['temperature'\\]; use the supported ones",
+    ),
+    (
+        "huge: prompt over the context",
+        QUESTION,
+        {"documents": LONG},
+        ContextLengthError,
+        "the prompt has \\d{4} tokens but the main model's context is 1024 tokens",
+    ),
 ]
 
 CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
     ("messages: empty list", [], {}, InvalidRequestError, "no messages given"),
-    ("message: lone surrogate", [ChatMessage(role="user", content=SURROGATE)], {}, InvalidRequestError,
-     "message 0 is not valid Unicode"),
-    ("message: whitespace only", [ChatMessage(role="user", content=" ")], {}, InvalidRequestError,
-     "last user message is empty"),
-    ("message: last from the assistant", [ChatMessage(role="assistant", content="hi")], {}, InvalidRequestError,
-     "last message is from 'assistant'"),
-    ("message: tool role", [ChatMessage(role=MessageRole.TOOL, content="x")], {}, InvalidRequestError,
-     "chat role 'tool' is not supported; use system, user or assistant"),
-    ("message: image block", [ChatMessage(role="user", blocks=[ImageBlock(url="http://127.0.0.1/x.png")])], {},
-     InvalidRequestError, "ImageBlock is not supported; pass text blocks only"),
-    ("documents=: one str", [ChatMessage(role="user", content=QUESTION)], {"documents": "text"}, InvalidRequestError,
-     "documents must be a list .* got str"),
-    ("keep_rate: +inf", [ChatMessage(role="user", content=QUESTION)], {"documents": DOCUMENTS, "keep_rate": float("inf")},
-     InvalidRequestError, "keep_rate must be finite"),
+    (
+        "message: lone surrogate",
+        [ChatMessage(role="user", content=SURROGATE)],
+        {},
+        InvalidRequestError,
+        "message 0 is not valid Unicode",
+    ),
+    (
+        "message: whitespace only",
+        [ChatMessage(role="user", content=" ")],
+        {},
+        InvalidRequestError,
+        "last user message is empty",
+    ),
+    (
+        "message: last from the assistant",
+        [ChatMessage(role="assistant", content="hi")],
+        {},
+        InvalidRequestError,
+        "last message is from 'assistant'",
+    ),
+    (
+        "message: tool role",
+        [ChatMessage(role=MessageRole.TOOL, content="x")],
+        {},
+        InvalidRequestError,
+        "chat role 'tool' is not supported; use system, user or assistant",
+    ),
+    (
+        "message: image block",
+        [ChatMessage(role="user", blocks=[ImageBlock(url="http://127.0.0.1/x.png")])],
+        {},
+        InvalidRequestError,
+        "ImageBlock is not supported; pass text blocks only",
+    ),
+    (
+        "documents=: one str",
+        [ChatMessage(role="user", content=QUESTION)],
+        {"documents": "text"},
+        InvalidRequestError,
+        "documents must be a list .* got str",
+    ),
+    (
+        "keep_rate: +inf",
+        [ChatMessage(role="user", content=QUESTION)],
+        {"documents": DOCUMENTS, "keep_rate": float("inf")},
+        InvalidRequestError,
+        "keep_rate must be finite",
+    ),
     # LlamaIndex's own instrumentation validates the messages' type before this package sees them
     ("messages: a str", QUESTION, {}, ValidationError, "messages\n.*valid list"),
 ]
@@ -103,10 +169,16 @@ CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
     ("timeout: 0", {"timeout": 0}, "timeout\n.*greater than 0"),
     ("backend: not a URL", {"backend": "ftp://x"}, "neither 'transformers'"),
     ("device: not a device", {"device": "gpu0"}, "device 'gpu0' is not a torch device"),
-    ("tokenizer: in-process", {"tokenizer": "smollm2-135m"},
-     "tokenizer names the served model's tokenizer of a vLLM backend"),
-    ("auto_keep_floor: above the ceiling", {"auto_keep_floor": 0.6, "auto_keep_ceiling": 0.5},
-     "auto_keep_floor \\(0.6\\) is above auto_keep_ceiling"),
+    (
+        "tokenizer: in-process",
+        {"tokenizer": "smollm2-135m"},
+        "tokenizer names the served model's tokenizer of a vLLM backend",
+    ),
+    (
+        "auto_keep_floor: above the ceiling",
+        {"auto_keep_floor": 0.6, "auto_keep_ceiling": 0.5},
+        "auto_keep_floor \\(0.6\\) is above auto_keep_ceiling",
+    ),
     ("unknown setting", {"max_tokens": 8}, "max_tokens\n.*Extra inputs are not permitted"),
 ]
 
@@ -128,18 +200,28 @@ def _call(style: str, argument: Any, options: dict) -> Callable[[Any], Any]:
     return call
 
 
-ROWS = [
-    Row(f"SpecPrefillLLM.{style}", case, _call(style, prompt, options), error, message)
-    for case, prompt, options, error, message in COMPLETE_CASES
-    for style in ("complete", "stream_complete", "acomplete", "astream_complete")
-] + [
-    Row(f"SpecPrefillLLM.{style}", case, _call(style, messages, options), error, message)
-    for case, messages, options, error, message in CHAT_CASES
-    for style in ("chat", "stream_chat", "achat", "astream_chat")
-] + [
-    Row("SpecPrefillLLM(...)", case, lambda llm, settings=settings: SpecPrefillLLM(**settings), ValidationError, message)
-    for case, settings, message in CONSTRUCTOR_CASES
-]
+ROWS = (
+    [
+        Row(f"SpecPrefillLLM.{style}", case, _call(style, prompt, options), error, message)
+        for case, prompt, options, error, message in COMPLETE_CASES
+        for style in ("complete", "stream_complete", "acomplete", "astream_complete")
+    ]
+    + [
+        Row(f"SpecPrefillLLM.{style}", case, _call(style, messages, options), error, message)
+        for case, messages, options, error, message in CHAT_CASES
+        for style in ("chat", "stream_chat", "achat", "astream_chat")
+    ]
+    + [
+        Row(
+            "SpecPrefillLLM(...)",
+            case,
+            lambda llm, settings=settings: SpecPrefillLLM(**settings),
+            ValidationError,
+            message,
+        )
+        for case, settings, message in CONSTRUCTOR_CASES
+    ]
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ import pytest
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, TextNode
+from llama_index.llms.specprefill import SpecPrefillLLM
+
 from specprefill_rag.serve import GatewaySettings, create_app
 from specprefill_rag.serve.server import BackgroundServer
 from specprefill_rag.testing import random_documents
-
-from llama_index.llms.specprefill import SpecPrefillLLM
 
 QUESTION = "When did the bridge open?"
 TEXTS = random_documents(3, 60, seed=5)
@@ -46,7 +46,7 @@ def test_the_engine_of_a_gateway_backend_runs_there_not_here(gateway):
     from specprefill_rag.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="is a SpecPrefill gateway: the engine runs there"):
-        SpecPrefillLLM(backend=gateway).engine
+        _ = SpecPrefillLLM(backend=gateway).engine
 
 
 def test_complete_with_documents_and_streaming(gateway, tiny_engine):
@@ -68,19 +68,32 @@ def test_the_application_process_needs_no_torch(gateway, tiny_engine):
         print(json.dumps({{"text": response.text, "loaded": loaded}}))
     """)
     path = f"{ROOT}:{ROOT / 'integrations' / 'llama_index'}"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["loaded"] == []
-    assert answer["text"] == SpecPrefillLLM.from_engine(tiny_engine, max_new_tokens=8).complete(QUESTION, documents=TEXTS).text
+    assert (
+        answer["text"]
+        == SpecPrefillLLM.from_engine(tiny_engine, max_new_tokens=8).complete(QUESTION, documents=TEXTS).text
+    )
 
 
 def test_keep_rate_auto_reaches_the_gateway(gateway, tiny_engine):
-    expected = SpecPrefillLLM.from_engine(tiny_engine, keep_rate="auto", max_new_tokens=4) \
-        .complete(QUESTION, documents=TEXTS).raw["spec_prefill"]
-    for remote, call in ((SpecPrefillLLM(backend=gateway, keep_rate="auto", max_new_tokens=4), {}),
-                         (SpecPrefillLLM(backend=gateway, keep_rate=0.9, max_new_tokens=4), {"keep_rate": "auto"})):
+    expected = (
+        SpecPrefillLLM.from_engine(tiny_engine, keep_rate="auto", max_new_tokens=4)
+        .complete(QUESTION, documents=TEXTS)
+        .raw["spec_prefill"]
+    )
+    for remote, call in (
+        (SpecPrefillLLM(backend=gateway, keep_rate="auto", max_new_tokens=4), {}),
+        (SpecPrefillLLM(backend=gateway, keep_rate=0.9, max_new_tokens=4), {"keep_rate": "auto"}),
+    ):
         stats = remote.complete(QUESTION, documents=TEXTS, **call).raw["spec_prefill"]
         assert stats["keep_policy"] == "auto" and stats["kept_tokens"] == expected["kept_tokens"]
         assert stats["keep_rate"] == expected["keep_rate"] < 0.9

@@ -2,12 +2,34 @@
 
 import llama_index.llms.specprefill as package
 from llama_index.llms.specprefill import SpecPrefillLLM
+
 from specprefill_rag.config import CompressionSettings
 
 EXPORTS = {"SpecPrefillLLM", "install_node_recorder", "remove_node_recorder"}
-SETTINGS = {"model", "draft_model", "backend", "timeout", "api_key", "keep_rate", "auto_keep_share", "auto_keep_floor",
-            "auto_keep_ceiling", "max_document_tokens", "look_ahead", "min_prompt_tokens", "protect_tail_tokens",
-            "positions", "tokenizer", "device", "dtype", "temperature", "max_new_tokens", "top_p", "seed", "stop"}
+SETTINGS = {
+    "model",
+    "draft_model",
+    "backend",
+    "timeout",
+    "api_key",
+    "keep_rate",
+    "auto_keep_share",
+    "auto_keep_floor",
+    "auto_keep_ceiling",
+    "max_document_tokens",
+    "look_ahead",
+    "min_prompt_tokens",
+    "protect_tail_tokens",
+    "positions",
+    "tokenizer",
+    "device",
+    "dtype",
+    "temperature",
+    "max_new_tokens",
+    "top_p",
+    "seed",
+    "stop",
+}
 
 
 def test_exports_and_settings_stay():

@@ -38,7 +38,9 @@ def test_lcel_chain_answers_from_one_retrieved_document(retriever, llm):
 
 def test_create_retrieval_chain(retriever, llm):
     recorder = example.StatsRecorder()
-    output = example.retrieval_chain(retriever, llm).invoke({"input": example.QUESTION}, config={"callbacks": [recorder]})
+    output = example.retrieval_chain(retriever, llm).invoke(
+        {"input": example.QUESTION}, config={"callbacks": [recorder]}
+    )
     assert "1883" in output["answer"]
     assert recorder.stats["document_source"] == "markers" and recorder.stats["compressed"]
 

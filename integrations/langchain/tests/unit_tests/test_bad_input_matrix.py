@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from pydantic import ValidationError
-from specprefill_rag.errors import ContextLengthError, InvalidRequestError, SpecPrefillError
-from specprefill_rag.testing import random_documents
 
 from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM
+from specprefill_rag.errors import ContextLengthError, InvalidRequestError, SpecPrefillError
+from specprefill_rag.testing import random_documents
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,45 +50,125 @@ class Row:
 CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
     # (case, messages, call options, error, message)
     ("documents=: int", QUESTION, {"documents": 5}, InvalidRequestError, "documents= must be a list .* got int"),
-    ("documents=: one str", QUESTION, {"documents": "text"}, InvalidRequestError, "documents= must be a list .* got str"),
+    (
+        "documents=: one str",
+        QUESTION,
+        {"documents": "text"},
+        InvalidRequestError,
+        "documents= must be a list .* got str",
+    ),
     ("documents=: empty list", QUESTION, {"documents": []}, InvalidRequestError, "documents=\\[\\] is empty"),
     ("documents=: None inside", QUESTION, {"documents": [None]}, InvalidRequestError, "document 0 has type NoneType"),
-    ("documents=: mapping text None", QUESTION, {"documents": [{"text": None}]}, InvalidRequestError,
-     "document 0's text must be a str"),
-    ("documents=: lone surrogate", QUESTION, {"documents": [Document(page_content=SURROGATE)]}, InvalidRequestError,
-     "document 0's text is not valid Unicode"),
-    ("documents=: whitespace only", QUESTION, {"documents": [Document(page_content=" \n")]}, InvalidRequestError,
-     "document 0 is empty"),
+    (
+        "documents=: mapping text None",
+        QUESTION,
+        {"documents": [{"text": None}]},
+        InvalidRequestError,
+        "document 0's text must be a str",
+    ),
+    (
+        "documents=: lone surrogate",
+        QUESTION,
+        {"documents": [Document(page_content=SURROGATE)]},
+        InvalidRequestError,
+        "document 0's text is not valid Unicode",
+    ),
+    (
+        "documents=: whitespace only",
+        QUESTION,
+        {"documents": [Document(page_content=" \n")]},
+        InvalidRequestError,
+        "document 0 is empty",
+    ),
     ("message: lone surrogate", [HumanMessage(SURROGATE)], {}, InvalidRequestError, "message 0 is not valid Unicode"),
     ("message: empty", [HumanMessage("")], {}, InvalidRequestError, "last user message is empty"),
-    ("message: whitespace only", [SystemMessage("Be brief."), HumanMessage("  ")], {}, InvalidRequestError,
-     "last user message is empty"),
-    ("message: last from the AI", [HumanMessage(QUESTION), AIMessage("1883")], {}, InvalidRequestError,
-     "the last message is from 'assistant'.* end with one"),
-    ("message: tool message", [ToolMessage("x", tool_call_id="1")], {}, InvalidRequestError,
-     "ToolMessage is not supported; pass system, human and AI messages"),
-    ("content block: unknown type", [HumanMessage([{"type": "image", "url": "x"}])], {}, InvalidRequestError,
-     "content block of type 'image' is not supported"),
-    ("content block: text None", [HumanMessage([{"type": "text-plain", "text": None, "mime_type": "text/plain"}])], {},
-     InvalidRequestError, "'text-plain' content block needs its 'text' as a str, got NoneType"),
-    ("content block: title int", [HumanMessage([{"type": "text-plain", "text": "x", "title": 3, "mime_type": "text/plain"},
-                                                {"type": "text", "text": QUESTION}])], {}, InvalidRequestError,
-     "document 0's title must be a str"),
+    (
+        "message: whitespace only",
+        [SystemMessage("Be brief."), HumanMessage("  ")],
+        {},
+        InvalidRequestError,
+        "last user message is empty",
+    ),
+    (
+        "message: last from the AI",
+        [HumanMessage(QUESTION), AIMessage("1883")],
+        {},
+        InvalidRequestError,
+        "the last message is from 'assistant'.* end with one",
+    ),
+    (
+        "message: tool message",
+        [ToolMessage("x", tool_call_id="1")],
+        {},
+        InvalidRequestError,
+        "ToolMessage is not supported; pass system, human and AI messages",
+    ),
+    (
+        "content block: unknown type",
+        [HumanMessage([{"type": "image", "url": "x"}])],
+        {},
+        InvalidRequestError,
+        "content block of type 'image' is not supported",
+    ),
+    (
+        "content block: text None",
+        [HumanMessage([{"type": "text-plain", "text": None, "mime_type": "text/plain"}])],
+        {},
+        InvalidRequestError,
+        "'text-plain' content block needs its 'text' as a str, got NoneType",
+    ),
+    (
+        "content block: title int",
+        [
+            HumanMessage(
+                [
+                    {"type": "text-plain", "text": "x", "title": 3, "mime_type": "text/plain"},
+                    {"type": "text", "text": QUESTION},
+                ]
+            )
+        ],
+        {},
+        InvalidRequestError,
+        "document 0's title must be a str",
+    ),
     ("question=: int", QUESTION, {"question": 5}, InvalidRequestError, "question must be a str"),
     ("question=: whitespace only", QUESTION, {"question": "  "}, InvalidRequestError, "question is empty"),
-    ("keep_rate: str", QUESTION, {"keep_rate": "half"}, InvalidRequestError, "keep_rate must be a number or 'auto', got str"),
+    (
+        "keep_rate: str",
+        QUESTION,
+        {"keep_rate": "half"},
+        InvalidRequestError,
+        "keep_rate must be a number or 'auto', got str",
+    ),
     ("keep_rate: NaN", QUESTION, {"keep_rate": float("nan")}, InvalidRequestError, "keep_rate must be finite"),
     ("keep_rate: 2", QUESTION, {"keep_rate": 2}, InvalidRequestError, "keep_rate must be in \\(0, 1\\]"),
-    ("max_tokens: str", QUESTION, {"max_tokens": "8"}, InvalidRequestError, "max_tokens: .*valid integer .*max_tokens=128"),
+    (
+        "max_tokens: str",
+        QUESTION,
+        {"max_tokens": "8"},
+        InvalidRequestError,
+        "max_tokens: .*valid integer .*max_tokens=128",
+    ),
     ("max_tokens: 0", QUESTION, {"max_tokens": 0}, InvalidRequestError, "max_tokens: .*greater than or equal to 1"),
     ("temperature: NaN", QUESTION, {"temperature": float("nan")}, InvalidRequestError, "temperature: .*finite"),
     ("temperature: +inf", QUESTION, {"temperature": float("inf")}, InvalidRequestError, "temperature: .*finite"),
     ("seed: float", QUESTION, {"seed": 1.5}, InvalidRequestError, "seed: .*valid integer"),
     ("stop: int", QUESTION, {"stop": 5}, InvalidRequestError, "stop: stop must be a string or a list of strings"),
     ("stop: list inside", QUESTION, {"stop": [["a"]]}, InvalidRequestError, "stop: stop must be non-empty strings"),
-    ("unknown option", QUESTION, {"top_k": 5}, InvalidRequestError, "unknown call options \\['top_k'\\]; use the supported ones"),
-    ("huge: prompt over the context", QUESTION, {"documents": LONG}, ContextLengthError,
-     "the prompt has \\d{4} tokens but the main model's context is 1024 tokens"),
+    (
+        "unknown option",
+        QUESTION,
+        {"top_k": 5},
+        InvalidRequestError,
+        "unknown call options \\['top_k'\\]; use the supported ones",
+    ),
+    (
+        "huge: prompt over the context",
+        QUESTION,
+        {"documents": LONG},
+        ContextLengthError,
+        "the prompt has \\d{4} tokens but the main model's context is 1024 tokens",
+    ),
 ]
 
 LLM_CASES: list[tuple[str, Any, dict, type, str]] = [
@@ -97,7 +178,13 @@ LLM_CASES: list[tuple[str, Any, dict, type, str]] = [
     ("keep_rate: +inf", QUESTION, {"keep_rate": float("inf")}, InvalidRequestError, "keep_rate must be finite"),
     ("max_tokens: NaN", QUESTION, {"max_tokens": float("nan")}, InvalidRequestError, "max_tokens: "),
     ("unknown option", QUESTION, {"n": 2}, InvalidRequestError, "unknown call options \\['n'\\]"),
-    ("huge: prompt over the context", QUESTION, {"documents": LONG}, ContextLengthError, "main model's context is 1024"),
+    (
+        "huge: prompt over the context",
+        QUESTION,
+        {"documents": LONG},
+        ContextLengthError,
+        "main model's context is 1024",
+    ),
 ]
 
 CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
@@ -111,10 +198,16 @@ CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
     ("backend: not a URL", {"backend": "grpc://host:1"}, "neither 'transformers' .* nor the http\\(s\\) URL"),
     ("draft_model: bad self", {"draft_model": "self:x"}, "draft 'self:x': use 'self:<n>'"),
     ("device: not a device", {"device": "gpu0"}, "device 'gpu0' is not a torch device"),
-    ("tokenizer: in-process", {"tokenizer": "smollm2-135m"},
-     "tokenizer names the served model's tokenizer of a vLLM backend"),
-    ("auto_keep_floor: above the ceiling", {"auto_keep_floor": 0.6, "auto_keep_ceiling": 0.5},
-     "auto_keep_floor \\(0.6\\) is above auto_keep_ceiling"),
+    (
+        "tokenizer: in-process",
+        {"tokenizer": "smollm2-135m"},
+        "tokenizer names the served model's tokenizer of a vLLM backend",
+    ),
+    (
+        "auto_keep_floor: above the ceiling",
+        {"auto_keep_floor": 0.6, "auto_keep_ceiling": 0.5},
+        "auto_keep_floor \\(0.6\\) is above auto_keep_ceiling",
+    ),
     ("unknown setting", {"keeprate": 0.2}, "keeprate\n.*Extra inputs are not permitted"),
 ]
 
@@ -140,19 +233,23 @@ def _construct(cls: type, settings: dict) -> Callable[[Any], Any]:
     return lambda model: cls(**settings)
 
 
-ROWS = [
-    Row(f"ChatSpecPrefill.{style}", case, _call(style, messages, options), error, message)
-    for case, messages, options, error, message in CHAT_CASES
-    for style in ("invoke", "stream", "ainvoke", "astream")
-] + [
-    Row(f"SpecPrefillLLM.{style}", case, _call(style, prompt, options), error, message)
-    for case, prompt, options, error, message in LLM_CASES
-    for style in ("invoke", "astream")
-] + [
-    Row(f"{cls.__name__}(...)", case, _construct(cls, settings), ValidationError, message)
-    for case, settings, message in CONSTRUCTOR_CASES
-    for cls in (ChatSpecPrefill, SpecPrefillLLM)
-]
+ROWS = (
+    [
+        Row(f"ChatSpecPrefill.{style}", case, _call(style, messages, options), error, message)
+        for case, messages, options, error, message in CHAT_CASES
+        for style in ("invoke", "stream", "ainvoke", "astream")
+    ]
+    + [
+        Row(f"SpecPrefillLLM.{style}", case, _call(style, prompt, options), error, message)
+        for case, prompt, options, error, message in LLM_CASES
+        for style in ("invoke", "astream")
+    ]
+    + [
+        Row(f"{cls.__name__}(...)", case, _construct(cls, settings), ValidationError, message)
+        for case, settings, message in CONSTRUCTOR_CASES
+        for cls in (ChatSpecPrefill, SpecPrefillLLM)
+    ]
+)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,10 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
-from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.testing import random_documents
 
 from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM, format_docs
+from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.testing import random_documents
 
 QUESTION = "When did the bridge open?"
 
@@ -27,9 +27,16 @@ def test_construction_loads_nothing():
 
 def test_tokenizer_and_auto_keep_settings_reach_the_engine_config():
     # a draft of another vocabulary for a model on vLLM needs the served model's tokenizer
-    settings = dict(backend="http://127.0.0.1:9", tokenizer="qwen2.5-coder-1.5b", keep_rate="auto",
-                    auto_keep_share=0.7, auto_keep_floor=0.2, auto_keep_ceiling=0.4, min_prompt_tokens=256,
-                    positions="contiguous")
+    settings = dict(
+        backend="http://127.0.0.1:9",
+        tokenizer="qwen2.5-coder-1.5b",
+        keep_rate="auto",
+        auto_keep_share=0.7,
+        auto_keep_floor=0.2,
+        auto_keep_ceiling=0.4,
+        min_prompt_tokens=256,
+        positions="contiguous",
+    )
     for adapter in (ChatSpecPrefill, SpecPrefillLLM):
         config = adapter(**settings)._config
         assert (config.tokenizer, config.keep_rate, config.min_prompt_tokens) == ("qwen2.5-coder-1.5b", "auto", 256)
@@ -38,7 +45,9 @@ def test_tokenizer_and_auto_keep_settings_reach_the_engine_config():
 
 
 def test_documents_argument_is_compressed_and_reported(chat):
-    documents = [Document(page_content=t, metadata={"title": f"doc {i}"}) for i, t in enumerate(random_documents(3, 80))]
+    documents = [
+        Document(page_content=t, metadata={"title": f"doc {i}"}) for i, t in enumerate(random_documents(3, 80))
+    ]
     message = chat.invoke([HumanMessage(QUESTION)], documents=documents)
     stats = message.response_metadata["spec_prefill"]
     assert stats["document_source"] == "argument-inserted"
@@ -55,7 +64,9 @@ def test_format_docs_markers_are_found(chat):
 
 
 def test_text_plain_blocks_are_documents(chat):
-    blocks = [{"type": "text-plain", "text": t, "title": "t", "mime_type": "text/plain"} for t in random_documents(2, 60)]
+    blocks = [
+        {"type": "text-plain", "text": t, "title": "t", "mime_type": "text/plain"} for t in random_documents(2, 60)
+    ]
     message = chat.invoke([HumanMessage([*blocks, {"type": "text", "text": QUESTION}])])
     assert message.response_metadata["spec_prefill"]["document_source"] == "blocks"
 
@@ -75,7 +86,9 @@ def test_stream_fires_callbacks_per_token_and_adds_up(chat):
 
     handler = Collect()
     handler.tokens = []
-    chunks = list(chat.stream([HumanMessage(QUESTION)], documents=random_documents(2, 60), config={"callbacks": [handler]}))
+    chunks = list(
+        chat.stream([HumanMessage(QUESTION)], documents=random_documents(2, 60), config={"callbacks": [handler]})
+    )
     text = "".join(c.content for c in chunks)
     assert text == "".join(handler.tokens)
     assert sum(c.usage_metadata is not None and c.usage_metadata["input_tokens"] > 0 for c in chunks) == 1
@@ -90,8 +103,18 @@ def test_stop_sequences_from_call_and_constructor(tiny_engine):
     assert len(free) > 6
     stop = free[2:5]
     expected = free[: free.index(stop)]
-    assert ChatSpecPrefill.from_engine(tiny_engine, max_tokens=20).invoke(QUESTION, stop=[stop], documents=documents).content == expected
-    assert ChatSpecPrefill.from_engine(tiny_engine, max_tokens=20, stop=[stop]).invoke(QUESTION, documents=documents).content == expected
+    assert (
+        ChatSpecPrefill.from_engine(tiny_engine, max_tokens=20)
+        .invoke(QUESTION, stop=[stop], documents=documents)
+        .content
+        == expected
+    )
+    assert (
+        ChatSpecPrefill.from_engine(tiny_engine, max_tokens=20, stop=[stop])
+        .invoke(QUESTION, documents=documents)
+        .content
+        == expected
+    )
 
 
 def test_token_counts_use_the_main_tokenizer(chat, tiny_engine):
@@ -110,7 +133,9 @@ async def test_async_does_not_block_the_event_loop(chat):
 
     task = asyncio.create_task(ticker())
     started = time.perf_counter()
-    chunks = [c async for c in chat.astream([HumanMessage(QUESTION)], documents=random_documents(3, 120), max_tokens=16)]
+    chunks = [
+        c async for c in chat.astream([HumanMessage(QUESTION)], documents=random_documents(3, 120), max_tokens=16)
+    ]
     elapsed = time.perf_counter() - started
     result = await chat.ainvoke([HumanMessage(QUESTION)], documents=random_documents(3, 120), max_tokens=16)
     task.cancel()
@@ -131,7 +156,10 @@ async def test_async_calls_take_the_engine_native_async_path(chat, tiny_engine, 
     streamed = [c async for c in chat.astream([HumanMessage(QUESTION)], documents=documents)]
     invoked = await chat.ainvoke([HumanMessage(QUESTION)], documents=documents)
     assert "".join(c.content for c in streamed) == invoked.content == expected.content
-    assert invoked.response_metadata["spec_prefill"]["kept_tokens"] == expected.response_metadata["spec_prefill"]["kept_tokens"]
+    assert (
+        invoked.response_metadata["spec_prefill"]["kept_tokens"]
+        == expected.response_metadata["spec_prefill"]["kept_tokens"]
+    )
     assert await llm.ainvoke(QUESTION, documents=documents) == expected_text
     assert "".join([c async for c in llm.astream(QUESTION, documents=documents)]) == expected_text
     generations = (await llm.agenerate([QUESTION, QUESTION], documents=documents)).generations
@@ -175,7 +203,10 @@ def test_text_llm(tiny_engine):
         (lambda m: m.invoke([]), "no messages"),
         (lambda m: m.invoke([HumanMessage("hi"), AIMessage("hello")]), "last message is from 'assistant'"),
         (lambda m: m.invoke([ToolMessage("x", tool_call_id="1"), HumanMessage("q")]), "ToolMessage is not supported"),
-        (lambda m: m.invoke([HumanMessage(format_docs(["a b c"]) + "q")], documents=["x"]), "documents were given twice"),
+        (
+            lambda m: m.invoke([HumanMessage(format_docs(["a b c"]) + "q")], documents=["x"]),
+            "documents were given twice",
+        ),
         (lambda m: m.invoke(QUESTION, bogus=1), "unknown call options"),
         (lambda m: m.invoke(QUESTION, documents=["x"], keep_rate=2.0), "keep_rate must be in"),
     ],

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import HumanMessage, SystemMessage
+
+from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM, format_docs
 from specprefill_rag.serve import GatewaySettings, create_app
 from specprefill_rag.serve.server import BackgroundServer
 from specprefill_rag.testing import random_documents
-
-from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM, format_docs
 
 QUESTION = "When did the bridge open?"
 TEXTS = random_documents(3, 70, seed=3)
@@ -51,7 +51,7 @@ def test_the_engine_of_a_gateway_backend_runs_there_not_here(gateway):
 
     for adapter in (ChatSpecPrefill, SpecPrefillLLM):
         with pytest.raises(InvalidRequestError, match="is a SpecPrefill gateway: the engine runs there"):
-            adapter(backend=gateway).engine
+            _ = adapter(backend=gateway).engine
 
 
 def test_markers_and_blocks_become_document_parts(gateway, tiny_engine):
@@ -63,7 +63,9 @@ def test_markers_and_blocks_become_document_parts(gateway, tiny_engine):
     assert got.response_metadata["spec_prefill"]["n_documents"] == 3
     assert got.usage_metadata["input_tokens"] > 0 and expected.content is not None
     blocks = [{"type": "text-plain", "text": t, "title": "doc"} for t in TEXTS] + [{"type": "text", "text": QUESTION}]
-    assert remote.invoke([HumanMessage(content=blocks)]).response_metadata["spec_prefill"]["document_source"] == "blocks"
+    assert (
+        remote.invoke([HumanMessage(content=blocks)]).response_metadata["spec_prefill"]["document_source"] == "blocks"
+    )
 
 
 async def test_async_and_streaming_through_the_gateway(gateway):
@@ -89,8 +91,13 @@ def test_the_application_process_needs_no_torch(gateway, tiny_engine):
                           "stats": message.response_metadata["spec_prefill"]}}))
     """)
     path = f"{ROOT}:{ROOT / 'integrations' / 'langchain'}"
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": path, "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     answer = json.loads(done.stdout.strip().splitlines()[-1])
     assert answer["loaded"] == [] and answer["stats"]["compressed"]
@@ -102,8 +109,10 @@ def test_keep_rate_auto_reaches_the_gateway(gateway, tiny_engine):
     documents = [Document(page_content=t) for t in TEXTS]
     local = ChatSpecPrefill.from_engine(tiny_engine, max_tokens=4, keep_rate="auto")
     expected = local.invoke(messages(), documents=documents).response_metadata["spec_prefill"]
-    for remote, call in ((ChatSpecPrefill(backend=gateway, max_tokens=4, keep_rate="auto"), {}),
-                         (ChatSpecPrefill(backend=gateway, max_tokens=4, keep_rate=0.9), {"keep_rate": "auto"})):
+    for remote, call in (
+        (ChatSpecPrefill(backend=gateway, max_tokens=4, keep_rate="auto"), {}),
+        (ChatSpecPrefill(backend=gateway, max_tokens=4, keep_rate=0.9), {"keep_rate": "auto"}),
+    ):
         stats = remote.invoke(messages(), documents=documents, **call).response_metadata["spec_prefill"]
         assert stats["keep_policy"] == "auto" and stats["kept_tokens"] == expected["kept_tokens"]
         assert stats["keep_rate"] == expected["keep_rate"] < 0.9

@@ -5,10 +5,31 @@ from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM
 from specprefill_rag.config import CompressionSettings
 
 EXPORTS = {"ChatSpecPrefill", "SpecPrefillLLM", "__version__", "document_prompt", "format_docs"}
-SETTINGS = {"model", "draft_model", "backend", "timeout", "api_key", "keep_rate", "auto_keep_share", "auto_keep_floor",
-            "auto_keep_ceiling", "max_document_tokens", "look_ahead", "min_prompt_tokens", "protect_tail_tokens",
-            "positions", "tokenizer", "device", "dtype", "temperature", "max_tokens", "top_p", "seed", "stop",
-            "streaming"}
+SETTINGS = {
+    "model",
+    "draft_model",
+    "backend",
+    "timeout",
+    "api_key",
+    "keep_rate",
+    "auto_keep_share",
+    "auto_keep_floor",
+    "auto_keep_ceiling",
+    "max_document_tokens",
+    "look_ahead",
+    "min_prompt_tokens",
+    "protect_tail_tokens",
+    "positions",
+    "tokenizer",
+    "device",
+    "dtype",
+    "temperature",
+    "max_tokens",
+    "top_p",
+    "seed",
+    "stop",
+    "streaming",
+}
 
 
 def test_exports_and_settings_stay():

@@ -7,7 +7,7 @@ The gateway session imports no torch: an application that talks to a gateway loa
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -42,9 +42,15 @@ class LocalSession:
     def _layout(self, request: Request) -> Any:
         from specprefill_rag.chat import ChatMessage, chat_layout
 
-        messages = [ChatMessage(role, [text]) for role, text in request.messages]  # type: ignore[arg-type]
-        return chat_layout(self.llm.engine.tokenizer, messages, request.documents, self.llm.protect_tail_tokens,
-                           question=request.question, insert_missing=request.insert_missing)
+        messages = [ChatMessage(role, [text]) for role, text in request.messages]
+        return chat_layout(
+            self.llm.engine.tokenizer,
+            messages,
+            request.documents,
+            self.llm.protect_tail_tokens,
+            question=request.question,
+            insert_missing=request.insert_missing,
+        )
 
     @staticmethod
     def _extras(layout: Any) -> dict[str, Any]:
@@ -55,7 +61,7 @@ class LocalSession:
         for chunk in self.llm.engine.stream_layout(layout.layout, request.params, request.keep_rate):
             yield chunk, self._extras(layout)
 
-    async def astream(self, request: Request) -> AsyncIterator[Reply]:
+    async def astream(self, request: Request) -> AsyncGenerator[Reply, None]:
         layout = self._layout(request)
         async with aclosing(self.llm.engine.astream_layout(layout.layout, request.params, request.keep_rate)) as chunks:
             async for chunk in chunks:
@@ -81,9 +87,13 @@ class GatewaySession:
         self.llm = llm
 
     def _body(self, request: Request) -> dict[str, Any]:
-        options = {"keep_rate": request.keep_rate, "max_document_tokens": self.llm.max_document_tokens,
-                   "documents": _json_documents(request.documents), "question": request.question,
-                   "insert_documents": request.insert_missing}
+        options = {
+            "keep_rate": request.keep_rate,
+            "max_document_tokens": self.llm.max_document_tokens,
+            "documents": _json_documents(request.documents),
+            "question": request.question,
+            "insert_documents": request.insert_missing,
+        }
         messages = [{"role": role, "content": text} for role, text in request.messages]
         return self.client.body(messages, options, request.params)
 
@@ -91,7 +101,7 @@ class GatewaySession:
         for reply in self.client.stream(self._body(request)):
             yield reply.chunk, reply.extras
 
-    async def astream(self, request: Request) -> AsyncIterator[Reply]:
+    async def astream(self, request: Request) -> AsyncGenerator[Reply, None]:
         async with aclosing(self.client.astream(self._body(request))) as replies:
             async for reply in replies:
                 yield reply.chunk, reply.extras

@@ -37,7 +37,10 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode
+from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Request
 from pydantic import SecretStr
+
+from specprefill_rag.arguments import check_text, generation_params
 from specprefill_rag.config import (
     DEFAULT_MODEL,
     CompressionSettings,
@@ -45,12 +48,9 @@ from specprefill_rag.config import (
     SpecPrefillConfig,
     adapter_config,
 )
-from specprefill_rag.arguments import check_text, generation_params
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.gateway_client import api_key_from_environment, engine_here, find_gateway
 from specprefill_rag.results import StreamChunk
-
-from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Reply, Request
 
 if TYPE_CHECKING:
     from specprefill_rag import SpecPrefillEngine
@@ -78,7 +78,8 @@ _retrieved_nodes: ContextVar[tuple[str, ...]] = ContextVar("specprefill_retrieve
 
 class RetrievedNodeRecorder(BaseEventHandler):
     """Remembers, per execution context, the LLM-visible text of the nodes the last retrieval returned,
-    so the synthesizer's ``context_str`` can be split into one document span per node."""
+    so the synthesizer's ``context_str`` can be split into one document span per node.
+    """
 
     @classmethod
     def class_name(cls) -> str:
@@ -109,7 +110,8 @@ def remove_node_recorder() -> None:
 
 def context_documents(context: str | None) -> list[str] | None:
     """The retrieved nodes inside ``context``, one document each; without recorded nodes, the blocks
-    LlamaIndex joined with blank lines."""
+    LlamaIndex joined with blank lines.
+    """
     if not context:
         return None
     nodes = [text for text in dict.fromkeys(_retrieved_nodes.get()) if text in context]
@@ -156,8 +158,9 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
         description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
     )
     tokenizer: str | None = Field(
-        default=None, description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default "
-        "the draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped)."
+        default=None,
+        description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default "
+        "the draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped).",
     )
     device: str = Field(default="cpu", description="torch device.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
@@ -174,10 +177,21 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillLLM:
-        self._config = adapter_config(self.backend, self.draft_model, main=self.model, tokenizer=self.tokenizer,
-                                      device=self.device, **self.compression())
-        GenerationParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                         seed=self.seed, stop=tuple(self.stop or ()))
+        self._config = adapter_config(
+            self.backend,
+            self.draft_model,
+            main=self.model,
+            tokenizer=self.tokenizer,
+            device=self.device,
+            **self.compression(),
+        )
+        GenerationParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+        )
         install_node_recorder()
         return self
 
@@ -202,7 +216,8 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
     @property
     def session(self) -> LocalSession | GatewaySession:
         """Where answers come from, decided on first use: a gateway when ``backend`` is a gateway's URL
-        (it says so in /v1/models), else the engine in this process."""
+        (it says so in /v1/models), else the engine in this process.
+        """
         if self._session is None:
             gateway = None if self._engine is not None else find_gateway(self.backend, self.timeout, self.api_key)
             self._session = GatewaySession(gateway, self) if gateway else LocalSession(self)
@@ -211,8 +226,12 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
     @property
     def metadata(self) -> LLMMetadata:
         session = self.session
-        return LLMMetadata(context_window=session.context_length, num_output=self.max_new_tokens,
-                           is_chat_model=session.is_chat_model, model_name=self.model)
+        return LLMMetadata(
+            context_window=session.context_length,
+            num_output=self.max_new_tokens,
+            is_chat_model=session.is_chat_model,
+            model_name=self.model,
+        )
 
     # -- where templates become messages or prompts: remember the template variables ------------
 
@@ -243,23 +262,34 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
         return Request(messages, documents, question, explicit is not None, keep_rate, self._params())
 
     def _params(self) -> GenerationParams:
-        return generation_params({"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                                  "top_p": self.top_p, "seed": self.seed, "stop": list(self.stop or ())})
+        return generation_params(
+            {
+                "max_new_tokens": self.max_new_tokens,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "seed": self.seed,
+                "stop": list(self.stop or ()),
+            }
+        )
 
     @staticmethod
     def _raw(chunk: StreamChunk, extras: dict[str, Any]) -> dict[str, Any]:
         if chunk.stats is None:
             return {}
         stats = {**chunk.stats.as_dict(), **extras}
-        usage = {"prompt_tokens": chunk.stats.prompt_tokens, "completion_tokens": chunk.stats.completion_tokens,
-                 "total_tokens": chunk.stats.prompt_tokens + chunk.stats.completion_tokens}
+        usage = {
+            "prompt_tokens": chunk.stats.prompt_tokens,
+            "completion_tokens": chunk.stats.completion_tokens,
+            "total_tokens": chunk.stats.prompt_tokens + chunk.stats.completion_tokens,
+        }
         return {"usage": usage, "spec_prefill": stats, "finish_reason": chunk.finish_reason}
 
     def _response(self, chunk: StreamChunk, text: str, extras: dict[str, Any]) -> CompletionResponse:
         """The response for one engine chunk; ``text`` is everything generated so far."""
         raw = self._raw(chunk, extras)
-        return CompletionResponse(text=text, delta=chunk.text, raw=raw,
-                                  additional_kwargs={"spec_prefill": raw["spec_prefill"]} if raw else {})
+        return CompletionResponse(
+            text=text, delta=chunk.text, raw=raw, additional_kwargs={"spec_prefill": raw["spec_prefill"]} if raw else {}
+        )
 
     def _completions(self, request: Request) -> CompletionResponseGen:
         text = ""
@@ -333,7 +363,7 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
 
 def _last(responses: CompletionResponseGen) -> CompletionResponse:
     response = None
-    for response in responses:
+    for response in responses:  # noqa: B007 (the last one is the answer)
         pass
     assert response is not None  # the engine always yields a final chunk
     return response
@@ -342,7 +372,7 @@ def _last(responses: CompletionResponseGen) -> CompletionResponse:
 async def _alast(responses: CompletionResponseAsyncGen) -> CompletionResponse:
     response = None
     async with aclosing(responses):
-        async for response in responses:
+        async for response in responses:  # noqa: B007 (the last one is the answer)
             pass
     assert response is not None  # the engine always yields a final chunk
     return response
