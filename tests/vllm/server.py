@@ -21,9 +21,23 @@ def free_port() -> int:
 def server_command(model_folder: Path, port: int, *options: str) -> list[str]:
     """``python -m vllm.entrypoints.openai.api_server`` for ``model_folder`` on 127.0.0.1:``port`` (eager,
     float32, a small share of memory), with ``options`` added."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-            "--gpu-memory-utilization", "0.2", *options]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_folder),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--gpu-memory-utilization",
+        "0.2",
+        *options,
+    ]
 
 
 def wait_until_serving(process: subprocess.Popen, url: str, limit_s: float = 600) -> None:
@@ -38,19 +52,6 @@ def wait_until_serving(process: subprocess.Popen, url: str, limit_s: float = 600
         except OSError:
             time.sleep(2)
     raise RuntimeError(f"vLLM server did not start within {limit_s:g} s")
-
-
-def wait_until_idle(url: str, limit_s: float = 120) -> None:
-    """Return once the server at ``url`` runs and queues no request (vLLM's /metrics gauges), e.g. after a
-    client abandoned a stream; raise after ``limit_s``."""
-    deadline = time.monotonic() + limit_s
-    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-    while time.monotonic() < deadline:
-        metrics = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-        if not any(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(gauges)):
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"vLLM server at {url} still had requests after {limit_s:g} s")
 
 
 @contextmanager

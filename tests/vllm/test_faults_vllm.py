@@ -1,9 +1,10 @@
 """Faults against vLLM's real OpenAI server on CPU (the stand-in versions are tests/test_faults.py).
 
-A dedicated server process, in its own process group so the test can stop and kill all of it:
-frozen (SIGSTOP) before answering and mid-stream, the client's timeout fires; killed (SIGKILL)
-mid-stream, the stream ends in a typed error, and a request to the dead server is refused; restarted on
-the same port, the same engine serves again. No client thread or socket outlives a failed request.
+The client talks to the real server through a proxy the test drives (tests/vllm/fault_proxy.py), so each fault
+lands where the test says whatever the machine's speed: frozen before answering and mid-stream (the client's
+read timeout fires), dropped mid-stream. Then the server itself, in its own process group, is killed (SIGKILL)
+mid-stream, a request to the dead server is refused, and restarted on the same port, the same engines serve
+again. No client thread or socket outlives a failed request, and the next request succeeds.
 """
 
 import asyncio
@@ -11,7 +12,8 @@ import os
 import re
 import signal
 import subprocess
-from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -19,144 +21,181 @@ from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.backends.vllm import VLLMServerError
 from specprefill_rag.testing import random_documents
 from tests.leaks import nothing_left_behind
-from tests.vllm.server import free_port, server_command, wait_until_idle, wait_until_serving
+from tests.vllm.fault_proxy import Fault, FaultProxy
+from tests.vllm.server import free_port, server_command, wait_until_serving
 
-TIMEOUT = 5.0  # the client's timeout
-# A stream that outlasts the faults (checked below): a warm server decodes the tiny model at well over
-# 500 tokens a second, and a fault sent after the first chunk must land before the stream ends (the
-# prompt's ~200 tokens and these fit in CONTEXT).
-LONG = GenerationParams(max_new_tokens=7000)
-CONTEXT = 8192
+MODES = ("sync", "async")
+PATIENT = 60.0  # the client's timeout for every request that is not meant to time out
+# The client's timeout where a freeze is detected by it (each frozen case waits it out once). The proxy decides
+# when the freeze happens; before it, a read only waits for the server's next step (the response headers, the
+# prefill of the compressed prompt, a decode step), and so does each read of the request that follows on the same
+# engine. Measured here with both cores kept busy: first event within 0.45 s, no later gap over 0.4 s (40 requests).
+IMPATIENT = 15.0
+EVENTS = 2  # the stream's events the proxy forwards before a fault
+SHORT = GenerationParams(max_new_tokens=32)  # more events than EVENTS: the endless model never stops early
+# The killed stream: the proxy's thread kills the server the moment it has forwarded EVENTS events, so the kill
+# lands mid-stream unless the server wrote the ~1,000 remaining tokens in between: about 10 s of decoding here
+# (~100 tokens/s), against one thread's wake-up from the proxy's read to the signal.
+KILLED = GenerationParams(max_new_tokens=1000)
+FIRST = GenerationParams(max_new_tokens=4)
+CONTEXT = 2048  # the prompt and KILLED
 
 
 @pytest.fixture(scope="module")
 def endless_folder(tiny_folder, tmp_path_factory):
     """The tiny model with the logits of its end-of-sequence token and of every token that is not printable
-    ASCII text pinned at 0 (their output rows zeroed): greedy decoding never ends a stream early, and each
-    token is text the engine streams at once (a run of partial UTF-8 bytes would hold every chunk back
-    until the end, and the fault sent after the first chunk would then land after the stream)."""
+    ASCII text pinned at 0 (their output rows zeroed): greedy decoding never ends a stream early, and the engine
+    streams each token as an event of its own at once (partial UTF-8 would hold text back)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_folder)
     model = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32)
-    silent = [i for i in range(model.lm_head.weight.shape[0])
-              if i >= len(tokenizer) or not (text := tokenizer.decode([i])).strip() or not text.isascii()
-              or not text.isprintable()]
+    silent = [
+        i
+        for i in range(model.lm_head.weight.shape[0])
+        if i >= len(tokenizer)
+        or not (text := tokenizer.decode([i])).strip()
+        or not text.isascii()
+        or not text.isprintable()
+    ]
     with torch.no_grad():
         model.lm_head.weight[silent] = 0.0
         model.lm_head.weight[tokenizer.eos_token_id] = 0.0
-    model.config.max_position_embeddings = CONTEXT  # room for LONG (rotary positions extend as they are)
+    model.config.max_position_embeddings = CONTEXT  # rotary positions extend as they are
     folder = tmp_path_factory.mktemp("tiny-endless")
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 
 
-@contextmanager
-def vllm_server(folder, port):
-    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` in a new session; killed with
-    its whole process group on exit."""
-    # Every request of this test recomputes its prompt: a prefix-cache hit rounds differently, and the tiny
-    # model's near-zero logits could then pick the end-of-sequence token mid-test.
-    command = server_command(folder, port, "--max-model-len", str(CONTEXT), "--no-enable-prefix-caching")
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_until_serving(process, f"http://127.0.0.1:{port}")
-        yield process
-    finally:
-        _signal_group(process, signal.SIGCONT)
-        _signal_group(process, signal.SIGKILL)
-        process.wait(timeout=60)
+@dataclass
+class Server:
+    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` in a session of its own, so that
+    killing its process group kills all of it (the engine core too)."""
 
+    folder: Path
+    port: int
+    process: subprocess.Popen | None = None
 
-def _signal_group(process, sig):
-    try:
-        os.killpg(process.pid, sig)
-    except ProcessLookupError:
-        pass
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
 
+    def start(self) -> None:
+        # Every request recomputes its prompt: a prefix-cache hit rounds differently, and the tiny model's
+        # near-zero logits could then pick another token than the reference.
+        options = ("--max-model-len", str(CONTEXT), "--no-enable-prefix-caching")
+        self.process = subprocess.Popen(
+            server_command(self.folder, self.port, *options),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_until_serving(self.process, self.url)
 
-def _stream_until_first_chunk_then(engine, layout, mode, act):
-    """Stream ``layout``; after the first chunk, ``act()``; return the number of chunks received."""
-    received = []
-    if mode == "sync":
-        for chunk in engine.stream_layout(layout, LONG):
-            received.append(chunk)
-            if len(received) == 1:
-                act()
-        return len(received)
-
-    async def consume():
-        async for chunk in engine.astream_layout(layout, LONG):
-            received.append(chunk)
-            if len(received) == 1:
-                act()
-
-    asyncio.run(asyncio.wait_for(consume(), timeout=120))
-    return len(received)
-
-
-def _freeze_mid_stream(engine, layout, mode, process, tries=3):
-    """Freeze the server after the first chunk: the stream must end in the client's timeout error.
-
-    A server that sent the whole stream before the freeze landed (the client read its first chunk late, on a
-    loaded machine) leaves nothing to test; that try is repeated, and at least one of ``tries`` must fail
-    mid-stream with the typed error."""
-    for _ in range(tries):
+    def kill(self) -> None:
         try:
-            with nothing_left_behind():
-                try:
-                    chunks = _stream_until_first_chunk_then(engine, layout, mode,
-                                                            lambda: _signal_group(process, signal.SIGSTOP))
-                except VLLMServerError as error:
-                    assert re.search(r"failed mid-stream after \d+ tokens", str(error)), str(error)
-                    return
-        finally:
-            _signal_group(process, signal.SIGCONT)
-        assert chunks > 1, "a stream that outran the freeze still came whole"
-    pytest.fail(f"the server had sent the whole stream before each of {tries} freezes landed")
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=60)
 
 
-def _request(engine, layout, mode, params=GenerationParams(max_new_tokens=4)):
+@pytest.fixture(scope="module")
+def server(endless_folder):
+    served = Server(endless_folder, free_port())
+    served.start()
+    yield served
+    served.kill()
+
+
+@pytest.fixture(scope="module")
+def proxy(server):
+    with FaultProxy(server.port).running() as running:
+        yield running
+
+
+def _engine(url, draft, timeout):
+    return SpecPrefillEngine.for_vllm(
+        url, draft=str(draft), timeout=timeout, keep_rate=0.3, dtype="float32", min_prompt_tokens=0, look_ahead=2
+    )
+
+
+@pytest.fixture(scope="module")
+def patient(proxy, tiny_folder):
+    return _engine(proxy.url, tiny_folder, PATIENT)
+
+
+@pytest.fixture(scope="module")
+def impatient(proxy, tiny_folder):
+    return _engine(proxy.url, tiny_folder, IMPATIENT)
+
+
+@pytest.fixture(scope="module")
+def layout(patient):
+    return patient.layout("When did the bridge open?", random_documents(3, 30))
+
+
+@pytest.fixture(scope="module")
+def reference(patient, layout):
+    """The first tokens of the answer, from a normal request: what every recovered request must give."""
+    return _request(patient, layout, "sync").token_ids
+
+
+def _request(engine, layout, mode, params=FIRST):
     if mode == "sync":
         return engine.generate_layout(layout, params)
-    return asyncio.run(asyncio.wait_for(engine.agenerate_layout(layout, params), timeout=120))
+    return asyncio.run(asyncio.wait_for(engine.agenerate_layout(layout, params), timeout=600))  # a hang guard
 
 
-def test_frozen_killed_and_restarted_server(tiny_folder, endless_folder):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with vllm_server(endless_folder, port) as process:
-        engine = SpecPrefillEngine.for_vllm(url, draft=str(tiny_folder), timeout=TIMEOUT, keep_rate=0.3,
-                                            dtype="float32", min_prompt_tokens=0, look_ahead=2)
-        layout = engine.layout("When did the bridge open?", random_documents(3, 30))
-        whole = _request(engine, layout, "sync", LONG)
-        assert whole.finish_reason == "length", "the stream must outlast the faults below"
+def _fails(engine, layout, mode, params, pattern):
+    """The request's ``VLLMServerError`` message (it must match ``pattern``); nothing of it is left behind."""
+    with nothing_left_behind(), pytest.raises(VLLMServerError, match=pattern) as caught:
+        _request(engine, layout, mode, params)
+    return str(caught.value)
 
-        for mode in ("sync", "async"):  # frozen before answering: no bytes at all
-            _signal_group(process, signal.SIGSTOP)
-            try:
-                with nothing_left_behind(), pytest.raises(VLLMServerError, match=f"within {TIMEOUT:g} s"):
-                    _request(engine, layout, mode)
-            finally:
-                _signal_group(process, signal.SIGCONT)
-            assert len(_request(engine, layout, mode).token_ids) == 4
 
-        for mode in ("sync", "async"):  # frozen mid-stream
-            _freeze_mid_stream(engine, layout, mode, process)
-            # right after a freeze the server still runs the abandoned 7,000-token stream (busy at the first poll
-            # when this was measured), and a request sent then once got no token within the 5 s timeout
-            wait_until_idle(url)
-            assert len(_request(engine, layout, mode).token_ids) == 4
+@pytest.mark.parametrize("mode", MODES)
+def test_frozen_before_answering(mode, proxy, impatient, layout, reference):
+    fault = proxy.arm(Fault())
+    unanswered = f"cannot reach a vLLM server at {re.escape(proxy.url)} within {IMPATIENT:g} s"
+    _fails(impatient, layout, mode, SHORT, unanswered)
+    assert fault.cut.is_set()
+    assert _request(impatient, layout, mode).token_ids == reference
 
-        with nothing_left_behind(), pytest.raises(VLLMServerError, match="(failed mid-stream|closed the stream) after"):
-            _stream_until_first_chunk_then(engine, layout, "sync", lambda: _signal_group(process, signal.SIGKILL))
-        process.wait(timeout=60)
-        for mode in ("sync", "async"):  # nothing listens any more
-            with nothing_left_behind(), pytest.raises(VLLMServerError, match=f"cannot reach a vLLM server at {url}"):
-                _request(engine, layout, mode)
 
-    with vllm_server(endless_folder, port):  # restarted on the same port: the same engine serves again
-        for mode in ("sync", "async"):
-            assert _request(engine, layout, mode).token_ids == whole.token_ids[:4]
+@pytest.mark.parametrize("mode", MODES)
+def test_frozen_mid_stream(mode, proxy, impatient, layout, reference):
+    fault = proxy.arm(Fault(after_events=EVENTS))
+    message = _fails(impatient, layout, mode, SHORT, f"reads time out after {IMPATIENT:g} s")
+    assert fault.events == EVENTS
+    assert f"failed mid-stream after {fault.tokens} tokens" in message
+    assert _request(impatient, layout, mode).token_ids == reference
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropped_mid_stream(mode, proxy, patient, layout, reference):
+    fault = proxy.arm(Fault(after_events=EVENTS, then="close"))
+    message = _fails(patient, layout, mode, SHORT, "(failed mid-stream|closed the stream) after")
+    assert fault.events == EVENTS
+    assert re.search(f"(failed mid-stream|closed the stream) after {fault.tokens} tokens", message), message
+    assert _request(patient, layout, mode).token_ids == reference
+
+
+def test_killed_mid_stream_refused_then_restarted(server, proxy, patient, tiny_folder, layout, reference):
+    direct = _engine(server.url, tiny_folder, PATIENT)  # no proxy: the dead server's port itself refuses
+    fault = proxy.arm(Fault(after_events=EVENTS, then="relay", on_cut=server.kill))
+    message = _fails(patient, layout, "sync", KILLED, "(failed mid-stream|closed the stream) after")
+    assert fault.events == EVENTS and server.process.returncode == -signal.SIGKILL
+    received = int(re.search(r"after (\d+) tokens", message)[1])
+    assert fault.tokens <= received < KILLED.max_new_tokens, message
+
+    for engine in (patient, direct):  # nothing listens any more
+        for mode in MODES:
+            _fails(engine, layout, mode, FIRST, f"cannot reach a vLLM server at {re.escape(engine.backend.base_url)}")
+
+    server.start()  # on the same port: the same engines serve again
+    for engine in (patient, direct):
+        for mode in MODES:
+            assert _request(engine, layout, mode).token_ids == reference
