@@ -85,21 +85,21 @@ test-real: install
 bench-quick: install  # a few minutes: 2k-token speed study, 3-sample quality smoke run with the baselines
 	$(BIN)/python benchmarks/ttft.py --quick
 	$(BIN)/python benchmarks/quality.py --task squad --samples 3 --keep-rates 0.1 0.3 \
-		--methods specprefill longllmlingua random --out benchmarks/results/quick-quality-squad
+		--methods specprefill longllmlingua random --out benchmarks/results/smoke/smollm2-quality/squad
 
 QUALITY := $(BIN)/python benchmarks/quality.py --keep-rates 0.1 0.2 0.3 0.5
 bench: install  # the full tables: many hours on 2 CPU cores (see BENCHMARKS.md for what each run took)
 	$(BIN)/python benchmarks/ttft.py
 	$(BIN)/python benchmarks/ttft_lengths.py --lengths 1024 2048 4096 8192
 	$(BIN)/python benchmarks/ttft_lengths.py --main smollm2-135m --lengths 1024 2048 4096 8192
-	$(QUALITY) --task niah --length 1500 --samples 40 --out benchmarks/results/smollm2-quality-niah
-	$(QUALITY) --task niah --length 4000 --samples 33 --keep-rates 0.1 0.3 --out benchmarks/results/smollm2-quality-niah-4k
+	$(QUALITY) --task niah --length 1500 --samples 40 --out benchmarks/results/smollm2-quality/niah
+	$(QUALITY) --task niah --length 4000 --samples 33 --keep-rates 0.1 0.3 --out benchmarks/results/smollm2-quality/niah-4k
 	$(QUALITY) --task niah --length 8000 --samples 11 --keep-rates 0.1 0.3 --methods specprefill self-12-w16 contiguous longllmlingua \
-		--out benchmarks/results/smollm2-quality-niah-8k
-	$(QUALITY) --task squad --samples 40 --out benchmarks/results/smollm2-quality-squad
-	$(QUALITY) --task hotpotqa --samples 40 --out benchmarks/results/smollm2-quality-hotpotqa
-	$(QUALITY) --task nq --samples 40 --out benchmarks/results/smollm2-quality-nq
-	$(QUALITY) --task longbench --samples 20 --out benchmarks/results/smollm2-quality-longbench
+		--out benchmarks/results/smollm2-quality/niah-8k
+	$(QUALITY) --task squad --samples 40 --out benchmarks/results/smollm2-quality/squad
+	$(QUALITY) --task hotpotqa --samples 40 --out benchmarks/results/smollm2-quality/hotpotqa
+	$(QUALITY) --task nq --samples 40 --out benchmarks/results/smollm2-quality/nq
+	$(QUALITY) --task longbench --samples 20 --out benchmarks/results/smollm2-quality/longbench
 
 # The real pair (make models): TTFT first (it needs the machine to itself: nothing else running), then the
 # quality of every method at keep 0.1 and 0.3, saved after every sample and resumable (--resume: run the
@@ -115,19 +115,19 @@ PAIR_DRAFTS := nice -n 5 $(BIN)/python benchmarks/quality.py $(PAIR) --keep-rate
 	--methods specprefill specprefill-smollm2-135m self-11-w16 contiguous
 RESULTS := benchmarks/results
 bench-pair: install
-	$(PAIR_TTFT) --lengths 1024 2048 4096 8192 --out $(RESULTS)/pair-ttft-lengths
-	$(PAIR_TTFT) --lengths 4096 --keep-rate 0.3 --out $(RESULTS)/pair-ttft-lengths-keep-0.3
-	$(PAIR_QUALITY) --task squad --samples 30 --out $(RESULTS)/pair-quality-squad
-	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 --out $(RESULTS)/pair-quality-niah-4k
-	$(PAIR_DRAFTS) --task squad --samples 30 --out $(RESULTS)/pair-drafts-squad
-	$(PAIR_DRAFTS) --task niah --length 4000 --samples 12 --out $(RESULTS)/pair-drafts-niah-4k
-	$(PAIR_QUALITY) --task hotpotqa --samples 30 --out $(RESULTS)/pair-quality-hotpotqa
-	$(PAIR_QUALITY) --task nq --samples 30 --out $(RESULTS)/pair-quality-nq
-	$(PAIR_QUALITY) --task niah --length 8000 --samples 30 --out $(RESULTS)/pair-quality-niah-8k
-	$(PAIR_QUALITY) --task longbench --length 4000 --samples 30 --out $(RESULTS)/pair-quality-longbench
+	$(PAIR_TTFT) --lengths 1024 2048 4096 8192 --out $(RESULTS)/pair-ttft-lengths/keep-0.1
+	$(PAIR_TTFT) --lengths 4096 --keep-rate 0.3 --out $(RESULTS)/pair-ttft-lengths/keep-0.3
+	$(PAIR_QUALITY) --task squad --samples 30 --out $(RESULTS)/pair-quality/squad
+	$(PAIR_QUALITY) --task niah --length 4000 --samples 30 --out $(RESULTS)/pair-quality/niah-4k
+	$(PAIR_DRAFTS) --task squad --samples 30 --out $(RESULTS)/pair-drafts/squad
+	$(PAIR_DRAFTS) --task niah --length 4000 --samples 12 --out $(RESULTS)/pair-drafts/niah-4k
+	$(PAIR_QUALITY) --task hotpotqa --samples 30 --out $(RESULTS)/pair-quality/hotpotqa
+	$(PAIR_QUALITY) --task nq --samples 30 --out $(RESULTS)/pair-quality/nq
+	$(PAIR_QUALITY) --task niah --length 8000 --samples 30 --out $(RESULTS)/pair-quality/niah-8k
+	$(PAIR_QUALITY) --task longbench --length 4000 --samples 30 --out $(RESULTS)/pair-quality/longbench
 	$(BIN)/python benchmarks/headline.py \
-		--ttft $(RESULTS)/pair-ttft-lengths.json $(RESULTS)/pair-ttft-lengths-keep-0.3.json \
-		--quality $(foreach t,niah-4k squad hotpotqa nq niah-8k longbench,$(t)=$(RESULTS)/pair-quality-$(t).json)
+		--ttft $(RESULTS)/pair-ttft-lengths/keep-0.1.json $(RESULTS)/pair-ttft-lengths/keep-0.3.json \
+		--quality $(foreach t,niah-4k squad hotpotqa nq niah-8k longbench,$(t)=$(RESULTS)/pair-quality/$(t).json)
 
 # The documentation site (mkdocs.yml, docs/): settings and bad-input tables are generated from the code and the
 # tests while it builds (docs/hooks.py), and --strict turns every warning (a broken link or anchor) into a failure.

@@ -1,7 +1,7 @@
 """keep_rate="auto" against fixed rates, from a ``quality.py`` report (issue #17).
 
-    python benchmarks/auto_tuning.py benchmarks/results/smollm2-auto-tune-squad-seed1.json
-    python benchmarks/auto_tuning.py benchmarks/results/smollm2-auto-niah.json --held-out
+    python benchmarks/auto_tuning.py benchmarks/results/smollm2-auto/tune-squad-seed1.json
+    python benchmarks/auto_tuning.py benchmarks/results/smollm2-auto/niah-all.json --held-out
 
 The tuning table: every ``specprefill-auto*`` row (one floor, ceiling and mass share) with the
 average share of document tokens it kept, its scores, and the fixed-rate ``specprefill`` curve (and

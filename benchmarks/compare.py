@@ -1,6 +1,6 @@
 """Paired comparison of two methods from saved quality results (same samples, same keep rates).
 
-    python benchmarks/compare.py benchmarks/results/quality-squad.json specprefill longllmlingua
+    python benchmarks/compare.py benchmarks/results/pair-quality/squad.json specprefill longllmlingua
 
 Prints, per keep rate and metric, the mean per-sample difference ``a - b`` with a bootstrap 95%
 interval: a difference whose interval excludes 0 is more than the noise of this sample.

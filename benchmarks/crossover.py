@@ -66,7 +66,7 @@ def main() -> None:
     options.add_argument("--repeats", type=int, default=5)
     options.add_argument("--keep-rate", type=float, default=SpecPrefillConfig().keep_rate)
     options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    options.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "crossover")
+    options.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "crossover" / "run")
     options.add_argument("--resume", action="store_true", help="keep the lengths a previous run wrote")
     args = options.parse_args()
     path = Path(f"{args.out}.json")

@@ -244,7 +244,7 @@ def main() -> None:
         report["break_even"] = [
             row for n in args.lengths for row in break_even(draft_model, tokenizer, n, args.hit_shares)
         ]
-    out = args.out or ROOT / "benchmarks" / "results" / f"draft-cache-{main_spec.replace(':', '-')}"
+    out = args.out or ROOT / "benchmarks" / "results" / "draft-cache" / main_spec.replace(":", "-")
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(report, indent=1))
     Path(f"{out}.md").write_text(markdown(report) + "\n")

@@ -6,7 +6,7 @@ memory during the call (CPU; sampled every millisecond) or ``max_memory_allocate
 request's draft memory. A least-squares line over the lengths gives the cost per token; the draft's KV
 cache alone is ``2 x layers x kv_heads x head_dim x bytes`` per token.
 
-    python benchmarks/draft_memory.py                      # writes benchmarks/results/draft-memory-<device>.{json,md}
+    python benchmarks/draft_memory.py                      # writes benchmarks/results/draft-memory/<device>.{json,md}
     python benchmarks/draft_memory.py --lengths 512 2048 --repeats 1
 """
 
@@ -146,7 +146,8 @@ def main() -> None:
         probe(args)
         return
     report = measure(args)
-    out = args.out or ROOT / "benchmarks" / "results" / f"draft-memory-{args.device.split(':')[0]}"
+    out = args.out or ROOT / "benchmarks" / "results" / "draft-memory" / args.device.split(":")[0]
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))

@@ -6,9 +6,9 @@ rate). Then SpecPrefill minus LongLLMLingua per task, paired per sample, and Spe
 method (main metric and answer log-probability, bold where the 95% interval excludes 0).
 
     python benchmarks/headline.py --length 4096 \\
-        --quality niah-4k=benchmarks/results/pair-quality-niah-4k.json \\
-                  squad=benchmarks/results/pair-quality-squad.json \\
-        --ttft benchmarks/results/pair-ttft-lengths.json benchmarks/results/pair-ttft-lengths-keep-0.3.json
+        --quality niah-4k=benchmarks/results/pair-quality/niah-4k.json \\
+                  squad=benchmarks/results/pair-quality/squad.json \\
+        --ttft benchmarks/results/pair-ttft-lengths/keep-0.1.json benchmarks/results/pair-ttft-lengths/keep-0.3.json
 """
 
 from __future__ import annotations

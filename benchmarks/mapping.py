@@ -157,7 +157,7 @@ def main() -> None:
         if args.task == "niah"
         else tasks.squad(args.samples, args.documents, args.seed)
     )
-    out = args.out or tasks.ROOT / "benchmarks" / "results" / f"mapping-{args.task}"
+    out = args.out or tasks.ROOT / "benchmarks" / "results" / "mapping" / args.task
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     records = []

@@ -1,6 +1,6 @@
 """One quality table from several runs on the same task and samples (extra keep rates, methods or samples).
 
-    python benchmarks/merge.py benchmarks/results/quality-niah*.json --out benchmarks/results/quality-niah-all
+    python benchmarks/merge.py benchmarks/results/quality/niah*.json --out benchmarks/results/quality/niah-all
 
 Runs are merged only when they drew their samples the same way (task, seed, documents, length) and
 generated the same way (max new tokens): then sample ``i`` is the same prompt in every run. A record
@@ -101,6 +101,7 @@ def main() -> None:
     report = merge([json.loads(path.read_text()) for path in args.results])
     report["settings"]["merged_from"] = [str(path) for path in args.results]
     metrics = table_metrics(report["task"], report["settings"]["max_new_tokens"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)  # a study's folder, benchmarks/results/<study>/
     write_tables(report, args.out, metrics)
     plot(report, metrics, Path(f"{args.out}.png"))
     print(markdown(report, metrics[0]))

@@ -675,7 +675,7 @@ def main() -> None:
         options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")
     if unknown:
         options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
-    out = args.out or ROOT / "benchmarks" / "results" / f"quality-{args.task}"
+    out = args.out or ROOT / "benchmarks" / "results" / "quality" / args.task
     out.parent.mkdir(parents=True, exist_ok=True)
     metrics = table_metrics(args.task, args.max_new_tokens)
     final = run(args, lambda partial: write_tables(partial, out, metrics), resumed_report(args, out))

@@ -6,8 +6,8 @@ The gateway runs as ``specprefill-rag serve`` in a subprocess (its RSS is read w
 main model in-process on the same machine (the embedded SmolLM2-135M by default: draft and main);
 the clients are httpx streams in this process. Each request carries different documents.
 
-    python benchmarks/serve_load.py            # full run, writes benchmarks/results/serve-load.json
-    python benchmarks/serve_load.py --quick    # small numbers: a smoke run, not a measurement
+    python benchmarks/serve_load.py            # full run, writes benchmarks/results/serve-load/run.json
+    python benchmarks/serve_load.py --quick    # a smoke run, not a measurement: benchmarks/results/smoke/serve-load/
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--overhead-requests", type=int, default=20)
     parser.add_argument("--rss-requests", type=int, default=1000)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serve-load.json")
+    parser.add_argument("--out", type=Path, help="default: benchmarks/results/serve-load/run.json (--quick: smoke/)")
     parser.add_argument("--quick", action="store_true", help="1 and 4 streams, 8 requests, 30 for RSS")
     parser.add_argument(
         "--tiny",
@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.main = args.draft = tiny_model_folder()
     if args.quick:
         args.streams, args.requests, args.overhead_requests, args.rss_requests = [1, 4], 8, 4, 30
+    if args.out is None:  # a --quick run is a smoke run, kept apart from the results
+        run = Path("smoke", "serve-load", "quick.json") if args.quick else Path("serve-load", "run.json")
+        args.out = ROOT / "benchmarks" / "results" / run
     return args
 
 

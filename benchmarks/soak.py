@@ -12,7 +12,7 @@ Every new prompt's draft KV goes into the draft prefix cache (about 5 MB for the
 in bfloat16), so resident memory grows until the cache reaches its bound and is flat after: run with
 a small bound to see the plateau within 500 requests, and with the cache off.
 
-    OMP_NUM_THREADS=1 python benchmarks/soak.py --draft-cache-mb 256   # benchmarks/results/soak-cache-256.*
+    OMP_NUM_THREADS=1 python benchmarks/soak.py --draft-cache-mb 256   # benchmarks/results/soak/cache-256.*
     OMP_NUM_THREADS=1 python benchmarks/soak.py --draft-cache-mb 0     # the cache off
     python benchmarks/soak.py --requests 100 --every 25                # a short run
 
@@ -156,10 +156,11 @@ def main() -> None:
         default=DEFAULT_DRAFT_CACHE_MB,
         help="the draft prefix cache's bound (0: off); it fills with each new prompt's draft KV",
     )
-    options.add_argument("--out", type=Path, help="default: benchmarks/results/soak-cache-<MB>")
+    options.add_argument("--out", type=Path, help="default: benchmarks/results/soak/cache-<MB>")
     args = options.parse_args()
-    args.out = args.out or ROOT / "benchmarks" / "results" / f"soak-cache-{args.draft_cache_mb}"
+    args.out = args.out or ROOT / "benchmarks" / "results" / "soak" / f"cache-{args.draft_cache_mb}"
     report = soak(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))

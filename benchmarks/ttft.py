@@ -8,8 +8,8 @@ CPU (default): draft = real SmolLM2-135M-Instruct; main = a random model of Smol
 (prefill time does not depend on weight values). With CUDA present, ``--device cuda`` uses
 Llama-3.1-8B / Llama-3.2-1B shapes in bf16 at 8k and 32k tokens.
 
-    python benchmarks/ttft.py            # full run, writes benchmarks/results/ttft-<device>.json
-    python benchmarks/ttft.py --quick    # 2k tokens, 1 repeat
+    python benchmarks/ttft.py            # full run, writes benchmarks/results/ttft/<device>.json
+    python benchmarks/ttft.py --quick    # 2k tokens, 1 repeat: benchmarks/results/smoke/ttft/<device>.json
 """
 
 from __future__ import annotations
@@ -330,7 +330,8 @@ def main() -> None:
         row["peak_memory_mb"] = measure_memory(args, length)
         report["results"].append(row)
         print(json.dumps(row["peak_memory_mb"]), flush=True)
-    out = args.out or ROOT / "benchmarks" / "results" / f"ttft-{args.device}{'-quick' if args.quick else ''}.json"
+    results = ROOT / "benchmarks" / "results"  # a --quick run is a smoke run, kept apart from the results
+    out = args.out or (results / "smoke" if args.quick else results) / "ttft" / f"{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}")

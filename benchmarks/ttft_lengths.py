@@ -227,7 +227,7 @@ def main() -> None:
         "results": [],
     }
     suffix = "" if args.draft == "smollm2-135m" else f"-draft-{Path(args.draft).name}"
-    out = args.out or ROOT / "benchmarks" / "results" / f"ttft-lengths-{Path(args.main).name}{suffix}"
+    out = args.out or ROOT / "benchmarks" / "results" / "ttft-lengths" / f"{Path(args.main).name}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
     for length in args.lengths:  # written after each length: a run cut short keeps what it measured
         report["results"].append(run_length(engine, compressor, length, args))

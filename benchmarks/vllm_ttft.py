@@ -108,9 +108,8 @@ def main() -> None:
         "spread_ms": {k: [min(v), max(v)] for k, v in samples.items()},
         "decode_tokens_per_s": {**tps, "sparse_over_plain": tps["sparse"] / tps["plain"]},
     }
-    out = (
-        args.out or ROOT / "benchmarks" / "results" / f"vllm-{'gpu' if torch.cuda.is_available() else 'cpu'}-ttft.json"
-    )
+    run = "gpu" if torch.cuda.is_available() else "cpu"
+    out = args.out or ROOT / "benchmarks" / "results" / "vllm-ttft" / f"{run}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "samples_ms"}, indent=2))

@@ -7,10 +7,12 @@ A page asks for generated text with an HTML comment on a line of its own:
   ``specprefill-rag serve`` flag that sets each field.
 * ``<!-- bad-input -->``: the bad-input matrix, read from the tests that assert it.
 * ``<!-- include: path/in/the/repo.md -->``: a Markdown file from outside ``docs/`` (the README, BENCHMARKS.md,
-  the adapters' READMEs), its relative links rewritten to the pages of this site.
+  the adapters' READMEs, the index of benchmark results), its relative links rewritten to the pages of this site.
 
 ``on_files`` also adds the plots under ``benchmarks/results/`` to the site at the same paths, so the
-benchmark pages (``docs/benchmarks/``) show them as ``results/<name>.png``.
+benchmark pages (``docs/benchmarks/``) show them as ``results/<study>/<run>.png`` (one folder per study;
+the index of the folders, ``benchmarks/results/README.md``, is written by ``benchmarks/index.py`` and included
+as the page ``benchmarks/results.md``).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ INCLUDED = {
     "BENCHMARKS.md": "benchmarks/index.md",
     "integrations/langchain/README.md": "integrations/langchain.md",
     "integrations/llama_index/README.md": "integrations/llamaindex.md",
+    "benchmarks/results/README.md": "benchmarks/results.md",
 }
-MIRRORED = "benchmarks/results/"  # its .png files are served at the same path
+MIRRORED = "benchmarks/results/"  # its .png files (in its study folders) are served at the same path
 LINK = re.compile(r"(!?\[[^\]]*\])\(([^)\s]+)\)")
 
 

