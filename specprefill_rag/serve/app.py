@@ -2,8 +2,10 @@
 
 ``create_app(settings)`` builds the engine (or takes one), the draft queue and the routes:
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``,
-``POST /tokenize``, ``GET /health``, ``GET /metrics``. With ``api_key`` set, ``/v1`` and ``/tokenize``
-need ``Authorization: Bearer <key>`` (compared in constant time); ``/health`` and ``/metrics`` stay open.
+``POST /tokenize``, ``GET /health``, ``GET /metrics``. Every request passes the admission of
+:mod:`~specprefill_rag.serve.guard` first (the key on every route but ``/health`` and ``/metrics``, the
+bound on requests in flight, a JSON body of bounded size read under a deadline), inside the Host
+allow-list and, when configured, CORS.
 """
 
 from __future__ import annotations
