@@ -32,10 +32,10 @@ from ttft import ESSAYS, ROOT, clock, first_token, machine, shape_model
 from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.config import DEFAULT_DRAFT_CACHE_MB
-from specprefill_rag.draft import ModelDraft
-from specprefill_rag.draft_cache import DraftPrefixCache
+from specprefill_rag.draft.model import ModelDraft
+from specprefill_rag.draft.prefix_cache import DraftPrefixCache
 from specprefill_rag.errors import ModelLoadError
-from specprefill_rag.models import load_model
+from specprefill_rag.models.loading import load_model
 
 REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 FALLBACK_PAIR = ("shape:smollm2-1.7b", "smollm2-135m")

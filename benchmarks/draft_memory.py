@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from ttft import machine, peak_rss_growth_mb
 
-from specprefill_rag.draft import ModelDraft
-from specprefill_rag.models import load_model
+from specprefill_rag.draft.model import ModelDraft
+from specprefill_rag.models.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HAYSTACK = sorted((ROOT / "tests" / "fixtures" / "haystack").glob("*.txt"))

@@ -2,7 +2,7 @@
 
 A draft of another vocabulary scores the prompt rendered with its own tokenizer; its importance is
 carried through the documents' characters onto the main tokenizer's tokens, where chunks and the
-budget are formed (``specprefill_rag.token_mapping``). This study needs only the main model's
+budget are formed (``specprefill_rag.draft.mapping``). This study needs only the main model's
 *tokenizer*: per sample the draft scores once, then each method selects at each keep rate.
 
   direct       the draft's selection on its own tokens (what the draft keeps with no mapping)
@@ -33,12 +33,13 @@ from quality import INSTRUCTIONS, bootstrap_interval, normalise
 from tqdm import tqdm
 
 from specprefill_rag.backends.hf import eos_token_ids
-from specprefill_rag.draft import ModelDraft
-from specprefill_rag.layout_scoring import MappedScoring, score_tokens
-from specprefill_rag.models import load_model, load_tokenizer
-from specprefill_rag.prompt import PromptLayout, build_rag_layout
+from specprefill_rag.draft.mapping import content_index, map_importance, ranges, token_scores
+from specprefill_rag.draft.model import ModelDraft
+from specprefill_rag.draft.paths import MappedScoring, score_tokens
+from specprefill_rag.models.loading import load_model, load_tokenizer
+from specprefill_rag.prompt.layout import PromptLayout
+from specprefill_rag.prompt.render import build_rag_layout
 from specprefill_rag.selection import select_kept
-from specprefill_rag.token_mapping import content_index, map_importance, ranges, token_scores
 
 METHODS = ["direct", "projected", "mapped-max", "mapped-mean", "random"]
 

@@ -53,13 +53,13 @@ from tqdm import tqdm
 
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.hf import eos_token_ids
-from specprefill_rag.chat import ChatMessage, chat_layout
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
-from specprefill_rag.detokenize import IncrementalText
-from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
-from specprefill_rag.layout_scoring import draft_scoring
-from specprefill_rag.models import shared_model
-from specprefill_rag.prompt import PromptLayout
+from specprefill_rag.decode.detokenize import IncrementalText
+from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
+from specprefill_rag.draft.paths import draft_scoring
+from specprefill_rag.models.loading import shared_model
+from specprefill_rag.prompt.chat import ChatMessage, chat_layout
+from specprefill_rag.prompt.layout import PromptLayout
 from specprefill_rag.selection import ImportanceMass, select_kept
 
 ROOT = tasks.ROOT
@@ -266,7 +266,7 @@ class MethodFailed(Exception):
 def longllmlingua_method(engine: SpecPrefillEngine, compressor_spec: str) -> Callable:
     from longllmlingua import LongLLMLingua
 
-    from specprefill_rag.models import _dtype, resolve
+    from specprefill_rag.models.loading import _dtype, resolve
 
     dtype = _dtype(engine.config.dtype, engine.config.device)
     compressor = LongLLMLingua(resolve(compressor_spec, dtype), dtype)

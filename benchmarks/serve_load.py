@@ -203,7 +203,7 @@ def overhead(url: str, args: argparse.Namespace) -> dict:
     on an event loop (``agenerate_layout``, the path the gateway takes): sequential non-streamed requests,
     the three interleaved; the engine is built here with the gateway's settings."""
     from specprefill_rag import GenerationParams, SpecPrefillEngine
-    from specprefill_rag.chat import ChatMessage, chat_layout
+    from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 
     # No draft prefix cache on either side (run_gateway starts this gateway with --draft-cache-mb 0): the async
     # call repeats the blocking call's prompt and would start from its cached KV, and the cache's own cost is
@@ -286,9 +286,9 @@ def draft_batching(args: argparse.Namespace) -> list[dict]:
     import torch
 
     from specprefill_rag.backends.hf import eos_token_ids
-    from specprefill_rag.chat import ChatMessage, chat_layout
-    from specprefill_rag.draft import ModelDraft
-    from specprefill_rag.models import shared_model
+    from specprefill_rag.draft.model import ModelDraft
+    from specprefill_rag.models.loading import shared_model
+    from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 
     loaded = shared_model(args.draft, args.device)
     draft = ModelDraft(loaded.model, 8, 13, eos_token_ids(loaded.model, loaded.tokenizer))

@@ -29,8 +29,8 @@ import torch
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.config import GenerationParams
-from specprefill_rag.draft import ModelDraft
-from specprefill_rag.models import load_model
+from specprefill_rag.draft.model import ModelDraft
+from specprefill_rag.models.loading import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ESSAYS = ROOT.parent / "shared" / "data" / "niah_paul_graham"

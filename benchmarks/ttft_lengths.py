@@ -43,9 +43,9 @@ from ttft import ESSAYS, ROOT, clock, first_token, machine, peak_rss_growth_mb, 
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
-from specprefill_rag.draft import LayerPrefixDraft
-from specprefill_rag.layout_scoring import DirectScoring
-from specprefill_rag.models import load_model, load_tokenizer, resolve
+from specprefill_rag.draft.model import LayerPrefixDraft
+from specprefill_rag.draft.paths import DirectScoring
+from specprefill_rag.models.loading import load_model, load_tokenizer, resolve
 from specprefill_rag.selection import select_kept
 
 QUESTION = "What does the author say about how startups should choose what to work on?"

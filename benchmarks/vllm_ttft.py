@@ -29,7 +29,7 @@ def main() -> None:
 
     from specprefill_rag.backends.base import SparsePrompt
     from specprefill_rag.backends.vllm import request_fields
-    from specprefill_rag.models import embedded_gguf, gguf_folder
+    from specprefill_rag.models.loading import embedded_gguf, gguf_folder
     from specprefill_rag.selection import select_kept
 
     options = argparse.ArgumentParser(description=__doc__)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specprefill_rag import ModelLoadError, SpecPrefillEngine
 from specprefill_rag.cli import DEFAULT_INSTRUCTIONS, read_documents
-from specprefill_rag.model_store import installed_path
+from specprefill_rag.models.store import installed_path
 
 DOCUMENTS = Path(__file__).parent / "documents"
 QUESTION = "In what year did the Brooklyn Bridge open to traffic?"

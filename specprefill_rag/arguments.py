@@ -152,24 +152,3 @@ def check_params(params: Any) -> GenerationParams | None:
             "build it as GenerationParams(max_new_tokens=..., ...)"
         )
     return params
-
-
-def check_layout(layout: Any, vocab_size: int) -> None:
-    """A non-empty :class:`~specprefill_rag.prompt.PromptLayout` whose ids are in the vocabulary."""
-    from .prompt import PromptLayout  # prompt.py checks its own text with this module
-
-    if not isinstance(layout, PromptLayout):
-        raise InvalidRequestError(
-            f"layout must be a PromptLayout, got {type(layout).__name__}; build it with engine.layout(question, "
-            "documents) or engine.text_layout(prompt)"
-        )
-    ids = layout.input_ids
-    lengths = {ids.numel(), layout.roles.numel(), layout.document_index.numel()}
-    if ids.dim() != 1 or len(lengths) != 1 or ids.numel() == 0:
-        raise InvalidRequestError(
-            "layout is empty or its input_ids, roles and document_index differ in shape; rebuild it"
-        )
-    if ids.is_floating_point() or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise InvalidRequestError(
-            f"layout has token ids outside this tokenizer's vocabulary of {vocab_size}; build it with this engine"
-        )

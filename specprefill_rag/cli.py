@@ -16,7 +16,7 @@ from pydantic.fields import FieldInfo
 
 from .config import AUTO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL
 from .errors import SpecPrefillError
-from .prompt import Document
+from .prompt.layout import Document
 from .serve.settings import GatewaySettings
 
 DEFAULT_INSTRUCTIONS = "Answer the question using the documents. Be brief."
@@ -90,8 +90,8 @@ def parser() -> argparse.ArgumentParser:
 
 def run_models(args: argparse.Namespace) -> int:
     """``models list``: every name and whether it is ready; ``models install``: download, verify, convert."""
-    from .model_store import CHUNKED_MODELS, install, installed_path
-    from .models import EMBEDDED_MODELS, _dtype, gguf_folder
+    from .models.loading import EMBEDDED_MODELS, _dtype, gguf_folder
+    from .models.store import CHUNKED_MODELS, install, installed_path
 
     if args.action == "list":
         for name in [*EMBEDDED_MODELS, *CHUNKED_MODELS]:

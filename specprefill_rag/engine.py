@@ -18,18 +18,20 @@ from typing import Any, Literal
 
 import torch
 
-from .arguments import check_flag, check_keep_rate, check_layout, check_params, generation_params
+from .arguments import check_flag, check_keep_rate, check_params, generation_params
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
 from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
-from .decoding import Decoding, alast_result, last_result
-from .draft import LayerPrefixDraft, ModelDraft, decoder_layers
-from .draft_cache import DraftPrefixCache, shared_prefix_cache
+from .decode.stream import Decoding, alast_result, last_result
+from .draft.hooks import decoder_layers
+from .draft.model import LayerPrefixDraft, ModelDraft
+from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring
+from .draft.prefix_cache import DraftPrefixCache, shared_prefix_cache
 from .errors import ContextLengthError, InvalidRequestError
-from .layout_scoring import DirectScoring, DraftInput, MappedScoring, draft_scoring
-from .models import LoadedModel, load_tokenizer, model_lock, shared_model
+from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_model
 from .pipeline import Pipeline
-from .prompt import DocumentLike, PromptLayout, build_rag_layout, build_text_layout
+from .prompt.layout import DocumentLike, PromptLayout, check_layout
+from .prompt.render import build_rag_layout, build_text_layout
 from .results import DraftPath, GenerationResult, Selection, StreamChunk
 from .selection import KeepBudget
 

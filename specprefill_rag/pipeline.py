@@ -15,7 +15,7 @@ import torch
 
 from .backends.base import SparsePrompt
 from .config import AUTO, SpecPrefillConfig
-from .prompt import PromptLayout
+from .prompt.layout import PromptLayout
 from .results import KeepPolicy, Selection
 from .selection import FixedRate, ImportanceMass, KeepBudget, select_kept
 

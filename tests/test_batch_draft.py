@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from specprefill_rag.draft import DraftScore, LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft_cache import DraftPrefixCache
+from specprefill_rag.draft.importance import DraftScore
+from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
+from specprefill_rag.draft.prefix_cache import DraftPrefixCache
 from specprefill_rag.errors import DraftScoringError
 from specprefill_rag.testing import random_documents
 
@@ -77,7 +78,7 @@ def test_prompts_the_prefix_cache_serves_are_scored_alone_from_it(tokenizer, tin
 @pytest.mark.real_model
 def test_rows_equal_single_scores_on_smollm2():
     from specprefill_rag.backends.hf import eos_token_ids
-    from specprefill_rag.models import shared_model
+    from specprefill_rag.models.loading import shared_model
 
     loaded = shared_model("smollm2-135m", dtype="float32")  # bfloat16 rounds padded rows differently
     draft = ModelDraft(

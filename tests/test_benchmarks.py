@@ -267,7 +267,7 @@ def test_failed_samples_are_left_out_of_the_rows_and_listed():
 def test_mapping_study_counts_the_document_characters_kept_tokens_cover(tokenizer):
     from mapping import kept_characters
 
-    from specprefill_rag.prompt import build_rag_layout
+    from specprefill_rag.prompt.render import build_rag_layout
 
     layout = build_rag_layout(tokenizer, "When?", ["the quick brown fox", "Paris is the capital of France"])
     documents = torch.nonzero(layout.document_index >= 0).flatten()

@@ -2,9 +2,9 @@
 
 import pytest
 
-from specprefill_rag.chat import DOCUMENT_START, ChatMessage, chat_layout, mark_document
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.prompt import Document, Role
+from specprefill_rag.prompt.chat import DOCUMENT_START, ChatMessage, chat_layout, mark_document
+from specprefill_rag.prompt.layout import Document, Role
 
 DOCS = ["Paris is the capital of France.", "The bridge opened in 1883 after thirteen years of work."]
 

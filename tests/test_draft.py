@@ -6,9 +6,10 @@ import torch.nn.functional as F
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from specprefill_rag.draft import LayerPrefixDraft, ModelDraft, capture_attention, decoder_layers, stop_after_layers
+from specprefill_rag.draft.hooks import capture_attention, decoder_layers, stop_after_layers
+from specprefill_rag.draft.importance import ImportanceAccumulator, query_importance
+from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
 from specprefill_rag.errors import DraftScoringError
-from specprefill_rag.importance import ImportanceAccumulator, query_importance
 
 
 def reference_importance(model, input_ids, look_ahead, pool_kernel, n_layers=None):

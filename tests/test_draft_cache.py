@@ -9,8 +9,8 @@ import torch
 from pydantic import ValidationError
 
 from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
-from specprefill_rag.draft import LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft_cache import DraftIdentity, DraftPrefixCache, PrefixReuse, common_prefix_length
+from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
+from specprefill_rag.draft.prefix_cache import DraftIdentity, DraftPrefixCache, PrefixReuse, common_prefix_length
 from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
 QUESTIONS = ["When did the bridge open?", "What is the capital of France?", "Who wrote the documents?"]
@@ -52,7 +52,7 @@ def test_hit_scores_as_a_cold_run(tiny_model, prompts, kind):
 @pytest.mark.parametrize("kind", ["model-la4", "self-w5"])
 def test_a_short_hit_attends_in_query_blocks_as_a_cold_run(tiny_model, prompts, monkeypatch, kind):
     first, _, other = prompts
-    monkeypatch.setattr("specprefill_rag.draft.QUERY_BLOCK", 16)  # ~18 blocks of queries after the cached keys
+    monkeypatch.setattr("specprefill_rag.draft.hooks.QUERY_BLOCK", 16)  # ~18 blocks of queries after the cached keys
     cold, cached = scorers(tiny_model, DraftPrefixCache(2**30, min_reuse_share=0.0))[kind]
     cached.score_prompt(first)
     prompt = torch.cat([first[:10], other])

@@ -8,7 +8,7 @@ import torch
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.errors import ContextLengthError
-from specprefill_rag.prompt import Role
+from specprefill_rag.prompt.layout import Role
 from specprefill_rag.selection import select_kept
 from specprefill_rag.testing import random_documents
 
@@ -86,7 +86,7 @@ def test_self_draft_scores_with_main_layers(tiny_model, tokenizer):
 
 def test_plain_self_draft_takes_the_default_share_of_layers_and_the_question_window(tiny_model, tokenizer):
     from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
-    from specprefill_rag.draft import LayerPrefixDraft
+    from specprefill_rag.draft.model import LayerPrefixDraft
 
     engine = SpecPrefillEngine.from_models(
         tiny_model, tokenizer, draft="self", self_draft_window=5, min_prompt_tokens=0

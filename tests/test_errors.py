@@ -11,7 +11,7 @@ from specprefill_rag import (
     SpecPrefillEngine,
     TokenizerMismatchError,
 )
-from specprefill_rag.models import load_model
+from specprefill_rag.models.loading import load_model
 from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
 
@@ -95,7 +95,7 @@ def test_prompt_plus_max_new_tokens_exceeds_context(tokenizer):
 
 def test_tokenizer_mismatch(tokenizer):
     other_tokenizer = build_tokenizer(vocab_size=300, seed_text=["completely different words here"] * 10)
-    from specprefill_rag.models import check_same_vocabulary
+    from specprefill_rag.models.loading import check_same_vocabulary
 
     with pytest.raises(TokenizerMismatchError, match="same model family"):
         check_same_vocabulary(tokenizer, other_tokenizer)
@@ -173,7 +173,7 @@ def test_adapter_config_backend_and_look_ahead():
 def test_auto_dtype_is_float16_on_a_gpu_without_bfloat16(monkeypatch):
     import torch
 
-    from specprefill_rag.models import _dtype
+    from specprefill_rag.models.loading import _dtype
 
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
     assert _dtype("auto", "cuda:0") == torch.float16

@@ -25,7 +25,7 @@ import torch
 
 from specprefill_rag import DraftOutOfMemoryError, SpecPrefillEngine
 from specprefill_rag.backends.vllm import VLLMServerError
-from specprefill_rag.draft import decoder_layers
+from specprefill_rag.draft.hooks import decoder_layers
 from specprefill_rag.testing import build_model, random_documents
 from tests.leaks import nothing_left_behind
 from tests.test_vllm_client import StandIn, handler_class

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from specprefill_rag import DraftContextLengthError, GenerationParams, InvalidRequestError, SpecPrefillEngine
-from specprefill_rag.chat import ChatMessage, chat_layout, mark_document
+from specprefill_rag.draft.paths import MappedScoring
 from specprefill_rag.errors import TokenizerMismatchError
-from specprefill_rag.layout_scoring import MappedScoring
-from specprefill_rag.prompt import Role, build_rag_layout
+from specprefill_rag.prompt.chat import ChatMessage, chat_layout, mark_document
+from specprefill_rag.prompt.layout import Role
+from specprefill_rag.prompt.render import build_rag_layout
 from specprefill_rag.selection import select_kept
 from specprefill_rag.testing import build_family_tokenizer, build_model, build_tokenizer, random_documents
 

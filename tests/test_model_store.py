@@ -6,9 +6,11 @@ import zipfile
 import pytest
 import torch
 
-from specprefill_rag import ModelLoadError, model_store
-from specprefill_rag.model_store import ChunkedModel, install, installed_path
-from specprefill_rag.models import _dtype, content_digest, cpu_has_native_bfloat16, resolve
+from specprefill_rag import ModelLoadError
+from specprefill_rag.models import store as model_store
+from specprefill_rag.models.cache import content_digest
+from specprefill_rag.models.loading import _dtype, cpu_has_native_bfloat16, resolve
+from specprefill_rag.models.store import ChunkedModel, install, installed_path
 
 PARTS = [b"GGUF" + b"a" * 1000, b"b" * 3000, b"c" * 17]
 
@@ -90,7 +92,7 @@ def test_auto_dtype_on_cpu_follows_native_bfloat16(monkeypatch):
     assert cpu_has_native_bfloat16("flags : fpu avx512f avx512_bf16 amx_tile")
     assert cpu_has_native_bfloat16("flags : fpu amx_bf16")
     assert not cpu_has_native_bfloat16("flags : fpu avx2 avx512f")
-    from specprefill_rag import models
+    from specprefill_rag.models import loading as models
 
     monkeypatch.setattr(models, "cpu_has_native_bfloat16", lambda: True)
     assert _dtype("auto", "cpu") == torch.bfloat16
@@ -104,7 +106,7 @@ def test_conversion_cache_is_keyed_by_content_and_dtype(tmp_path):
     import shutil
     from pathlib import Path
 
-    from specprefill_rag.models import embedded_gguf, gguf_folder
+    from specprefill_rag.models.loading import embedded_gguf, gguf_folder
 
     original = embedded_gguf("smollm2-135m")
     copy = tmp_path / "elsewhere" / original.name

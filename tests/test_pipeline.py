@@ -6,7 +6,7 @@ import torch
 
 from specprefill_rag.config import SpecPrefillConfig
 from specprefill_rag.pipeline import Pipeline
-from specprefill_rag.prompt import PromptLayout, Role
+from specprefill_rag.prompt.layout import PromptLayout, Role
 
 # 8 instruction tokens, a 64-token document, 8 question tokens
 DOCUMENT_INDEX = torch.tensor([-1] * 8 + [0] * 64 + [-1] * 8)

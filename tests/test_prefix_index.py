@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specprefill_rag import draft_cache
-from specprefill_rag.draft_cache import DraftIdentity, DraftPrefixCache, common_prefix_length
-from specprefill_rag.prefix_index import BLOCK_TOKENS, PrefixIndex, block_hashes
+from specprefill_rag.draft import prefix_cache as draft_cache
+from specprefill_rag.draft.prefix_cache import DraftIdentity, DraftPrefixCache, common_prefix_length
+from specprefill_rag.draft.prefix_index import BLOCK_TOKENS, PrefixIndex, block_hashes
 
 
 def fake_kv(token_ids, layers=1):

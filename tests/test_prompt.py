@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.prompt import Document, Role, build_rag_layout, build_text_layout
+from specprefill_rag.prompt.layout import Document, Role
+from specprefill_rag.prompt.render import build_rag_layout, build_text_layout
 
 DOCUMENTS = [
     "Paris is the capital of France. The quick brown fox jumps over the lazy dog.",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
-from specprefill_rag.models import shared_model
+from specprefill_rag.models.loading import shared_model
 from specprefill_rag.testing import build_model
 
 from .test_real_model import INSTRUCTIONS, NEEDLES, haystack

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
-from specprefill_rag.draft import ModelDraft
-from specprefill_rag.draft_cache import DraftPrefixCache, common_prefix_length
-from specprefill_rag.models import embedded_gguf, gguf_folder, shared_model
+from specprefill_rag.draft.model import ModelDraft
+from specprefill_rag.draft.prefix_cache import DraftPrefixCache, common_prefix_length
+from specprefill_rag.models.loading import embedded_gguf, gguf_folder, shared_model
 from specprefill_rag.selection import select_kept
 
 HAYSTACK = sorted((Path(__file__).parent / "fixtures" / "haystack").glob("*.txt"))

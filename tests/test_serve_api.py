@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
-from specprefill_rag.chat import ChatMessage, chat_layout
+from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 from specprefill_rag.testing import random_documents
 from tests.serve_helpers import MODEL, QUESTION, SYSTEM, chat_messages, reference_text, running_gateway, tiny_engine
 

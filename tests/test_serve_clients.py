@@ -4,8 +4,8 @@ a retrieval chain and a query engine (tiny random models, fake embeddings: no do
 import httpx
 import pytest
 
-from specprefill_rag.chat import ChatMessage, chat_layout
 from specprefill_rag.config import GenerationParams
+from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 from specprefill_rag.testing import random_documents
 from tests.serve_helpers import MODEL, running_gateway, tiny_engine
 

@@ -6,9 +6,9 @@ tokenizers (and chat templates) built in the test, against a brute-force referen
 import pytest
 import torch
 
-from specprefill_rag.prompt import build_rag_layout, build_text_layout
+from specprefill_rag.draft.mapping import fill_gaps, map_importance, ranges
+from specprefill_rag.prompt.render import build_rag_layout, build_text_layout
 from specprefill_rag.testing import build_family_tokenizer, build_tokenizer, random_documents
-from specprefill_rag.token_mapping import fill_gaps, map_importance, ranges
 
 QUESTION = "When did the bridge open?"
 

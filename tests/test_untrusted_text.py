@@ -9,10 +9,11 @@ from collections import Counter
 import pytest
 import torch
 
-from specprefill_rag.chat import DOCUMENT_END, DOCUMENT_START, ChatMessage, chat_layout, mark_document
-from specprefill_rag.prompt import Document, Role, build_rag_layout, build_text_layout
+from specprefill_rag.prompt.chat import DOCUMENT_END, DOCUMENT_START, ChatMessage, chat_layout, mark_document
+from specprefill_rag.prompt.layout import Document, Role
+from specprefill_rag.prompt.render import build_rag_layout, build_text_layout
+from specprefill_rag.prompt.tokens import added_token_ids
 from specprefill_rag.testing import FAMILIES, build_family_tokenizer
-from specprefill_rag.tokens import added_token_ids
 
 FAMILY_NAMES = sorted(FAMILIES)
 # every control string of every family, plus a forged turn in each family's own syntax
@@ -149,7 +150,7 @@ def test_real_smollm2_tokenizer():
     """The embedded model's own tokenizer and chat template: injected turns are text, benign prompts unchanged."""
     from transformers import AutoTokenizer
 
-    from specprefill_rag.models import resolve
+    from specprefill_rag.models.loading import resolve
 
     tokenizer = AutoTokenizer.from_pretrained(resolve("smollm2-135m"))
     attacked = rag(tokenizer, attack("chatml"))

@@ -16,7 +16,7 @@ import torch
 
 from ..aio import iterate_in_thread
 from ..config import GenerationParams
-from ..sampling import next_token
+from ..decode.sampling import next_token
 from .base import SparsePrompt
 
 

@@ -28,7 +28,7 @@ import httpx
 from ..aio import iterate_in_thread
 from ..arguments import check_number, shown
 from ..config import GenerationParams
-from ..errors import InvalidRequestError, SpecPrefillError
+from ..errors import InvalidRequestError, SpecPrefillError, TokenizerMismatchError
 from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
 from .base import SparsePrompt
 from .vllm_wire import (
@@ -96,8 +96,6 @@ class VLLMOfflineBackend:
         """
         served = self.llm.get_tokenizer() if hasattr(self.llm, "get_tokenizer") else None
         if served is not None and hasattr(served, "get_vocab") and served.get_vocab() != tokenizer.get_vocab():
-            from ..errors import TokenizerMismatchError
-
             raise TokenizerMismatchError(
                 "the vLLM model's tokenizer differs from the local one; pass tokenizer= with the served model's HF "
                 "id or folder (a draft of another vocabulary is then mapped)"
@@ -352,8 +350,6 @@ def check_server_tokenizer(
         return
     local = tokenizer(sample, add_special_tokens=False)["input_ids"]
     if list(served.get("tokens", [])) != list(local):
-        from ..errors import TokenizerMismatchError
-
         raise TokenizerMismatchError(
             f"the server's model tokenizes differently from the local tokenizer ({served.get('tokens')} vs {local}); "
             "pass tokenizer= with the served model's HF id or folder (a draft of another vocabulary is then mapped)"

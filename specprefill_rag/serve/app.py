@@ -26,10 +26,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__
-from ..chat import ChatLayout
 from ..config import GenerationParams
 from ..engine import SpecPrefillEngine
 from ..errors import InvalidRequestError
+from ..prompt.chat import ChatLayout
 from .errors import GatewayError, as_gateway_error, bad_request, echoed
 from .gateway import Answer, Gateway, Plan
 from .guard import RequestGuard

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from ..chat import ChatLayout
 from ..config import GenerationParams
-from ..draft import DraftScore
+from ..draft.importance import DraftScore
 from ..engine import SpecPrefillEngine
-from ..models import model_lock
+from ..models.loading import model_lock
 from ..pipeline import Budget
-from ..prompt import PromptLayout
+from ..prompt.chat import ChatLayout
+from ..prompt.layout import PromptLayout
 from ..results import Selection, StreamChunk
 from .errors import draft_failed, queue_full
 from .guard import Slots

@@ -1,7 +1,7 @@
 """Request bodies -> prompt layouts, finding documents as the framework adapters do.
 
 Over HTTP, documents come from ``spec_prefill.documents``, ``document`` content parts, or the
-fallback rule (:mod:`specprefill_rag.chat`). A ``/v1/completions`` prompt is used exactly as sent:
+fallback rule (:mod:`specprefill_rag.prompt.chat`). A ``/v1/completions`` prompt is used exactly as sent:
 ``spec_prefill.documents`` are located in it verbatim (every one must be found), otherwise every
 token but special tokens and the protected tail is a candidate.
 
@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..chat import ChatLayout, ChatMessage, chat_layout
 from ..errors import ContextLengthError, InvalidRequestError
-from ..prompt import Document, Role, Segment, as_document, layout_from_segments
-from ..tokens import count_tokens_at_least
+from ..prompt.chat import ChatLayout, ChatMessage, chat_layout
+from ..prompt.documents import as_document
+from ..prompt.layout import Document, Role, Segment
+from ..prompt.render import layout_from_segments
+from ..prompt.tokens import count_tokens_at_least
 from .errors import bad_request
 from .schema import ChatCompletionRequest, CompletionRequest, Message, SpecPrefillOptions, TokenizeRequest
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft import DraftScore
+from ..draft.importance import DraftScore
 
 ScoreBatch = Callable[[list[torch.Tensor]], list["DraftScore | Exception"]]
 

@@ -7,7 +7,7 @@ from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.backends.hf import HFBackend
 from specprefill_rag.backends.vllm import VLLMOfflineBackend
 from specprefill_rag.config import GenerationParams
-from specprefill_rag.models import embedded_gguf, gguf_folder, load_model
+from specprefill_rag.models.loading import embedded_gguf, gguf_folder, load_model
 
 GREEDY = GenerationParams(max_new_tokens=16)
 DOCUMENT = (

@@ -5,7 +5,7 @@ import openai
 import pytest
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
-from specprefill_rag.chat import ChatMessage, chat_layout
+from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 from specprefill_rag.serve import GatewaySettings, create_app
 from specprefill_rag.serve.server import BackgroundServer
 from specprefill_rag.testing import random_documents

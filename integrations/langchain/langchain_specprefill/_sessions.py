@@ -30,7 +30,7 @@ class LocalSession:
         self.settings = settings
 
     def _layout(self, messages: list[BaseMessage], options: dict[str, Any]) -> Any:
-        from specprefill_rag.chat import chat_layout
+        from specprefill_rag.prompt.chat import chat_layout
 
         return chat_layout(
             self.settings.engine.tokenizer,

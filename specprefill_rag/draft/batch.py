@@ -1,4 +1,4 @@
-"""Batched draft scoring: several prompts in one forward pass of a :class:`~specprefill_rag.draft.ModelDraft`.
+"""Batched draft scoring: several prompts in one forward pass of a :class:`~specprefill_rag.draft.model.ModelDraft`.
 
 The gateway scores the prompts of requests that wait together in one batch. Rows are left padded to
 the longest prompt, so every row's last prompt token sits in the last column; each row gets explicit
@@ -15,13 +15,22 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from .draft import DraftScore, ModelDraft, attention_dispatch
-from .errors import DraftScoringError
-from .importance import ImportanceAccumulator, query_importance
+from ..errors import DraftScoringError
+from .hooks import attention_dispatch
+from .importance import DraftScore, ImportanceAccumulator, query_importance
+
+
+class BatchedDraft(Protocol):
+    """What a batch needs of a draft (a :class:`~specprefill_rag.draft.model.ModelDraft`)."""
+
+    model: Any
+    look_ahead: int
+    pool_kernel: int
+    eos_token_ids: frozenset[int]
 
 
 @dataclass
@@ -124,7 +133,7 @@ def _stop_rows_at_eos(batch: _Batch, tokens: torch.Tensor, eos_ids: frozenset[in
 
 
 @torch.inference_mode()
-def score_model_batch(draft: ModelDraft, prompts: Sequence[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
+def score_model_batch(draft: BatchedDraft, prompts: Sequence[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
     """``B`` prompts ``[L_b]`` -> per prompt its ``[L_b]`` float32 importance, or the
     :class:`DraftScoringError` of that prompt alone (e.g. non-finite scores); the others are unaffected.
     Batched rows neither read nor fill the prefix cache (their KV is padded).

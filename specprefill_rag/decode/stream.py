@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from .config import GenerationParams
+from ..config import GenerationParams
+from ..prompt.layout import PromptLayout
+from ..results import DraftPath, GenerationResult, KeepPolicy, SpecPrefillStats, StreamChunk
 from .detokenize import IncrementalText
-from .prompt import PromptLayout
-from .results import DraftPath, GenerationResult, KeepPolicy, SpecPrefillStats, StreamChunk
 
 
 class Decoding:

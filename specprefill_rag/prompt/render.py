@@ -1,183 +1,35 @@
-"""RAG prompt layout: parts with roles -> token ids plus the role of every token.
+"""RAG prompt rendering: parts with roles -> token ids plus the role of every token.
 
-A prompt is a list of :class:`Segment` s (text + role). It is tokenized once, as one string, and
-each token's role comes from its character offsets: a token lying inside one segment takes that
-segment's role; a token straddling two segments, or a special token, is template scaffolding.
-Only document tokens are ever candidates for dropping.
+A prompt is a list of :class:`~specprefill_rag.prompt.layout.Segment` s (text + role). It is tokenized
+once, as one string, and each token's role comes from its character offsets: a token lying inside one
+segment takes that segment's role; a token straddling two segments, or a special token, is template
+scaffolding. Only document tokens are ever candidates for dropping.
+
+Every layout keeps its source (:class:`TurnsSource` or :class:`SegmentsSource`): what it was built
+from, so the same content can be laid out for another tokenizer (a draft with its own vocabulary and
+chat template reads the same instructions, documents and question rendered its own way; see
+:mod:`specprefill_rag.draft.paths`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from enum import IntEnum
 from typing import Any
 
 import torch
 
-from .arguments import check_documents, check_optional_text, check_text
-from .errors import InvalidRequestError
-from .prompt_sources import PromptSource, SegmentsSource, TurnsSource
+from ..arguments import check_text
+from ..errors import InvalidRequestError
+from .documents import rag_turns
+from .layout import DocumentLike, PromptLayout, Role, Segment, Turn
 from .tokens import encode_trusted_controls
-
-
-class Role(IntEnum):
-    """What a prompt token is. Only ``DOCUMENT`` tokens may be dropped."""
-
-    TEMPLATE = 0
-    INSTRUCTION = 1
-    DOCUMENT = 2
-    QUESTION = 3
-
-
-@dataclass(frozen=True)
-class Document:
-    """One retrieved document."""
-
-    text: str
-    title: str | None = None
-    id: str | None = None
-
-
-DocumentLike = Document | str | bytes | Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A piece of prompt text with its role; ``document`` is the document index for ``Role.DOCUMENT``.
-
-    ``scaffold``: text the chat template itself wrote. Only there do special-token strings become
-    control tokens; everywhere else (documents, titles, question, instructions) they are text.
-    """
-
-    text: str
-    role: Role
-    document: int = -1
-    scaffold: bool = False
-
-
-@dataclass(frozen=True)
-class PromptLayout:
-    """A tokenized prompt with roles.
-
-    Attributes:
-        input_ids: ``[L]`` long token ids.
-        roles: ``[L]`` long, a :class:`Role` per token.
-        document_index: ``[L]`` long, document of each document token, ``-1`` elsewhere.
-        text: the rendered prompt.
-        offsets: ``[L, 2]`` long character span of each token in ``text`` (empty for tokens the
-            tokenizer adds, e.g. BOS); None for a layout built by hand.
-        document_spans: ``[S, 2]`` long ``(start, end)`` in ``text`` of every document's text, in
-            prompt order (a document whose text is split by the template has several).
-        source: what to render for another tokenizer; None for a layout built by hand.
-    """
-
-    input_ids: torch.Tensor
-    roles: torch.Tensor
-    document_index: torch.Tensor
-    text: str
-    offsets: torch.Tensor | None = None
-    document_spans: torch.Tensor | None = None
-    source: PromptSource | None = None
-
-    def __len__(self) -> int:
-        return int(self.input_ids.numel())
-
-    @property
-    def n_document_tokens(self) -> int:
-        return int((self.document_index >= 0).sum())
-
-
-_DOCUMENT_KEYS = ("text", "title", "id")
-
-
-def as_document(value: DocumentLike, index: int) -> Document:
-    """Validate a document given as text, UTF-8 bytes, a mapping with text/title/id, or a Document.
-
-    Text must be valid Unicode and not blank, the title a non-blank str or None, the id a str or None;
-    nothing is coerced (``{"text": None}`` is refused, not sent as the word ``None``).
-    """
-    name = f"document {index}"
-    if isinstance(value, bytes):
-        value = _decode_utf8(value, name)
-    if isinstance(value, str):
-        value = Document(value)
-    elif isinstance(value, Mapping):
-        value = _mapping_document(value, name)
-    if not isinstance(value, Document):
-        raise InvalidRequestError(
-            f"{name} has type {type(value).__name__}; pass str, bytes, Document or a mapping with 'text'"
-        )
-    if isinstance(value.text, str) and not value.text.strip():
-        raise InvalidRequestError(f"{name} is empty; drop it before calling")
-    text = check_text(value.text, f"{name}'s text", "document text")
-    title = check_optional_text(value.title, f"{name}'s title", "title")
-    if value.id is not None and not isinstance(value.id, str):
-        raise InvalidRequestError(f"{name}'s id must be a str or None, got {type(value.id).__name__}; pass str(id)")
-    return Document(text, title, value.id)
-
-
-def _decode_utf8(value: bytes, name: str) -> str:
-    try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise InvalidRequestError(
-            f"{name} is not valid UTF-8 (byte {error.start}: {value[error.start : error.start + 4]!r}); "
-            "decode it with its real encoding before passing it"
-        ) from None
-
-
-def _mapping_document(value: Mapping[str, Any], name: str) -> Document:
-    if "text" not in value:
-        raise InvalidRequestError(f"{name} is a mapping without a 'text' key; give text, title and id")
-    unknown = sorted(str(key) for key in value if key not in _DOCUMENT_KEYS)
-    if unknown:
-        raise InvalidRequestError(
-            f"{name} has unknown keys {unknown}; a document mapping takes 'text' and optionally 'title' and 'id': "
-            "drop the others"
-        )
-    return Document(value["text"], value.get("title"), value.get("id"))
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One chat message: a role name understood by chat templates and its content as segments."""
-
-    role: str
-    segments: tuple[Segment, ...]
-
-    @property
-    def text(self) -> str:
-        return "".join(s.text for s in self.segments)
-
-
-def document_segments(documents: Sequence[DocumentLike], first_index: int = 0) -> list[Segment]:
-    """Validated documents as labelled segments: ``Document [i] title`` (template), then the text."""
-    segments: list[Segment] = []
-    for offset, raw in enumerate(check_documents(documents)):
-        index = first_index + offset
-        document = as_document(raw, index)
-        label = f"Document [{index + 1}]" + (f" {document.title}" if document.title else "")
-        segments += [Segment(f"{label}\n", Role.TEMPLATE), Segment(document.text.strip(), Role.DOCUMENT, index)]
-        segments.append(Segment("\n\n", Role.TEMPLATE))
-    return segments
-
-
-def rag_turns(question: str, documents: Sequence[DocumentLike], instructions: str | None) -> list[Turn]:
-    """Validate a RAG request and lay it out as ``[system?, user]`` turns; the question comes last."""
-    question = check_text(question, "question", "user's question")
-    instructions = check_optional_text(instructions, "instructions", "system instructions")
-    user = document_segments(documents) + [
-        Segment("Question: ", Role.TEMPLATE),
-        Segment(question.strip(), Role.QUESTION),
-    ]
-    system = [Turn("system", (Segment(instructions, Role.INSTRUCTION),))] if instructions else []
-    return system + [Turn("user", tuple(user))]
-
 
 # Private-use characters: not whitespace, so templates that trim message content keep them whole.
 _SENTINEL = "\ue000SPR{}\ue001"
+
+
 _SENTINEL_RE = re.compile("\ue000SPR(\\d+)\ue001")
 
 
@@ -333,3 +185,27 @@ def _run_segments(
         cursor = end
     segments.append(Segment(prompt[cursor:], Role.TEMPLATE, scaffold=scaffold))
     return tuple(s for s in segments if s.text)
+
+
+@dataclass(frozen=True)
+class TurnsSource:
+    """Chat turns: another tokenizer renders them with its own chat template (when used and present)."""
+
+    turns: tuple[Turn, ...]
+    use_chat_template: bool
+
+    def render(self, tokenizer: Any) -> PromptLayout:
+        return build_turns_layout(tokenizer, self.turns, self.use_chat_template)
+
+
+@dataclass(frozen=True)
+class SegmentsSource:
+    """Rendered segments, tokenized as they are by another tokenizer (template text included): the
+    source of layouts built from text the caller rendered (``generate_text``).
+    """
+
+    segments: tuple[Segment, ...]
+    add_special_tokens: bool
+
+    def render(self, tokenizer: Any) -> PromptLayout:
+        return layout_from_segments(tokenizer, self.segments, self.add_special_tokens)

@@ -4,7 +4,7 @@
 ``self``    the main model's own first layers read them (``draft='self'``).
 ``mapped``  a draft of another vocabulary reads the same content rendered with its own tokenizer and
             chat template (the layout's ``source``); its importance reaches the main tokens through
-            the documents' characters (:mod:`.token_mapping`). Chunks and the budget are then formed
+            the documents' characters (:mod:`.mapping`). Chunks and the budget are then formed
             on the main tokens as on the other paths.
 
 Every path refuses a prompt longer than the draft's context (:class:`DraftContextLengthError`)
@@ -19,15 +19,14 @@ from typing import Any, Protocol
 
 import torch
 
+from ..errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
+from ..models.loading import model_lock, same_vocabulary
+from ..prompt.layout import PromptLayout, PromptSource
+from ..results import DraftPath
 from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
-from .draft import DraftScore
-from .draft_cache import DraftPrefixCache
-from .errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
-from .models import model_lock, same_vocabulary
-from .prompt import PromptLayout
-from .prompt_sources import PromptSource
-from .results import DraftPath
-from .token_mapping import Reduce, map_importance
+from .importance import DraftScore
+from .mapping import Reduce, map_importance
+from .prefix_cache import DraftPrefixCache
 
 # max and mean chose the same chunks on every NIAH and SQuAD sample measured (SmolLM2-135M drafting for
 # the Qwen2.5 tokenizer; BENCHMARKS.md, "Cross-tokenizer drafts"); max maps a tokenizer onto itself exactly.
@@ -35,8 +34,8 @@ DEFAULT_REDUCE: Reduce = "max"
 
 
 class TokenScorer(Protocol):
-    """A draft that scores token ids of its own vocabulary (:class:`~specprefill_rag.draft.ModelDraft`,
-    :class:`~specprefill_rag.draft.LayerPrefixDraft`).
+    """A draft that scores token ids of its own vocabulary (:class:`~specprefill_rag.draft.model.ModelDraft`,
+    :class:`~specprefill_rag.draft.model.LayerPrefixDraft`).
     """
 
     model: Any

@@ -8,10 +8,12 @@ layer into a running max, and no ``L x L`` matrix exists.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from .errors import DraftScoringError
+from ..errors import DraftScoringError
 
 
 def query_importance(query: torch.Tensor, keys: torch.Tensor, scaling: float, pool_kernel: int) -> torch.Tensor:
@@ -84,3 +86,16 @@ class ImportanceAccumulator:
                 "load the draft in bfloat16 or float32 (dtype='bfloat16')"
             )
         return importance
+
+
+@dataclass(frozen=True)
+class DraftScore:
+    """What a draft computed for one prompt.
+
+    Attributes:
+        importance: ``[L]`` float32 importance of each prompt token.
+        cached_tokens: leading prompt tokens whose draft KV came from the prefix cache (0 on a miss).
+    """
+
+    importance: torch.Tensor
+    cached_tokens: int = 0

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .draft import DraftScore
-from .errors import DraftLimitError, DraftOutOfMemoryError
+from ..errors import DraftLimitError, DraftOutOfMemoryError
+from .importance import DraftScore
 
 # What allocators raise when memory runs out: CUDA (torch.OutOfMemoryError in torch >= 2.5) and Python.
 _OUT_OF_MEMORY = (torch.cuda.OutOfMemoryError, MemoryError)

@@ -22,20 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .arguments import check_documents, check_optional_text, check_unicode
-from .errors import InvalidRequestError
-from .prompt import (
-    Document,
-    DocumentLike,
-    PromptLayout,
-    Role,
-    Segment,
-    Turn,
-    as_document,
-    build_turns_layout,
-    document_segments,
-    protect_tail,
-)
+from ..arguments import check_documents, check_optional_text, check_unicode
+from ..errors import InvalidRequestError
+from .documents import as_document, document_segments
+from .layout import Document, DocumentLike, PromptLayout, Role, Segment, Turn
+from .render import build_turns_layout, protect_tail
 
 # A secret of this process in every marker: retrieved text cannot forge one, so a document cannot end
 # its own span early and pass the rest of its text off as the (never dropped) question.

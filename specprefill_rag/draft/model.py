@@ -1,0 +1,150 @@
+"""Drafts that score a prompt: a separate small model (:class:`ModelDraft`, the paper's) or the main
+model's own first layers (:class:`LayerPrefixDraft`, ``draft="self"``).
+
+With a :class:`~specprefill_rag.draft.prefix_cache.DraftPrefixCache`, a prompt that starts like one
+scored before starts from that prefix's cached keys and values: the draft prefills only the remainder,
+whose queries still attend over every prompt key
+(:func:`~specprefill_rag.draft.hooks.attention_after_cached_keys`), so the scores are those of a cold run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import DraftScoringError
+from .batch import score_model_batch
+from .hooks import (
+    StopForward,
+    capture_attention,
+    stop_after_layers,
+)
+from .importance import DraftScore, ImportanceAccumulator
+from .prefix_cache import DraftIdentity, DraftPrefixCache, PrefixReuse
+
+
+def _step_inputs(token_ids: torch.Tensor, first_position: int) -> dict[str, torch.Tensor]:
+    positions = torch.arange(first_position, first_position + token_ids.numel(), device=token_ids.device)
+    return {"input_ids": token_ids.view(1, -1), "position_ids": positions.view(1, -1), "cache_position": positions}
+
+
+@dataclass
+class ModelDraft:
+    """A separate small draft model sharing the main model's tokenizer (the paper's setting).
+
+    Queries are the last prompt token plus ``look_ahead - 1`` greedily decoded draft tokens; decoding
+    stops early at an end-of-sequence token. With a ``prefix_cache``, a prompt that starts like one
+    scored before prefills only its remainder (at least the last token, whose query is scored).
+    """
+
+    model: Any  # a transformers PreTrainedModel (nn.Module's attribute types hide its config)
+    look_ahead: int = 8
+    pool_kernel: int = 13
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    prefix_cache: DraftPrefixCache | None = None
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
+        return self.score_prompt(input_ids).importance
+
+    @torch.inference_mode()
+    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
+        """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied."""
+        prompt_length = input_ids.numel()
+        accumulator = ImportanceAccumulator(prompt_length, self.look_ahead, input_ids.device)
+        layers = self.model.config.num_hidden_layers
+        reuse = PrefixReuse.begin(
+            self.prefix_cache, self.model, layers, input_ids, prompt_length - 1, needs_past=self.look_ahead > 1
+        )
+        cache, start = reuse.past, reuse.cached_tokens
+        with capture_attention(self.model, accumulator, self.pool_kernel):
+            inputs = _step_inputs(input_ids[start:], start)
+            output = self.model(**inputs, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+            for step in range(1, self.look_ahead):
+                token = output.logits[0, -1].argmax()
+                if int(token) in self.eos_token_ids:
+                    break
+                accumulator.step = step
+                inputs = _step_inputs(token.view(1), prompt_length + step - 1)
+                output = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        importance = accumulator.result()
+        reuse.remember(input_ids)
+        return DraftScore(importance, start)
+
+    def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
+        """Several ``[L_i]`` prompts in one batched forward (:mod:`specprefill_rag.draft.batch`); per prompt
+        its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error.
+
+        Prompts the prefix cache can serve are scored alone (only their remainder is computed, which is
+        cheaper than a padded row); the rest share one forward.
+        """
+        alone = [len(prompts) == 1 or self._has_cached_prefix(p) for p in prompts]
+        batched = [p for p, single in zip(prompts, alone) if not single]
+        together = iter(
+            score_model_batch(self, batched)
+            if len(batched) > 1
+            else [_score_or_error(self.score_prompt, p) for p in batched]
+        )
+        return [
+            _score_or_error(self.score_prompt, p) if single else next(together) for p, single in zip(prompts, alone)
+        ]
+
+    def _has_cached_prefix(self, input_ids: torch.Tensor) -> bool:
+        if self.prefix_cache is None:
+            return False
+        draft = DraftIdentity.of(self.model, self.model.config.num_hidden_layers)
+        return self.prefix_cache.lookup(draft, input_ids, input_ids.numel() - 1) is not None
+
+
+@dataclass
+class LayerPrefixDraft:
+    """``self:<n>``: the first ``n_layers`` of the main model itself, weights shared.
+
+    For users without a smaller sibling model. The forward pass stops after layer ``n_layers``, so no
+    look-ahead token can be decoded; the queries are instead the last ``query_window`` prompt tokens
+    (the question and the template around it), each seeing the prompt up to itself. With a
+    ``prefix_cache``, at most ``L - query_window`` leading tokens are reused, so every query is computed.
+    """
+
+    model: Any  # a transformers PreTrainedModel (nn.Module's attribute types hide its config)
+    n_layers: int
+    pool_kernel: int = 13
+    query_window: int = 1
+    prefix_cache: DraftPrefixCache | None = None
+
+    def score(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
+        return self.score_prompt(input_ids).importance
+
+    @torch.inference_mode()
+    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
+        """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied."""
+        window = min(self.query_window, input_ids.numel())
+        accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
+        reuse = PrefixReuse.begin(
+            self.prefix_cache, self.model, self.n_layers, input_ids, input_ids.numel() - window, needs_past=False
+        )
+        cache, start = reuse.past, reuse.cached_tokens
+        capture = capture_attention(self.model, accumulator, self.pool_kernel, window)
+        with capture, stop_after_layers(self.model, self.n_layers):
+            try:
+                inputs = _step_inputs(input_ids[start:], start)
+                self.model(**inputs, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
+            except StopForward:
+                pass
+        importance = accumulator.result()
+        reuse.remember(input_ids)
+        return DraftScore(importance, start)
+
+    def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
+        """One prompt after another (a layer-prefix draft is not batched); each its score or its error."""
+        return [_score_or_error(self.score_prompt, prompt) for prompt in prompts]
+
+
+def _score_or_error(score: Any, input_ids: torch.Tensor) -> DraftScore | DraftScoringError:
+    try:
+        return score(input_ids)
+    except DraftScoringError as error:
+        return error

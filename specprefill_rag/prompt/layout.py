@@ -1,0 +1,122 @@
+"""Prompt layout data: text parts with roles, chat turns, and a tokenized prompt with the role of
+every token. A leaf of the prompt package: its other modules build these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import InvalidRequestError
+
+
+class Role(IntEnum):
+    """What a prompt token is. Only ``DOCUMENT`` tokens may be dropped."""
+
+    TEMPLATE = 0
+    INSTRUCTION = 1
+    DOCUMENT = 2
+    QUESTION = 3
+
+
+@dataclass(frozen=True)
+class Document:
+    """One retrieved document."""
+
+    text: str
+    title: str | None = None
+    id: str | None = None
+
+
+DocumentLike = Document | str | bytes | Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A piece of prompt text with its role; ``document`` is the document index for ``Role.DOCUMENT``.
+
+    ``scaffold``: text the chat template itself wrote. Only there do special-token strings become
+    control tokens; everywhere else (documents, titles, question, instructions) they are text.
+    """
+
+    text: str
+    role: Role
+    document: int = -1
+    scaffold: bool = False
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """A tokenized prompt with roles.
+
+    Attributes:
+        input_ids: ``[L]`` long token ids.
+        roles: ``[L]`` long, a :class:`Role` per token.
+        document_index: ``[L]`` long, document of each document token, ``-1`` elsewhere.
+        text: the rendered prompt.
+        offsets: ``[L, 2]`` long character span of each token in ``text`` (empty for tokens the
+            tokenizer adds, e.g. BOS); None for a layout built by hand.
+        document_spans: ``[S, 2]`` long ``(start, end)`` in ``text`` of every document's text, in
+            prompt order (a document whose text is split by the template has several).
+        source: what to render for another tokenizer; None for a layout built by hand.
+    """
+
+    input_ids: torch.Tensor
+    roles: torch.Tensor
+    document_index: torch.Tensor
+    text: str
+    offsets: torch.Tensor | None = None
+    document_spans: torch.Tensor | None = None
+    source: PromptSource | None = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def n_document_tokens(self) -> int:
+        return int((self.document_index >= 0).sum())
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One chat message: a role name understood by chat templates and its content as segments."""
+
+    role: str
+    segments: tuple[Segment, ...]
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments)
+
+
+class PromptSource(Protocol):
+    """What a layout was built from: renders the same content for any tokenizer (a draft with its own
+    vocabulary and chat template reads it rendered its own way).
+    """
+
+    def render(self, tokenizer: Any) -> PromptLayout:
+        """The layout of the same content with ``tokenizer`` (and its chat template, if used)."""
+        ...
+
+
+def check_layout(layout: Any, vocab_size: int) -> None:
+    """A non-empty :class:`~specprefill_rag.prompt.PromptLayout` whose ids are in the vocabulary."""
+    if not isinstance(layout, PromptLayout):
+        raise InvalidRequestError(
+            f"layout must be a PromptLayout, got {type(layout).__name__}; build it with engine.layout(question, "
+            "documents) or engine.text_layout(prompt)"
+        )
+    ids = layout.input_ids
+    lengths = {ids.numel(), layout.roles.numel(), layout.document_index.numel()}
+    if ids.dim() != 1 or len(lengths) != 1 or ids.numel() == 0:
+        raise InvalidRequestError(
+            "layout is empty or its input_ids, roles and document_index differ in shape; rebuild it"
+        )
+    if ids.is_floating_point() or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise InvalidRequestError(
+            f"layout has token ids outside this tokenizer's vocabulary of {vocab_size}; build it with this engine"
+        )
