@@ -14,7 +14,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from .config import AUTO, DEFAULT_MIN_PROMPT_TOKENS, DEFAULT_MODEL
+from .config import AUTO, DEFAULT_MODEL
 from .errors import SpecPrefillError
 from .prompt.layout import Document
 from .serve.settings import GatewaySettings
@@ -66,9 +66,12 @@ def parser() -> argparse.ArgumentParser:
         help="fraction of document tokens to prefill (0, 1], or 'auto' (chosen per prompt)",
     )
     ask.add_argument("--main", default=DEFAULT_MODEL, help="HF id, model folder, .gguf file or 'smollm2-135m'")
-    ask.add_argument("--draft", default=DEFAULT_MODEL, help="same forms as --main, or 'self:<n>'")
+    ask.add_argument("--draft", default=None, help="same forms as --main, or 'self:<n>' (default: 'self')")
     ask.add_argument(
-        "--min-prompt-tokens", type=int, default=DEFAULT_MIN_PROMPT_TOKENS, help="shorter prompts are not compressed"
+        "--min-prompt-tokens",
+        type=_or_literal(int, [AUTO]),
+        default=AUTO,
+        help="shorter prompts are not compressed ('auto': from the draft's cost against the main model's)",
     )
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0)

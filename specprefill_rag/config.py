@@ -33,9 +33,12 @@ AUTO: Literal["auto"] = "auto"
 DEFAULT_AUTO_KEEP_SHARE = 0.8
 DEFAULT_AUTO_KEEP_FLOOR = 0.1
 DEFAULT_AUTO_KEEP_CEILING = 0.5
-# Below this many prompt tokens the draft costs more than the prefill it saves (BENCHMARKS.md, "When
-# SpecPrefill pays"), so the prompt is prefilled whole.
-DEFAULT_MIN_PROMPT_TOKENS = 1024
+# With no draft named, an in-process main model drafts with its own first layers ('self'): the one draft
+# that pays on the embedded model and for any main model without a small sibling (docs: Drafts).
+DRAFT_DESCRIPTION = (
+    "Draft model spec (same forms as the main model), or 'self:<n>' to score with the main model's first n layers "
+    "('self': the first 40%). None: 'self' with an in-process main model; a main model on vLLM needs one named."
+)
 # Position ids of the kept tokens. "original" (the paper's): each at its place in the full prompt.
 # "contiguous": renumbered 0..K-1, an ordinary shorter prompt. On the Qwen2.5-Coder pair the two answer
 # equally often; contiguous raised the answer's log-probability on held-out NIAH and HotpotQA at keep 0.1
@@ -80,6 +83,24 @@ def _keep_rate_value(value: Any) -> Any:
 KeepRate = Annotated[float | Literal["auto"], BeforeValidator(_keep_rate_value)]
 
 
+def _min_prompt_tokens_value(value: Any) -> Any:
+    """``min_prompt_tokens``' one error: a whole number of tokens >= 0, or 'auto'."""
+    if isinstance(value, str) and value == AUTO:
+        return value
+    fix = "pass a number of prompt tokens >= 0, e.g. 512, or 'auto' (from the draft's cost)"
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)  # configuration is parsed leniently ('512' from a file or the environment)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"min_prompt_tokens must be a whole number or 'auto', got {value!r}; {fix}")
+    if value < 0:
+        raise ValueError(f"min_prompt_tokens must be greater than or equal to 0, got {value}; {fix}")
+    return value
+
+
+# Prompts shorter than this are prefilled whole; "auto": from the draft's cost against the main model's.
+MinPromptTokens = Annotated[int | Literal["auto"], BeforeValidator(_min_prompt_tokens_value)]
+
+
 def _strict_keep_rate_value(value: Any) -> Any:
     if isinstance(value, str) and value != AUTO:
         raise ValueError(
@@ -106,12 +127,18 @@ def is_self_spec(draft: str) -> bool:
     return draft == SELF_DRAFT or draft.startswith(SELF_DRAFT_PREFIX)
 
 
-def check_self_draft_look_ahead(settings: CompressionSettings, draft: str) -> None:
+def check_self_draft_look_ahead(settings: CompressionSettings, draft: str | None) -> None:
     """A 'self' draft cannot decode look-ahead tokens: ``ValueError`` if ``look_ahead`` was set above 1 for one."""
-    if is_self_spec(draft) and "look_ahead" in settings.model_fields_set and settings.look_ahead != 1:
+    if (
+        draft is not None
+        and is_self_spec(draft)
+        and "look_ahead" in settings.model_fields_set
+        and settings.look_ahead != 1
+    ):
         raise ValueError(
-            f"draft {draft!r} scores with part of the main model and cannot decode look-ahead tokens; "
-            "leave look_ahead unset or set it to 1"
+            f"draft {draft!r} scores with part of the main model and cannot decode look-ahead tokens; leave "
+            "look_ahead unset or set it to 1, or name a draft model (with no draft named, an in-process main model "
+            "drafts with its own first layers)"
         )
 
 
@@ -158,10 +185,11 @@ class CompressionSettings(BaseModel):
     look_ahead: int = Field(
         8, ge=1, le=64, description="Queries: last prompt token + look_ahead-1 draft tokens (not for 'self' drafts)."
     )
-    min_prompt_tokens: int = Field(
-        DEFAULT_MIN_PROMPT_TOKENS,
-        ge=0,
-        description="Prompts shorter than this are prefilled whole (compression would not pay).",
+    min_prompt_tokens: MinPromptTokens = Field(
+        AUTO,
+        description="Prompts shorter than this many tokens are prefilled whole (compression would not pay). 'auto': "
+        "the length from which the draft pays, from its cost against the main model's (docs: When SpecPrefill "
+        "pays); 1,024 with a main model on vLLM.",
     )
     protect_tail_tokens: int = Field(
         64, ge=1, description="For raw prompts without roles: the last tokens that are always kept."
@@ -200,11 +228,7 @@ class SpecPrefillConfig(CompressionSettings):
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     main: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
-    draft: str = Field(
-        DEFAULT_MODEL,
-        description="Draft model spec (same forms as `main`), or 'self:<n>' to score with the main model's first n "
-        "layers ('self': the first 40%).",
-    )
+    draft: str | None = Field(None, description=DRAFT_DESCRIPTION)
     max_draft_tokens: int | None = Field(
         None,
         ge=1,
@@ -252,8 +276,8 @@ class SpecPrefillConfig(CompressionSettings):
 
     @field_validator("draft")
     @classmethod
-    def _draft_spec(cls, value: str) -> str:
-        if value == SELF_DRAFT:
+    def _draft_spec(cls, value: str | None) -> str | None:
+        if value is None or value == SELF_DRAFT:
             return value
         if value.startswith(SELF_DRAFT_PREFIX):
             layers = value[len(SELF_DRAFT_PREFIX) :]
@@ -269,12 +293,18 @@ class SpecPrefillConfig(CompressionSettings):
     @property
     def is_self_draft(self) -> bool:
         """True for 'self' and 'self:<n>': the main model scores with its own first layers."""
-        return is_self_spec(self.draft)
+        return self.draft is not None and is_self_spec(self.draft)
+
+    def with_default_draft(self) -> SpecPrefillConfig:
+        """This config, with 'self' as the draft when none is named (an in-process main model's default)."""
+        if self.draft is not None:
+            return self
+        return SpecPrefillConfig(**{name: getattr(self, name) for name in self.model_fields_set}, draft=SELF_DRAFT)
 
     @property
     def self_draft_layers(self) -> int | None:
         """n for a 'self:<n>' draft, else None (also for 'self', whose n depends on the main model)."""
-        if self.draft.startswith(SELF_DRAFT_PREFIX):
+        if self.draft is not None and self.draft.startswith(SELF_DRAFT_PREFIX):
             return int(self.draft[len(SELF_DRAFT_PREFIX) :])
         return None
 
@@ -324,7 +354,7 @@ class GenerationParams(BaseModel):
         return tuple(value)
 
 
-def adapter_config(backend: str, draft: str, **fields: object) -> SpecPrefillConfig:
+def adapter_config(backend: str, draft: str | None, **fields: object) -> SpecPrefillConfig:
     """The config behind a framework adapter's fields (LangChain, LlamaIndex).
 
     ``backend`` is ``"transformers"`` (main model in-process) or the URL of a vLLM server with this
@@ -336,7 +366,7 @@ def adapter_config(backend: str, draft: str, **fields: object) -> SpecPrefillCon
         raise ValueError(
             f"backend {backend!r} is neither 'transformers' (in-process) nor the http(s) URL of a vLLM server"
         )
-    if backend != "transformers" and is_self_spec(draft):
+    if backend != "transformers" and draft is not None and is_self_spec(draft):
         raise ValueError(f"draft {draft!r} needs the main model in-process; with a vLLM server use a separate draft")
     if backend == "transformers" and fields.get("tokenizer") is not None:
         raise ValueError(

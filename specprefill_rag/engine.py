@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Sequence
@@ -17,12 +18,14 @@ from contextlib import aclosing
 from typing import Any, Literal
 
 import torch
+from pydantic import ValidationError
 
 from .arguments import check_flag, check_keep_rate, check_params, generation_params
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
-from .config import DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
+from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decode.stream import Decoding, alast_result, last_result
+from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, parameter_count, pays_from
 from .draft.hooks import decoder_layers
 from .draft.model import LayerPrefixDraft, ModelDraft
 from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring
@@ -39,6 +42,7 @@ from .selection import KeepBudget
 RequestKeepRate = float | Literal["auto"] | None
 
 
+log = logging.getLogger("specprefill_rag")
 _engines: dict[tuple[SpecPrefillConfig, str], SpecPrefillEngine] = {}
 _engines_lock = threading.Lock()
 
@@ -58,14 +62,14 @@ class SpecPrefillEngine:
     """
 
     def __init__(self, config: SpecPrefillConfig | None = None, **settings: Any) -> None:
-        config = _make_config(config, settings)
+        config = _with_default_draft(_make_config(config, settings))
         if config.tokenizer is not None:
             raise InvalidRequestError(
                 "tokenizer= names the tokenizer of a main model on vLLM; in-process the main model's own is used"
             )
         main = shared_model(config.main, config.device, config.dtype)
         draft = None
-        if not config.is_self_draft and config.draft != config.main:
+        if config.draft is not None and not config.is_self_draft and config.draft != config.main:
             draft = shared_model(config.draft, config.device, config.dtype)
         self._setup(config, main, draft)
 
@@ -94,8 +98,8 @@ class SpecPrefillEngine:
         **settings: Any,
     ) -> SpecPrefillEngine:
         """An engine over models already loaded; ``draft_model=None`` means the main model drafts for
-        itself (whole, or its first n layers with ``draft='self:<n>'``). ``draft_tokenizer``: the draft's
-        own, when it differs from the main model's (the mapped path); default ``tokenizer``.
+        itself (whole, or its first n layers with ``draft='self'`` or ``'self:<n>'``). ``draft_tokenizer``: the
+        draft's own, when it differs from the main model's (the mapped path); default ``tokenizer``.
         """
         engine = cls.__new__(cls)
         config = _make_config(config, settings)
@@ -117,6 +121,7 @@ class SpecPrefillEngine:
             scoring: DirectScoring | MappedScoring = DirectScoring(
                 scorer, main.context_length, 1, config.max_draft_tokens, path="self"
             )
+            share = n_layers / available
         else:
             drafting = draft if draft is not None else main
             draft_eos = eos_token_ids(drafting.model, drafting.tokenizer)
@@ -125,7 +130,10 @@ class SpecPrefillEngine:
             scoring = draft_scoring(
                 scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens
             )
-        self._assemble(config, main.tokenizer, HFBackend(main.model, eos, model_lock(main.model)), scoring, main)
+            share = parameter_count(drafting.model) / parameter_count(main.model)
+        floor = _prompt_floor(config, share, config.effective_look_ahead, main.context_length)
+        backend = HFBackend(main.model, eos, model_lock(main.model))
+        self._assemble(config, main.tokenizer, backend, scoring, main, floor)
 
     def _assemble(
         self,
@@ -134,6 +142,7 @@ class SpecPrefillEngine:
         backend: MainBackend,
         scoring: DirectScoring | MappedScoring,
         main: LoadedModel | None,
+        min_prompt_tokens: int,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -141,7 +150,8 @@ class SpecPrefillEngine:
         self.draft_scoring = scoring
         self.draft = scoring.draft  # scores token ids of its own vocabulary
         self.main = main  # None when the main model runs elsewhere (vLLM)
-        self.pipeline = Pipeline(config, backend.supports_sparse_prefill)
+        self.min_prompt_tokens = min_prompt_tokens  # config.min_prompt_tokens, "auto" resolved for this pair
+        self.pipeline = Pipeline(config, backend.supports_sparse_prefill, min_prompt_tokens)
 
     @property
     def draft_path(self) -> DraftPath:
@@ -167,6 +177,11 @@ class SpecPrefillEngine:
         from .backends.vllm import connect
 
         config = _make_config(config, settings)
+        if config.draft is None:
+            raise InvalidRequestError(
+                "a main model on vLLM needs a draft named: pass draft='<HF id, folder or .gguf>' of a small model "
+                "with the served model's tokenizer (its smaller sibling; another vocabulary also works, mapped)"
+            )
         if config.is_self_draft:
             raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
         if config.positions == "contiguous" and on_missing_plugin == "error":
@@ -181,7 +196,8 @@ class SpecPrefillEngine:
         cache = _prefix_cache(config, draft.model)
         scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache)
         scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead, config.max_draft_tokens)
-        engine._assemble(config, tokenizer, backend, scoring, None)
+        floor = REMOTE_MAIN_MIN_PROMPT_TOKENS if config.min_prompt_tokens == AUTO else config.min_prompt_tokens
+        engine._assemble(config, tokenizer, backend, scoring, None, floor)
         return engine
 
     # -- prompts ---------------------------------------------------------------------------------
@@ -433,6 +449,31 @@ class SpecPrefillEngine:
 def _prefix_cache(config: SpecPrefillConfig, draft_model: Any) -> DraftPrefixCache | None:
     """The shared draft prefix cache for ``draft_model``'s device, or ``None`` when ``config`` turns it off."""
     return shared_prefix_cache(next(draft_model.parameters()).device, config.draft_cache_mb * 2**20)
+
+
+def _with_default_draft(config: SpecPrefillConfig) -> SpecPrefillConfig:
+    """``config`` with 'self' as its draft when none is named; a set ``look_ahead`` then asks for a draft."""
+    try:
+        return config.with_default_draft()
+    except ValidationError as error:  # look_ahead was set, and no draft model named
+        raise InvalidRequestError(str(error.errors()[0]["msg"]).removeprefix("Value error, ")) from None
+
+
+def _prompt_floor(config: SpecPrefillConfig, draft_share: float, look_ahead: int, context_length: int) -> int:
+    """``config.min_prompt_tokens``, or for "auto" the length from which this draft pays
+    (:func:`~specprefill_rag.draft.cost.pays_from`); past the context (nothing compressed) when it never does.
+    """
+    if config.min_prompt_tokens != AUTO:
+        return config.min_prompt_tokens
+    floor = pays_from(draft_share, look_ahead)
+    if floor is None:
+        log.warning(
+            "the draft costs %.0f%% of the main model per prompt token, so it cannot save time and no prompt is "
+            "compressed; use draft='self' or a smaller draft, or set min_prompt_tokens to compress anyway",
+            100 * draft_share,
+        )
+        return context_length + 1
+    return floor
 
 
 def _make_config(config: SpecPrefillConfig | None, settings: dict[str, Any]) -> SpecPrefillConfig:

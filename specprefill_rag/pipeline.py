@@ -42,11 +42,14 @@ class Budget:
 
 
 class Pipeline:
-    """The request path of one engine (its config, and whether its backend prefills sparse prompts)."""
+    """The request path of one engine: its config, whether its backend prefills sparse prompts, and the
+    prompt length below which nothing is compressed (``config.min_prompt_tokens`` resolved for the pair).
+    """
 
-    def __init__(self, config: SpecPrefillConfig, sparse_prefill: bool) -> None:
+    def __init__(self, config: SpecPrefillConfig, sparse_prefill: bool, min_prompt_tokens: int) -> None:
         self.config = config
         self.sparse_prefill = sparse_prefill
+        self.min_prompt_tokens = min_prompt_tokens
 
     def budget(
         self, layout: PromptLayout, keep_rate: KeepRate, max_document_tokens: int | None, enabled: bool = True
@@ -57,7 +60,7 @@ class Pipeline:
         whole = not isinstance(keep_rate, str) and keep_rate >= 1.0 and max_document_tokens is None
         # renumbered kept tokens are an ordinary prompt: a vLLM server without the plugin prefills them too
         unsupported = self.config.positions == "original" and not self.sparse_prefill
-        short = len(layout) < self.config.min_prompt_tokens or layout.n_document_tokens == 0
+        short = len(layout) < self.min_prompt_tokens or layout.n_document_tokens == 0
         return Budget(keep_rate, max_document_tokens, enabled and not (whole or unsupported or short))
 
     def keep_budget(self, keep_rate: KeepRate) -> KeepBudget:

@@ -19,7 +19,7 @@ def layout(document_index=DOCUMENT_INDEX) -> PromptLayout:
 
 
 def pipeline(sparse_prefill=True, **settings) -> Pipeline:
-    return Pipeline(SpecPrefillConfig(min_prompt_tokens=0, chunk_size=16, **settings), sparse_prefill)
+    return Pipeline(SpecPrefillConfig(chunk_size=16, **settings), sparse_prefill, min_prompt_tokens=0)
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ def pipeline(sparse_prefill=True, **settings) -> Pipeline:
         ("disabled for this request", pipeline, 0.3, None, False),
         (
             "shorter than min_prompt_tokens",
-            lambda: Pipeline(SpecPrefillConfig(min_prompt_tokens=81), True),
+            lambda: Pipeline(SpecPrefillConfig(), True, min_prompt_tokens=81),
             0.3,
             None,
             True,

@@ -51,7 +51,9 @@ NEEDLES = [
 
 @pytest.fixture(scope="module")
 def engine():
-    return SpecPrefillEngine(keep_rate=0.1, min_prompt_tokens=0)
+    return SpecPrefillEngine(
+        draft="smollm2-135m", keep_rate=0.1, min_prompt_tokens=0
+    )  # the paper's setting: a separate draft
 
 
 def haystack(needle: str, needle_document: int, depth: float) -> list[str]:

@@ -69,7 +69,11 @@ def gateway_before(upstream_url, tiny_model_dir, upstream_timeout_s, request_tim
         timeout=upstream_timeout_s,
     )
     with running_gateway(
-        engine, main=upstream_url, upstream_timeout_s=upstream_timeout_s, request_timeout_s=request_timeout_s
+        engine,
+        main=upstream_url,
+        draft="smollm2-135m",
+        upstream_timeout_s=upstream_timeout_s,
+        request_timeout_s=request_timeout_s,
     ) as gateway_url:
         yield gateway_url
 

@@ -10,6 +10,7 @@ from pydantic import ConfigDict, Field, SecretStr, field_validator, model_valida
 from ..config import (
     DEFAULT_DRAFT_CACHE_MB,
     DEFAULT_MODEL,
+    DRAFT_DESCRIPTION,
     CompressionSettings,
     SpecPrefillConfig,
     check_self_draft_look_ahead,
@@ -17,7 +18,7 @@ from ..config import (
 
 # Prompts per batched draft forward when --draft-batch-size is not given. CPU: 1, measured (BENCHMARKS.md,
 # "Gateway"): batching 4 SmolLM2-135M drafts saves 16% at 284 tokens but costs 9% at 1,012, and
-# prompts under min_prompt_tokens (1,024) are never drafted. GPU: 8, as a batch of short forwards
+# prompts under min_prompt_tokens (from ~450 tokens) are never drafted. GPU: 8, as a batch of short forwards
 # normally costs little more than one there (not measured yet: no GPU lent).
 DEFAULT_DRAFT_BATCH_SIZE = {"cpu": 1, "cuda": 8}
 # The default body limit: 32 bytes per token of the main model's context, at least 1 MiB. English text is about
@@ -43,7 +44,7 @@ class GatewaySettings(CompressionSettings):
         description="The main model: the http(s) URL of a vLLM server with this package's plugin, or a model spec "
         "(HF id, folder, .gguf, 'smollm2-135m') run in-process with transformers.",
     )
-    draft: str = Field(DEFAULT_MODEL, description="Draft model spec, or 'self:<n>' with an in-process main model.")
+    draft: str | None = Field(None, description=DRAFT_DESCRIPTION)
     host: str = Field("127.0.0.1", description="Address to bind; other than loopback, set api_key.")
     port: int = Field(8100, ge=0, le=65535, description="Port to bind.")
     api_key: SecretStr | None = Field(
@@ -149,6 +150,11 @@ class GatewaySettings(CompressionSettings):
 
     @model_validator(mode="after")
     def _self_draft_look_ahead(self) -> GatewaySettings:
+        if self.main_is_remote and self.draft is None:
+            raise ValueError(
+                "a main model on vLLM needs a draft named: --draft <HF id, folder or .gguf> of a small model with "
+                "the served model's tokenizer (its smaller sibling)"
+            )
         check_self_draft_look_ahead(self, self.draft)
         return self
 
@@ -196,7 +202,9 @@ class GatewaySettings(CompressionSettings):
 
     def engine_config(self) -> SpecPrefillConfig:
         """The core engine's config: the compression settings given here, the models, the draft's bounds."""
-        main = self.draft if self.main_is_remote else self.main  # a remote main: the engine only needs a tokenizer
+        main = (
+            self.draft or self.main if self.main_is_remote else self.main
+        )  # a remote main: the engine needs a tokenizer
         return SpecPrefillConfig(
             main=main,
             draft=self.draft,

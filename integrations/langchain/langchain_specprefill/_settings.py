@@ -12,6 +12,7 @@ from langchain_specprefill._sessions import GatewaySession, LocalSession, Reply
 from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import (
     DEFAULT_MODEL,
+    DRAFT_DESCRIPTION,
     CompressionSettings,
     GenerationParams,
     SpecPrefillConfig,
@@ -33,7 +34,7 @@ class SpecPrefillSettings(CompressionSettings):
     """
 
     model: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
-    draft_model: str = Field(DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
+    draft_model: str | None = Field(None, description=DRAFT_DESCRIPTION)
     backend: str = Field(
         "transformers",
         description="'transformers' (main model in-process), the URL of a vLLM server with the plugin (the draft runs "

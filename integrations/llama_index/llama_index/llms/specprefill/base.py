@@ -43,6 +43,7 @@ from pydantic import SecretStr
 from specprefill_rag.arguments import check_text, generation_params
 from specprefill_rag.config import (
     DEFAULT_MODEL,
+    DRAFT_DESCRIPTION,
     CompressionSettings,
     GenerationParams,
     SpecPrefillConfig,
@@ -146,7 +147,7 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
     """
 
     model: str = Field(default=DEFAULT_MODEL, description="Main model: HF id, folder, .gguf or 'smollm2-135m'.")
-    draft_model: str = Field(default=DEFAULT_MODEL, description="Draft model (same forms), or 'self:<n>'.")
+    draft_model: str | None = Field(default=None, description=DRAFT_DESCRIPTION)
     backend: str = Field(
         default="transformers",
         description="'transformers' (in-process main model), a vLLM server URL (the draft runs here), or a SpecPrefill "
