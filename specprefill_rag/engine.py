@@ -308,9 +308,9 @@ class SpecPrefillEngine:
         layout = self.text_layout(prompt, parse_special_tokens)
         return last_result(self._stream(layout, generation, keep_rate, started))
 
-    def _ran(self, draft_ms: float) -> DraftPath | None:
+    def ran(self, selection: Selection) -> DraftPath | None:
         """The draft path for the stats: None when :meth:`select` ran no draft (it then reports 0 ms)."""
-        return self.draft_path if draft_ms > 0 else None
+        return self.draft_path if selection.draft_ms > 0 else None
 
     def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Raise :class:`ContextLengthError` unless the prompt and the tokens to generate fit the main model."""
@@ -339,9 +339,7 @@ class SpecPrefillEngine:
         return self._decode(layout, params, keep_rate, started, prepared)
 
     def _decoding(self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float) -> Decoding:
-        kept, draft_ms, cached = chosen.kept, chosen.draft_ms, chosen.draft_cached_tokens
-        path = self._ran(draft_ms)
-        return Decoding(self.tokenizer, layout, params, kept, draft_ms, started, path, cached, chosen.keep_policy)
+        return Decoding(self.tokenizer, layout, params, chosen, started, self.ran(chosen))
 
     def _decode(
         self,

@@ -11,6 +11,10 @@ if TYPE_CHECKING:  # results also travel through the torch-free gateway client
 FinishReason = Literal["stop", "length"]
 DraftPath = Literal["direct", "mapped", "self"]
 KeepPolicy = Literal["fixed", "auto"]
+# Why a request was prefilled whole: asked to keep everything or not to compress, no documents found,
+# shorter than min_prompt_tokens, a vLLM server without the plugin, a failed draft, or the draft's
+# budget kept every document token.
+NotCompressed = Literal["keep_all", "disabled", "no_documents", "short_prompt", "no_plugin", "draft_error", "all_kept"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,12 @@ class SpecPrefillStats:
             the mapped path.
         keep_policy: the keep policy the request asked for: ``fixed`` (a number) or ``auto`` (the engine
             chose the budget from the draft's importance; the chosen share is ``keep_rate``).
+        uncompressed_reason: None when document tokens were dropped; else why the prompt went whole:
+            ``keep_all`` (keep rate 1 and no cap), ``disabled`` (the request turned SpecPrefill off),
+            ``no_documents`` (no retrieved documents found in it), ``short_prompt`` (under
+            ``min_prompt_tokens``), ``no_plugin`` (a vLLM server without the plugin, original positions),
+            ``draft_error`` (the draft failed: see the gateway's ``draft_error``) or ``all_kept`` (the draft
+            ran and its budget kept every document token).
     """
 
     prompt_tokens: int
@@ -56,6 +66,7 @@ class SpecPrefillStats:
     draft_path: DraftPath | None = None
     draft_cached_tokens: int = 0
     keep_policy: KeepPolicy = "fixed"
+    uncompressed_reason: NotCompressed | None = None
 
     def as_dict(self) -> dict[str, float | int | bool | str | None]:
         return asdict(self)
@@ -73,6 +84,7 @@ class Selection:
         queue_ms: time waiting for the gateway's draft queue (0 in the engine).
         batch_size: prompts in the draft batch it was scored in (0 when no draft ran).
         draft_error: why the draft failed, when the request went uncompressed because of it.
+        uncompressed_reason: why no draft ran (None when one did; see :class:`SpecPrefillStats`).
     """
 
     kept: torch.Tensor
@@ -82,6 +94,7 @@ class Selection:
     queue_ms: float = 0.0
     batch_size: int = 0
     draft_error: str | None = None
+    uncompressed_reason: NotCompressed | None = None
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,10 @@ def test_a_self_draft_compresses_a_top_4_retrieval(tokenizer, five_layers):
     long = engine.layout("Which color?", random_documents(4, 120, seed=1))
     short = engine.layout("Which color?", random_documents(4, 40, seed=1))
     assert len(short) < 448 <= len(long) < 1024, (len(short), len(long))  # 1,024 was the old fixed floor
-    assert engine.generate_layout(long).stats.keep_rate < 1.0
-    assert engine.generate_layout(short).stats.keep_rate == 1.0
+    compressed, whole = engine.generate_layout(long).stats, engine.generate_layout(short).stats
+    assert compressed.keep_rate < 1.0 and compressed.uncompressed_reason is None
+    assert whole.keep_rate == 1.0 and whole.uncompressed_reason == "short_prompt"
+    assert engine.generate_layout(long, keep_rate=1.0).stats.uncompressed_reason == "keep_all"
 
 
 def test_an_explicit_min_prompt_tokens_wins(tokenizer, five_layers):

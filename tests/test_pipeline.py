@@ -1,6 +1,8 @@
 """The request path shared by the engine and the gateway: which requests are compressed, with which
 policy, and what the main model then prefills (no model: a layout built by hand, importance given)."""
 
+import logging
+
 import pytest
 import torch
 
@@ -23,31 +25,62 @@ def pipeline(sparse_prefill=True, **settings) -> Pipeline:
 
 
 @pytest.mark.parametrize(
-    "why, make, rate, cap, enabled",
+    "reason, make, document_index, rate, cap, enabled",
     [
-        ("keep everything", pipeline, 1.0, None, True),
-        ("disabled for this request", pipeline, 0.3, None, False),
+        ("keep_all", pipeline, DOCUMENT_INDEX, 1.0, None, True),
+        ("disabled", pipeline, DOCUMENT_INDEX, 0.3, None, False),
+        ("no_documents", pipeline, torch.full((80,), -1), 0.3, None, True),
         (
-            "shorter than min_prompt_tokens",
+            "short_prompt",
             lambda: Pipeline(SpecPrefillConfig(), True, min_prompt_tokens=81),
+            DOCUMENT_INDEX,
             0.3,
             None,
             True,
         ),
-        ("original positions on a server without the plugin", lambda: pipeline(sparse_prefill=False), 0.3, None, True),
+        ("no_plugin", lambda: pipeline(sparse_prefill=False), DOCUMENT_INDEX, 0.3, None, True),
     ],
 )
-def test_requests_that_are_not_compressed(why, make, rate, cap, enabled):
-    budget = make().budget(layout(), rate, cap, enabled)
-    assert not budget.compressed, why
-    assert make().whole(layout(), budget).kept.tolist() == list(range(80))
+def test_requests_that_are_not_compressed_say_why(reason, make, document_index, rate, cap, enabled):
+    budget = make().budget(layout(document_index), rate, cap, enabled)
+    assert not budget.compressed and budget.skipped == reason
+    whole = make().whole(layout(document_index), budget)
+    assert whole.kept.tolist() == list(range(80)) and whole.uncompressed_reason == reason
 
 
-def test_no_documents_is_not_compressed_and_auto_or_a_cap_always_may_be():
-    assert not pipeline().budget(layout(torch.full((80,), -1)), 0.3, None).compressed
-    assert pipeline().budget(layout(), "auto", None).compressed
+def test_auto_or_a_cap_always_may_compress_and_a_failed_draft_says_so():
+    assert pipeline().budget(layout(), "auto", None).skipped is None
     assert pipeline().budget(layout(), 1.0, 16).compressed  # a cap below the documents' length
     assert pipeline(sparse_prefill=False, positions="contiguous").budget(layout(), 0.3, None).compressed
+    budget = pipeline().budget(layout(), 0.3, None)
+    assert pipeline().whole(layout(), budget, draft_error="DraftScoringError: x").uncompressed_reason == "draft_error"
+
+
+def test_a_draft_that_keeps_everything_says_so():
+    budget = pipeline().budget(layout(), 0.99, None)
+    chosen = pipeline().select(layout(), budget, torch.ones(80), draft_ms=1.0)
+    assert chosen.kept.numel() == 80 and chosen.uncompressed_reason == "all_kept"
+    assert (
+        pipeline().select(layout(), pipeline().budget(layout(), 0.25, None), torch.ones(80), 1.0).uncompressed_reason
+        is None
+    )
+
+
+def test_each_cause_that_was_not_asked_for_is_logged_once_with_its_fix(caplog):
+    engine_pipeline = Pipeline(SpecPrefillConfig(), True, min_prompt_tokens=81)
+    with caplog.at_level(logging.WARNING, logger="specprefill_rag"):
+        for _ in range(3):
+            engine_pipeline.whole(layout(), engine_pipeline.budget(layout(), 0.3, None))
+            engine_pipeline.whole(layout(), engine_pipeline.budget(layout(), 1.0, None))  # asked for: no warning
+            empty = layout(torch.full((80,), -1))
+            engine_pipeline.whole(empty, engine_pipeline.budget(empty, 0.3, None))
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 2, messages
+    assert (
+        "prompt of 80 tokens was shorter than min_prompt_tokens=81" in messages[0]
+        and "set min_prompt_tokens" in messages[0]
+    )
+    assert "no retrieved documents were found" in messages[1] and "documents=" in messages[1]
 
 
 def test_the_policy_is_the_requests_whatever_happens_to_it():

@@ -3,6 +3,7 @@
 that name the field, the key is checked, metrics count what happened."""
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -265,3 +266,27 @@ def test_an_open_gateway_on_a_public_address_warns_at_start(engine, caplog):
         with TestClient(create_app(GatewaySettings(host="127.0.0.1", served_model_name=MODEL), engine)):
             pass
     assert "no --api-key" not in caplog.text
+
+
+def test_the_selection_stats_are_response_headers_too(client, gateway):
+    """Known before the first token, so a stream carries them too; equal to the body's ``spec_prefill``."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        max_tokens=8,
+        extra_body={"spec_prefill": {"documents": DOCUMENTS}},
+    )
+    stats = raw.parse().model_extra["spec_prefill"]
+    assert raw.headers["x-specprefill-compressed"] == "true" and "x-specprefill-uncompressed-reason" not in raw.headers
+    for name in ("prompt_tokens", "document_tokens", "kept_tokens", "kept_document_tokens", "n_documents"):
+        assert int(raw.headers["x-specprefill-" + name.replace("_", "-")]) == stats[name]
+    assert float(raw.headers["x-specprefill-keep-rate"]) == pytest.approx(stats["keep_rate"], rel=1e-3)
+    assert raw.headers["x-specprefill-draft-path"] == stats["draft_path"] == "direct"
+    assert raw.headers["x-specprefill-document-source"] == stats["document_source"]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", gateway + "/v1/chat/completions", json=body, timeout=60) as streamed:
+        assert streamed.headers["x-specprefill-compressed"] == "false"
+        assert streamed.headers["x-specprefill-uncompressed-reason"] == "no_documents"
+        assert streamed.headers["x-specprefill-keep-rate"] == "1"
+        events = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert json.loads(events[-1][6:])["spec_prefill"]["uncompressed_reason"] == "no_documents"

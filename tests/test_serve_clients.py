@@ -87,3 +87,26 @@ def test_llamaindex_openai_like_in_a_query_engine(gateway):
     response = engine.query(QUESTION)
     assert isinstance(response.response, str) and len(response.source_nodes) == 2
     assert ok_requests(gateway) >= before + 1  # the answer came from the gateway (no OpenAI default LLM)
+
+
+def test_langchain_chat_openai_shows_the_stats_from_the_response_headers(gateway):
+    """ChatOpenAI drops the body's unknown ``spec_prefill`` field; with include_response_headers=True the
+    ``x-specprefill-*`` headers reach ``response_metadata["headers"]``, on invoke and on a stream."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(
+        base_url=gateway + "/v1",
+        api_key="unused",
+        model=MODEL,
+        temperature=0,
+        max_tokens=4,
+        max_retries=0,
+        timeout=60,
+        include_response_headers=True,
+        extra_body={"spec_prefill": {"documents": DOCUMENTS}},
+    )
+    headers = llm.invoke(QUESTION).response_metadata["headers"]
+    assert headers["x-specprefill-compressed"] == "true"
+    assert int(headers["x-specprefill-kept-document-tokens"]) < int(headers["x-specprefill-document-tokens"])
+    first = next(iter(llm.stream(QUESTION)))
+    assert first.response_metadata["headers"]["x-specprefill-kept-tokens"] == headers["x-specprefill-kept-tokens"]

@@ -16,7 +16,7 @@ import torch
 
 from ..config import GenerationParams
 from ..prompt.layout import PromptLayout
-from ..results import DraftPath, GenerationResult, KeepPolicy, SpecPrefillStats, StreamChunk
+from ..results import DraftPath, GenerationResult, Selection, SpecPrefillStats, StreamChunk
 from .detokenize import IncrementalText
 
 
@@ -27,12 +27,9 @@ class Decoding:
         tokenizer: the main model's tokenizer (detokenizes the answer).
         layout: the full prompt.
         params: generation parameters (stop strings, ``max_new_tokens``).
-        kept: ``[K]`` sorted kept prompt indices.
-        draft_ms: draft scoring time.
+        selection: the kept prompt tokens (``[K]`` sorted indices) and what choosing them cost.
         started: ``time.perf_counter()`` when the request arrived (for ``ttft_ms``).
         draft_path: which draft path scored the prompt (None: no draft ran).
-        draft_cached_tokens: leading prompt tokens the draft took from its prefix cache.
-        keep_policy: the keep policy the request asked for (``fixed`` or ``auto``).
 
     Create it right before asking the backend for tokens: that instant is the start of the main prefill.
     """
@@ -42,21 +39,16 @@ class Decoding:
         tokenizer: Any,
         layout: PromptLayout,
         params: GenerationParams,
-        kept: torch.Tensor,
-        draft_ms: float,
+        selection: Selection,
         started: float,
         draft_path: DraftPath | None = None,
-        draft_cached_tokens: int = 0,
-        keep_policy: KeepPolicy = "fixed",
     ) -> None:
         self.layout = layout
         self.draft_path = draft_path
         self.params = params
-        self.kept = kept
-        self.draft_ms = draft_ms
+        self.selection = selection
+        self.kept = selection.kept
         self.started = started
-        self.draft_cached_tokens = draft_cached_tokens
-        self.keep_policy = keep_policy
         self.text = IncrementalText(tokenizer, params.stop)
         self.tokens: list[int] = []
         self._pending: list[int] = []
@@ -91,24 +83,33 @@ class Decoding:
         return StreamChunk(tail, self._pending, result.finish_reason, stats, result)
 
     def _stats(self, first_token_at: float, finished_at: float) -> SpecPrefillStats:
-        layout, kept, tokens = self.layout, self.kept, self.tokens
+        tokens = self.tokens
         decode_s = finished_at - first_token_at
         return SpecPrefillStats(
-            prompt_tokens=len(layout),
-            document_tokens=layout.n_document_tokens,
-            kept_tokens=int(kept.numel()),
-            kept_document_tokens=int((layout.document_index[kept] >= 0).sum()),
-            keep_rate=keep_rate(layout, kept),
-            compressed=int(kept.numel()) < len(layout),
-            draft_ms=self.draft_ms,
+            **selected(self.layout, self.selection, self.draft_path),
             main_prefill_ms=(first_token_at - self._prefill_started) * 1000.0,
             ttft_ms=(first_token_at - self.started) * 1000.0,
             completion_tokens=len(tokens),
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
-            draft_path=self.draft_path,
-            draft_cached_tokens=self.draft_cached_tokens,
-            keep_policy=self.keep_policy,
         )
+
+
+def selected(layout: PromptLayout, selection: Selection, draft_path: DraftPath | None) -> dict[str, Any]:
+    """The stats known before the first token: what was kept, and what choosing it cost."""
+    kept = selection.kept
+    return {
+        "prompt_tokens": len(layout),
+        "document_tokens": layout.n_document_tokens,
+        "kept_tokens": int(kept.numel()),
+        "kept_document_tokens": int((layout.document_index[kept] >= 0).sum()),
+        "keep_rate": keep_rate(layout, kept),
+        "compressed": int(kept.numel()) < len(layout),
+        "draft_ms": selection.draft_ms,
+        "draft_path": draft_path,
+        "draft_cached_tokens": selection.draft_cached_tokens,
+        "keep_policy": selection.keep_policy,
+        "uncompressed_reason": selection.uncompressed_reason,
+    }
 
 
 def keep_rate(layout: PromptLayout, kept: torch.Tensor) -> float:

@@ -35,7 +35,7 @@ from .gateway import Answer, Gateway, Plan
 from .guard import RequestGuard
 from .layouts import chat_request_layout, completion_request_layout, tokenize_request
 from .request_stream import ClientGone, RequestStream
-from .responses import CHAT, TEXT, ApiFormat, ResponseWriter, sse
+from .responses import CHAT, HEADER_NAMES, TEXT, ApiFormat, ResponseWriter, sse, stats_headers
 from .schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest, first_problem
 from .settings import GatewaySettings
 
@@ -102,6 +102,7 @@ def _guards(app: FastAPI, gateway: Gateway, settings: GatewaySettings) -> None:
             allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST"],
             allow_headers=["authorization", "content-type"],
+            expose_headers=list(HEADER_NAMES),
         )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.resolved_allowed_hosts()))
 
@@ -242,15 +243,22 @@ async def _complete(
         gateway.metrics.finished(endpoint, failure.outcome)
         raise failure from None
     writer = ResponseWriter(api, served)
+    headers = stats_headers(first.before_first_token(plan, gateway.engine.ran(first.selection))) if first else {}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = _events(gateway, plan, stream, first, writer, include_usage, endpoint)
-        return StreamingResponse(events, media_type="text/event-stream")
-    return await _whole(gateway, plan, stream, first, writer, endpoint)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return await _whole(gateway, plan, stream, first, writer, endpoint, headers)
 
 
 async def _whole(
-    gateway: Gateway, plan: Plan, stream: RequestStream, first: Answer | None, writer: ResponseWriter, endpoint: str
+    gateway: Gateway,
+    plan: Plan,
+    stream: RequestStream,
+    first: Answer | None,
+    writer: ResponseWriter,
+    endpoint: str,
+    headers: dict[str, str],
 ) -> Response:
     texts, final, answer = [], None, first
     try:
@@ -270,7 +278,8 @@ async def _whole(
     assert final is not None and final.chunk.stats is not None  # the engine's last chunk carries the stats
     gateway.metrics.finished(endpoint, "ok", final.chunk.stats)
     stats, spec_prefill = final.chunk.stats, final.spec_prefill(plan)
-    return JSONResponse(writer.whole("".join(texts), final.chunk.finish_reason or "stop", stats, spec_prefill or {}))
+    body = writer.whole("".join(texts), final.chunk.finish_reason or "stop", stats, spec_prefill or {})
+    return JSONResponse(body, headers=headers)
 
 
 async def _events(

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 
 from ..config import GenerationParams
+from ..decode.stream import selected
 from ..draft.importance import DraftScore
 from ..engine import SpecPrefillEngine
 from ..models.loading import model_lock
 from ..pipeline import Budget
 from ..prompt.chat import ChatLayout
 from ..prompt.layout import PromptLayout
-from ..results import Selection, StreamChunk
+from ..results import DraftPath, Selection, StreamChunk
 from .errors import draft_failed, queue_full
 from .guard import Slots
 from .metrics import GatewayMetrics
@@ -56,14 +57,20 @@ class Answer:
         """The response's ``spec_prefill`` object (last chunk only)."""
         if self.chunk.stats is None:
             return None
-        extras = {
+        return {**self.chunk.stats.as_dict(), **self._extras(plan)}
+
+    def before_first_token(self, plan: Plan, draft_path: DraftPath | None) -> dict[str, Any]:
+        """The ``spec_prefill`` fields known before the first token (the response headers)."""
+        return {**selected(plan.layout.layout, self.selection, draft_path), **self._extras(plan)}
+
+    def _extras(self, plan: Plan) -> dict[str, Any]:
+        return {
             "document_source": plan.layout.document_source,
             "n_documents": plan.layout.n_documents,
             "queue_ms": self.selection.queue_ms,
             "draft_batch_size": self.selection.batch_size,
             "draft_error": self.selection.draft_error,
         }
-        return {**self.chunk.stats.as_dict(), **extras}
 
 
 class Gateway:

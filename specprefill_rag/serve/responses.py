@@ -40,6 +40,45 @@ CHAT = ApiFormat("chat.completion", "chat.completion.chunk", "chatcmpl-", is_cha
 TEXT = ApiFormat("text_completion", "text_completion", "cmpl-", is_chat=False)
 
 
+# The selection's stats go out as response headers too, before the first token (so on streams as well):
+# clients that drop the body's unknown ``spec_prefill`` field (LangChain's ChatOpenAI) still show them.
+HEADER_PREFIX = "x-specprefill-"
+HEADER_FIELDS = (
+    "compressed",
+    "uncompressed_reason",
+    "prompt_tokens",
+    "document_tokens",
+    "kept_tokens",
+    "kept_document_tokens",
+    "keep_rate",
+    "keep_policy",
+    "draft_ms",
+    "draft_path",
+    "draft_cached_tokens",
+    "queue_ms",
+    "draft_batch_size",
+    "document_source",
+    "n_documents",
+)
+HEADER_NAMES = tuple(HEADER_PREFIX + name.replace("_", "-") for name in HEADER_FIELDS)
+
+
+def stats_headers(known: dict[str, Any]) -> dict[str, str]:
+    """``x-specprefill-*`` headers from the stats known before the first token; absent values are left out."""
+    headers = {}
+    for name, header in zip(HEADER_FIELDS, HEADER_NAMES):
+        value = known.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            headers[header] = "true" if value else "false"
+        elif isinstance(value, float):
+            headers[header] = f"{value:.4g}" if name == "keep_rate" else f"{value:.1f}"
+        else:
+            headers[header] = str(value)
+    return headers
+
+
 def usage(stats: Any) -> dict[str, int]:
     """OpenAI usage from :class:`SpecPrefillStats`: the full prompt's tokens, not the kept ones."""
     return {
