@@ -5,10 +5,19 @@ from importlib.metadata import PackageNotFoundError, version
 from langchain_specprefill.chat_models import ChatSpecPrefill
 from langchain_specprefill.documents import document_prompt, format_docs
 from langchain_specprefill.llms import SpecPrefillLLM
+from langchain_specprefill.retrievers import install_retriever_recorder, remove_retriever_recorder
 
 try:
     __version__ = version("langchain-specprefill")
 except PackageNotFoundError:
     __version__ = "0.0.0"
 
-__all__ = ["ChatSpecPrefill", "SpecPrefillLLM", "__version__", "document_prompt", "format_docs"]
+__all__ = [
+    "ChatSpecPrefill",
+    "SpecPrefillLLM",
+    "__version__",
+    "document_prompt",
+    "format_docs",
+    "install_retriever_recorder",
+    "remove_retriever_recorder",
+]

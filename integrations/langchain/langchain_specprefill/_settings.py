@@ -9,6 +9,7 @@ from langchain_core.messages import BaseMessage
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 
 from langchain_specprefill._sessions import GatewaySession, LocalSession, Reply
+from langchain_specprefill.retrievers import install_retriever_recorder, retrieved_documents
 from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import (
     DEFAULT_MODEL,
@@ -81,6 +82,7 @@ class SpecPrefillSettings(CompressionSettings):
             seed=self.seed,
             stop=tuple(self.stop or ()),
         )
+        install_retriever_recorder()  # documents retrieved earlier in a run are then found in the prompt
         return self
 
     @classmethod
@@ -107,7 +109,9 @@ class SpecPrefillSettings(CompressionSettings):
             self._session = GatewaySession(gateway, self) if gateway else LocalSession(self)
         return self._session
 
-    def _call_options(self, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[GenerationParams, dict[str, Any]]:
+    def _call_options(
+        self, stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
+    ) -> tuple[GenerationParams, dict[str, Any]]:
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(CALL_OPTIONS)}")
@@ -121,7 +125,8 @@ class SpecPrefillSettings(CompressionSettings):
             },
             names={"max_new_tokens": "max_tokens"},
         )
-        return params, kwargs
+        # not a call option: what the run's retrievers returned, to locate in the messages (see retrievers.py)
+        return params, {**kwargs, "retrieved": retrieved_documents(run_manager)}
 
     def _stops(self, stop: Any) -> Any:
         """The constructor's stop strings then the call's (a str is one stop string), each once; anything
@@ -134,15 +139,17 @@ class SpecPrefillSettings(CompressionSettings):
         stops = [*(self.stop or []), *(stop or [])]
         return list(dict.fromkeys(stops)) if all(isinstance(s, str) for s in stops) else stops
 
-    def _replies(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[Reply]:
+    def _replies(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
+    ) -> Iterator[Reply]:
         """One call's stream: ``(chunk, extra stats)`` pairs, from the engine here or from a gateway."""
-        params, options = self._call_options(stop, kwargs)
+        params, options = self._call_options(stop, kwargs, run_manager)
         return self.session.stream(messages, params, options)
 
     def _areplies(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
     ) -> AsyncGenerator[Reply, None]:
-        params, options = self._call_options(stop, kwargs)
+        params, options = self._call_options(stop, kwargs, run_manager)
         return self.session.astream(messages, params, options)
 
     def _response_metadata(self, result: GenerationResult, extras: dict[str, Any]) -> dict[str, Any]:

@@ -29,7 +29,8 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
     best ``keep_rate`` of them at their original positions; instructions and the question stay whole.
 
     Documents are found from, in order: ``documents=`` on the call (LangChain Documents, dicts or
-    strings), ``text-plain`` content blocks, text marked by :func:`langchain_specprefill.format_docs`;
+    strings), ``text-plain`` content blocks, text marked by :func:`langchain_specprefill.format_docs`,
+    the documents a retriever returned earlier in the same run where found verbatim in the messages;
     otherwise everything but the system message and the last ``protect_tail_tokens`` is a candidate.
 
     Example:
@@ -69,16 +70,16 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         return self.session.token_ids(text)
 
     def _chunks(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
     ) -> Iterator[ChatGenerationChunk]:
-        for chunk, extras in self._replies(messages, stop, kwargs):
+        for chunk, extras in self._replies(messages, stop, kwargs, run_manager):
             yield self._chunk(chunk, extras)
 
     async def _achunks(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
     ) -> AsyncGenerator[ChatGenerationChunk, None]:
         """:meth:`_chunks` on the event loop (the engine's native async path, or the gateway's)."""
-        async with aclosing(self._areplies(messages, stop, kwargs)) as replies:
+        async with aclosing(self._areplies(messages, stop, kwargs, run_manager)) as replies:
             async for chunk, extras in replies:
                 yield self._chunk(chunk, extras)
 
@@ -101,7 +102,7 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return _chat_result(list(self._chunks(messages, stop, kwargs)))
+        return _chat_result(list(self._chunks(messages, stop, kwargs, run_manager)))
 
     async def _agenerate(
         self,
@@ -110,7 +111,7 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return _chat_result([chunk async for chunk in self._achunks(messages, stop, kwargs)])
+        return _chat_result([chunk async for chunk in self._achunks(messages, stop, kwargs, run_manager)])
 
     def _stream(
         self,
@@ -119,7 +120,7 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        for chunk in self._chunks(messages, stop, kwargs):
+        for chunk in self._chunks(messages, stop, kwargs, run_manager):
             if run_manager:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
@@ -131,7 +132,7 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncGenerator[ChatGenerationChunk, None]:
-        async with aclosing(self._achunks(messages, stop, kwargs)) as chunks:
+        async with aclosing(self._achunks(messages, stop, kwargs, run_manager)) as chunks:
             async for chunk in chunks:
                 if run_manager:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)

@@ -9,7 +9,7 @@ from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models.llms import LLM
-from langchain_core.messages import HumanMessage
+from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict
 
@@ -38,15 +38,19 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
     def get_token_ids(self, text: str) -> list[int]:
         return self.session.token_ids(text)
 
-    def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
-        for chunk, extras in self._replies([HumanMessage(check_unicode(prompt, "prompt"))], stop, kwargs):
+    def _chunks(
+        self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
+    ) -> Iterator[GenerationChunk]:
+        messages: list[BaseMessage] = [HumanMessage(check_unicode(prompt, "prompt"))]
+        for chunk, extras in self._replies(messages, stop, kwargs, run_manager):
             yield self._chunk(chunk, extras)
 
     async def _achunks(
-        self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]
+        self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
     ) -> AsyncGenerator[GenerationChunk, None]:
         """:meth:`_chunks` on the event loop (the engine's native async path, or the gateway's)."""
-        async with aclosing(self._areplies([HumanMessage(check_unicode(prompt, "prompt"))], stop, kwargs)) as replies:
+        messages: list[BaseMessage] = [HumanMessage(check_unicode(prompt, "prompt"))]
+        async with aclosing(self._areplies(messages, stop, kwargs, run_manager)) as replies:
             async for chunk, extras in replies:
                 yield self._chunk(chunk, extras)
 
@@ -61,7 +65,7 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> str:
-        return "".join(chunk.text for chunk in self._chunks(prompt, stop, kwargs))
+        return "".join(chunk.text for chunk in self._chunks(prompt, stop, kwargs, run_manager))
 
     def _generate(
         self,
@@ -71,7 +75,8 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         **kwargs: Any,
     ) -> LLMResult:
         """One generation per prompt, with the SpecPrefill stats in ``generation_info``."""
-        return LLMResult(generations=[_generation(list(self._chunks(prompt, stop, kwargs))) for prompt in prompts])
+        chunks = (list(self._chunks(prompt, stop, kwargs, run_manager)) for prompt in prompts)
+        return LLMResult(generations=[_generation(c) for c in chunks])
 
     async def _agenerate(
         self,
@@ -83,7 +88,7 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         """:meth:`_generate` on the event loop; the prompts run concurrently."""
 
         async def one(prompt: str) -> list[Generation]:
-            return _generation([chunk async for chunk in self._achunks(prompt, stop, kwargs)])
+            return _generation([chunk async for chunk in self._achunks(prompt, stop, kwargs, run_manager)])
 
         return LLMResult(generations=list(await asyncio.gather(*(one(prompt) for prompt in prompts))))
 
@@ -94,7 +99,7 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        for chunk in self._chunks(prompt, stop, kwargs):
+        for chunk in self._chunks(prompt, stop, kwargs, run_manager):
             if run_manager:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
@@ -106,7 +111,7 @@ class SpecPrefillLLM(SpecPrefillSettings, LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncGenerator[GenerationChunk, None]:
-        async with aclosing(self._achunks(prompt, stop, kwargs)) as chunks:
+        async with aclosing(self._achunks(prompt, stop, kwargs, run_manager)) as chunks:
             async for chunk in chunks:
                 if run_manager:
                     await run_manager.on_llm_new_token(chunk.text, chunk=chunk)

@@ -1,6 +1,14 @@
 from langchain_specprefill import __all__
 
-EXPECTED_ALL = ["ChatSpecPrefill", "SpecPrefillLLM", "__version__", "document_prompt", "format_docs"]
+EXPECTED_ALL = [
+    "ChatSpecPrefill",
+    "SpecPrefillLLM",
+    "__version__",
+    "document_prompt",
+    "format_docs",
+    "install_retriever_recorder",
+    "remove_retriever_recorder",
+]
 
 
 def test_all_imports() -> None:
