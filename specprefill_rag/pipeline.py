@@ -28,8 +28,9 @@ log = logging.getLogger("specprefill_rag")
 # are choices; a failed draft is logged where it fails). Logged once per engine, at the first such request.
 FIXES: dict[NotCompressed, str] = {
     "no_documents": "no retrieved documents were found in a request, so it was prefilled whole; pass them as "
-    "documents= (engine, adapters), as spec_prefill.documents or document content blocks (gateway), or wrap them "
-    "with format_docs / document_prompt (docs: Finding documents)",
+    "documents= (engine, adapters), as spec_prefill.documents or document content blocks (gateway; for context "
+    "inside a system message, spec_prefill.system_context or --system-context), or wrap them with format_docs / "
+    "document_prompt (docs: Finding documents)",
     "short_prompt": "a prompt of {prompt_tokens} tokens was shorter than min_prompt_tokens={floor}, the length from "
     "which this draft pays, so it was prefilled whole; set min_prompt_tokens lower to compress shorter prompts",
     "no_plugin": "the vLLM server has no SpecPrefill plugin, so prompts with positions='original' are sent whole; "

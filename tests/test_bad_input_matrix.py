@@ -39,6 +39,7 @@ from specprefill_rag import (
 )
 from specprefill_rag.cli import main as cli_main
 from specprefill_rag.positions import check_runs, decode_runs
+from specprefill_rag.serve.errors import GatewayError
 from specprefill_rag.testing import random_documents
 from specprefill_rag.vllm_plugin.admission import check_kept_count, check_length
 from tests.test_vllm_client import MAX_TOKENS_ALLOWED, handler_class, serve
@@ -394,6 +395,46 @@ ROWS += [
         lambda s: s.configure(config=SpecPrefillConfig(), keep_rate=0.2),
         InvalidRequestError,
         "pass either a SpecPrefillConfig or its fields",
+    ),
+]
+
+
+def _gateway_chat(spec_prefill):
+    """A chat request body parsed as the gateway parses it (a 400 GatewayError naming the field)."""
+    from specprefill_rag.serve.app import _parse
+    from specprefill_rag.serve.schema import ChatCompletionRequest
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "spec_prefill": spec_prefill}
+    return _parse(ChatCompletionRequest, body)
+
+
+def _gateway_settings(**settings):
+    from specprefill_rag.serve import GatewaySettings
+
+    return GatewaySettings(**settings)
+
+
+ROWS += [
+    Row(
+        "gateway request",
+        "spec_prefill.system_context: unknown",
+        lambda s: _gateway_chat({"system_context": "on"}),
+        GatewayError,
+        "invalid 'spec_prefill.system_context': .*'off', 'after_instructions' or 'delimited'",
+    ),
+    Row(
+        "gateway request",
+        "spec_prefill.system_context: int",
+        lambda s: _gateway_chat({"system_context": 1}),
+        GatewayError,
+        "invalid 'spec_prefill.system_context': .*'off', 'after_instructions' or 'delimited'",
+    ),
+    Row(
+        "GatewaySettings(...)",
+        "system_context: unknown",
+        lambda s: _gateway_settings(system_context="on"),
+        ValidationError,
+        "system_context\n.*'off', 'after_instructions' or 'delimited'",
     ),
 ]
 

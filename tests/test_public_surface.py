@@ -53,7 +53,15 @@ SAMPLING_FIELDS = {
 }
 CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "suffix"}
-SPEC_PREFILL_FIELDS = {"enabled", "keep_rate", "max_document_tokens", "documents", "question", "insert_documents"}
+SPEC_PREFILL_FIELDS = {
+    "enabled",
+    "keep_rate",
+    "max_document_tokens",
+    "documents",
+    "question",
+    "insert_documents",
+    "system_context",
+}
 METRICS = {
     "specprefill_requests",
     "specprefill_queue_depth",

@@ -36,7 +36,11 @@ DOCUMENT_END = f"\x03{_MARKER_NONCE}\x03"
 _MARKED = re.compile(f"{re.escape(DOCUMENT_START)}(.*?){re.escape(DOCUMENT_END)}", re.S)
 
 ChatRole = Literal["system", "user", "assistant"]
-DocumentSource = Literal["argument-located", "argument-inserted", "blocks", "markers", "none"]
+# Where a request's documents were found. The adapters and the gateway add their own: "retriever-located"
+# (a LangChain retriever's documents, located in the prompt), "system-context" (the gateway's system_context).
+DocumentSource = Literal[
+    "argument-located", "argument-inserted", "blocks", "markers", "none", "retriever-located", "system-context"
+]
 
 
 def mark_document(text: str) -> str:

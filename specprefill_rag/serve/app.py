@@ -188,7 +188,7 @@ def _completion_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        layout = lambda body: chat_request_layout(tokenizer, body, protect, context)  # noqa: E731
+        layout = lambda body: chat_request_layout(tokenizer, body, protect, context, settings.system_context)  # noqa: E731
         return await _complete(gateway, request, ChatCompletionRequest, CHAT, layout, served)
 
     @app.post("/v1/completions")

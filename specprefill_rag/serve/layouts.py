@@ -1,9 +1,10 @@
 """Request bodies -> prompt layouts, finding documents as the framework adapters do.
 
-Over HTTP, documents come from ``spec_prefill.documents``, ``document`` content parts, or the
-fallback rule (:mod:`specprefill_rag.prompt.chat`). A ``/v1/completions`` prompt is used exactly as sent:
-``spec_prefill.documents`` are located in it verbatim (every one must be found), otherwise every
-token but special tokens and the protected tail is a candidate.
+Over HTTP, documents come from ``spec_prefill.documents``, ``document`` content parts, retrieved
+context inside a system message when ``system_context`` asks for it (:mod:`specprefill_rag.prompt.context`;
+explicit documents win), or the fallback rule (:mod:`specprefill_rag.prompt.chat`). A ``/v1/completions``
+prompt is used exactly as sent: ``spec_prefill.documents`` are located in it verbatim (every one must be
+found), otherwise every token but special tokens and the protected tail is a candidate.
 
 Special tokens: in chat requests only the chat template writes control tokens. A completion prompt is
 the client's own rendering, so its special-token strings are control tokens, as vLLM reads them, except
@@ -17,7 +18,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ContextLengthError, InvalidRequestError
-from ..prompt.chat import ChatLayout, ChatMessage, chat_layout
+from ..prompt.chat import ChatLayout, ChatMessage, DocumentSource, chat_layout
+from ..prompt.context import SystemContext, split_system_context
 from ..prompt.documents import as_document
 from ..prompt.layout import Document, Role, Segment
 from ..prompt.render import layout_from_segments
@@ -27,6 +29,7 @@ from .schema import ChatCompletionRequest, CompletionRequest, Message, SpecPrefi
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 DOCUMENTS_FIELD = "spec_prefill.documents"
+SYSTEM_CONTEXT_SOURCE: DocumentSource = "system-context"  # the stats' document_source of such documents
 
 
 def _core_message(message: Message) -> ChatMessage:
@@ -36,6 +39,40 @@ def _core_message(message: Message) -> ChatMessage:
         Document(p.text, p.title, p.id) if p.type == "document" else p.text for p in message.content
     ]
     return ChatMessage(_ROLES[message.role], parts)  # type: ignore[arg-type]
+
+
+def _system_context_message(message: ChatMessage, mode: SystemContext) -> ChatMessage:
+    """A system message with the retrieved context it holds as Document parts (the core renders each document
+    followed by a blank line, so a blank line that follows one in the text is that line, not another).
+    """
+    if message.role != "system" or mode == "off":
+        return message
+    parts: list[str | Document] = []
+    after_document = False
+    for text, is_document in split_system_context(message.text, mode):
+        if is_document:
+            parts.append(Document(text))
+        else:
+            text = text.removeprefix("\n\n") if after_document else text
+            if text:
+                parts.append(text)
+        after_document = is_document
+    return ChatMessage(message.role, parts)
+
+
+def _with_system_context(
+    messages: list[ChatMessage], options: SpecPrefillOptions, mode: SystemContext
+) -> tuple[list[ChatMessage], bool]:
+    """The messages with the context of their system messages as documents, and whether any was found; unchanged
+    when the request names its documents (``spec_prefill.documents``, document parts): those win.
+    """
+    chosen = options.system_context if options.system_context is not None else mode
+    if chosen == "off" or options.documents is not None:
+        return messages, False
+    if any(isinstance(part, Document) for m in messages for part in m.parts):
+        return messages, False
+    split = [_system_context_message(m, chosen) for m in messages]
+    return split, any(isinstance(part, Document) for m in split for part in m.parts)
 
 
 def _documents(options: SpecPrefillOptions) -> list[Document] | None:
@@ -64,15 +101,27 @@ def check_fits(tokenizer: Any, texts: Sequence[str], context_length: int, as_tex
 
 
 def chat_request_layout(
-    tokenizer: Any, body: ChatCompletionRequest, protect_tail_tokens: int, context_length: int
+    tokenizer: Any,
+    body: ChatCompletionRequest,
+    protect_tail_tokens: int,
+    context_length: int,
+    system_context: SystemContext = "off",
 ) -> ChatLayout:
-    """The layout of a chat request; a problem is a 400 naming ``messages`` or ``spec_prefill.documents``."""
+    """The layout of a chat request; a problem is a 400 naming ``messages`` or ``spec_prefill.documents``.
+
+    ``system_context``: the gateway's default for ``spec_prefill.system_context`` (retrieved context sent as
+    plain text in a system message, :mod:`specprefill_rag.prompt.context`).
+    """
     options = body.spec_prefill
     messages = [_core_message(m) for m in body.messages]
     documents = _documents(options)
     check_fits(tokenizer, [m.text for m in messages], context_length)
     check_fits(tokenizer, [d.text for d in documents or ()], context_length)  # located or inserted: both count
+    messages, from_system = _with_system_context(messages, options, system_context)
     try:
+        if from_system:
+            layout = chat_layout(tokenizer, messages, None, protect_tail_tokens, question=options.question)
+            return ChatLayout(layout.layout, SYSTEM_CONTEXT_SOURCE, layout.n_documents)
         return chat_layout(
             tokenizer,
             messages,

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import MIN_TEMPERATURE, StrictKeepRate, check_temperature
+from ..prompt.context import SystemContext
 from .errors import echoed
 
 MAX_TOKENS = (1 << 31) - 1  # bound of every token count a request names (contexts are far smaller)
@@ -54,6 +55,13 @@ class SpecPrefillOptions(_Strict):
         True,
         description="False: documents not all found verbatim in the messages are not inserted; the fallback "
         "rule applies instead.",
+    )
+    system_context: SystemContext | None = Field(
+        None,
+        description="Retrieved context sent as plain text in a system message (framework RAG templates): 'off', "
+        "'delimited' (the context spans of known templates are documents) or 'after_instructions' (after a "
+        "'Context:' label or the first paragraph, all is documents); the instructions stay whole. None: the "
+        "gateway's --system-context. Explicit documents (documents, document parts) win.",
     )
 
 

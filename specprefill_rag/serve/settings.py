@@ -15,6 +15,7 @@ from ..config import (
     SpecPrefillConfig,
     check_self_draft_look_ahead,
 )
+from ..prompt.context import SystemContext
 
 # Prompts per batched draft forward when --draft-batch-size is not given. CPU: 1, measured (BENCHMARKS.md,
 # "Gateway"): batching 4 SmolLM2-135M drafts saves 16% at 284 tokens but costs 9% at 1,012, and
@@ -61,6 +62,13 @@ class GatewaySettings(CompressionSettings):
         "error",
         description="A vLLM main without the plugin: refuse to start, or send every prompt whole "
         "(positions 'contiguous' needs no plugin: compressed prompts go as ordinary ones).",
+    )
+    system_context: SystemContext = Field(
+        "off",
+        description="Retrieved context in a system message as plain text (LangChain/LlamaIndex RAG templates): "
+        "'off', 'delimited' (the context spans of known templates are documents) or 'after_instructions' "
+        "(after a 'Context:' label or the first paragraph); instructions stay whole. Requests override it "
+        "with spec_prefill.system_context.",
     )
     max_draft_tokens: int | None = Field(
         None,
