@@ -196,7 +196,22 @@ def test_text_completion_locates_documents_in_the_prompt(client, engine):
         ({"spec_prefill": {"keep_rate": 1.5}}, "spec_prefill.keep_rate", "keep_rate must be in (0, 1], got 1.5"),
         ({"spec_prefill": {"keep_rate": "Auto"}}, "spec_prefill.keep_rate", "a number or 'auto', got 'Auto'"),
         ({"spec_prefill": {"keep_ratio": 0.2}}, "spec_prefill.keep_ratio", "unsupported field"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'system', 'developer', 'user'"),
+        ({"messages": [{"role": "narrator", "content": "x"}]}, "messages.0.role", "'system', 'developer', 'user'"),
+        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages.0", "tool calling is not"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "Q?"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]},
+                    {"role": "user", "content": "Q?"},
+                ]
+            },
+            "messages.1",
+            "issue #30",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "search"}}]}, "tools", "tool calling is not"),
+        ({"tool_choice": "required"}, "tool_choice", "tool calling is not"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "structured output: issue #30"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages.0.content.0",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config import MIN_TEMPERATURE, StrictKeepRate, check_temperature
 from ..prompt.context import SystemContext
@@ -82,9 +82,25 @@ class DocumentPart(_Strict):
 ContentPart = Annotated[TextPart | DocumentPart, Field(discriminator="type")]
 
 
+_TOOLS_NOT_YET = (
+    "tool calling is not supported by the SpecPrefill gateway yet (no tools, tool calls or tool results; "
+    "issue #30): send the retrieved documents in spec_prefill.documents or as document content parts"
+)
+
+
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tool_history(cls, value: Any) -> Any:
+        """An agent's history (a tool result, an assistant's tool calls) gets the real cause, not a field error."""
+        if isinstance(value, dict) and (
+            value.get("role") in ("tool", "function") or "tool_calls" in value or "function_call" in value
+        ):
+            raise ValueError(_TOOLS_NOT_YET)
+        return value
 
 
 class StreamOptions(_Strict):
@@ -141,11 +157,33 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
+    # Accepted only with the values that ask for nothing (clients send them by default); see _TOOLS_NOT_YET.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
 
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, value: bool | None) -> bool | None:
         return _neutral("logprobs", value, (None, False), "no log-probabilities")
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _no_tools(cls, value: Any, info: Any) -> Any:
+        if value in (None, [], "none"):
+            return value
+        raise ValueError(f"{info.field_name}: {_TOOLS_NOT_YET}")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is None or value == {"type": "text"}:
+            return value
+        raise ValueError(
+            f"response_format={echoed(repr(value))} is not supported by the SpecPrefill gateway yet (structured "
+            "output: issue #30); leave it out or send {'type': 'text'}"
+        )
 
     @property
     def token_limit(self) -> int | None:
