@@ -65,6 +65,12 @@ EPYC = "2-core AMD EPYC (AVX512-BF16)"
 
 # One entry per folder of benchmarks/results/ (its path below that folder), in alphabetical order.
 STUDIES: dict[str, Study] = {
+    "constrained-mask": Study(
+        "JSON-schema next-token mask cost per token on CPU: xgrammar against llguidance, 49k and 152k vocabularies",
+        "docs/benchmarks/constrained-mask.md",
+        "2-core AMD EPYC, one torch thread, shared with other sessions (load 4-6); both libraries interleaved",
+        "contended",
+    ),
     "crossover": Study(
         "the prompt length from which SpecPrefill lowers TTFT (`min_prompt_tokens`), per draft/main pair, keep 0.3",
         "docs/benchmarks/crossover.md",
@@ -240,6 +246,13 @@ STUDIES: dict[str, Study] = {
             "cache-256-mmap-threshold-64k": "`MALLOC_MMAP_THRESHOLD_=65536`",
             "cache-256-packed": "each entry copied into one block (the change was reverted)",
         },
+    ),
+    "tutorials": Study(
+        "the frameworks' own RAG tutorial chains on the real pair: documents found, kept share, answer (issue #29)",
+        "docs/benchmarks/tutorials.md",
+        "2-core AMD EPYC (no bfloat16 instructions: float32), shared with other sessions (load about 5); "
+        "token counts, TTFT only indicative",
+        "shared",
     ),
     "ttft": Study(
         "core engine speed at 4k: draft scoring cost, sparse prefill, TTFT against the bound (1.7B-shape main)",
