@@ -299,7 +299,8 @@ class SpecPrefillConfig(CompressionSettings):
         """This config, with 'self' as the draft when none is named (an in-process main model's default)."""
         if self.draft is not None:
             return self
-        return SpecPrefillConfig(**{name: getattr(self, name) for name in self.model_fields_set}, draft=SELF_DRAFT)
+        given = {name: getattr(self, name) for name in self.model_fields_set - {"draft"}}  # draft=None may be given
+        return SpecPrefillConfig(**given, draft=SELF_DRAFT)
 
     @property
     def self_draft_layers(self) -> int | None:

@@ -148,3 +148,23 @@ def random_documents(count: int, words: int, seed: int = 0) -> list[str]:
         picks = torch.randint(len(vocabulary), (words,), generator=generator)
         documents.append(" ".join(vocabulary[i] for i in picks.tolist()) + ".")
     return documents
+
+
+# The frameworks' own RAG prompts, as their docs write them (tests and benchmarks/tutorials.py render them).
+# LangChain's RAG tutorial QA prompt (context in the system message)
+LANGCHAIN_TUTORIAL = (
+    "You are an assistant for question-answering tasks. "
+    "Use the following pieces of retrieved context to answer "
+    "the question. If you don't know the answer, say that you "
+    "don't know. Use three sentences maximum and keep the "
+    "answer concise."
+    "\n\n"
+    "{context}"
+)
+# the LangChain docs' create_retrieval_chain QA prompt
+LANGCHAIN_RETRIEVAL_CHAIN = (
+    "Use the given context to answer the question. "
+    "If you don't know the answer, say you don't know. "
+    "Use three sentence maximum and keep the answer concise. "
+    "Context: {context}"
+)

@@ -31,6 +31,20 @@ def test_no_draft_named_means_self_in_process(tiny_model_dir):
     assert SpecPrefillConfig().draft is None
     assert engine.config.draft == "self" and engine.draft_path == "self"
     assert engine.min_prompt_tokens == pays_from(0.5, 1)  # 1 of the tiny model's 2 layers
+    # draft=None given explicitly, as the adapters and the gateway's settings pass it
+    explicit = SpecPrefillEngine(main=str(tiny_model_dir), draft=None, keep_rate=0.3)
+    assert explicit.config.draft == "self" and explicit.config.keep_rate == 0.3
+    assert SpecPrefillConfig(draft=None, keep_rate=0.2).with_default_draft().keep_rate == 0.2
+
+
+def test_the_gateway_and_the_adapters_without_a_draft_build_a_self_engine(tiny_model_dir):
+    from specprefill_rag.config import adapter_config
+    from specprefill_rag.serve.app import build_engine
+
+    engine = build_engine(GatewaySettings(main=str(tiny_model_dir), device="cpu"))  # specprefill-rag serve
+    assert engine.draft_path == "self"
+    config = adapter_config("transformers", None, main=str(tiny_model_dir), keep_rate=0.3)  # both adapters
+    assert SpecPrefillEngine(config).draft_path == "self"
 
 
 def test_a_self_draft_compresses_a_top_4_retrieval(tokenizer, five_layers):

@@ -15,9 +15,8 @@ import pytest
 
 from specprefill_rag.serve.layouts import chat_request_layout
 from specprefill_rag.serve.schema import ChatCompletionRequest
-from specprefill_rag.testing import random_documents
+from specprefill_rag.testing import LANGCHAIN_RETRIEVAL_CHAIN, LANGCHAIN_TUTORIAL, random_documents
 from tests.serve_helpers import MODEL, running_gateway, tiny_engine
-from tests.test_system_context import LANGCHAIN_RETRIEVAL_CHAIN, LANGCHAIN_TUTORIAL
 
 pytestmark = pytest.mark.timeout(300)
 

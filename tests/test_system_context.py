@@ -17,29 +17,13 @@ from llama_index.core.chat_engine.condense_plus_context import (
 from llama_index.core.chat_engine.context import DEFAULT_CONTEXT_TEMPLATE, DEFAULT_REFINE_TEMPLATE
 
 from specprefill_rag.prompt.context import SYSTEM_CONTEXT_MODES, split_system_context
+from specprefill_rag.testing import LANGCHAIN_RETRIEVAL_CHAIN, LANGCHAIN_TUTORIAL
 
 DOCS = [
     "The Brooklyn Bridge opened to traffic on May 24, 1883.",
     "Its main span is 486 m long; Washington Roebling directed the work.",
     "Paris is the capital of France.",
 ]
-# LangChain RAG tutorial QA prompt (create_stuff_documents_chain + create_retrieval_chain)
-LANGCHAIN_TUTORIAL = (
-    "You are an assistant for question-answering tasks. "
-    "Use the following pieces of retrieved context to answer "
-    "the question. If you don't know the answer, say that you "
-    "don't know. Use three sentences maximum and keep the "
-    "answer concise."
-    "\n\n"
-    "{context}"
-)
-# LangChain docs' create_retrieval_chain QA prompt
-LANGCHAIN_RETRIEVAL_CHAIN = (
-    "Use the given context to answer the question. "
-    "If you don't know the answer, say you don't know. "
-    "Use three sentence maximum and keep the answer concise. "
-    "Context: {context}"
-)
 # LangChain hub langchain-ai/retrieval-qa-chat (create_retrieval_chain's docstring)
 LANGCHAIN_HUB_RETRIEVAL_QA = (
     "Answer any use questions based solely on the context below:\n\n<context>\n{context}\n</context>"
