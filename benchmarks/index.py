@@ -247,13 +247,6 @@ STUDIES: dict[str, Study] = {
             "cache-256-packed": "each entry copied into one block (the change was reverted)",
         },
     ),
-    "tutorials": Study(
-        "the frameworks' own RAG tutorial chains on the real pair: documents found, kept share, answer (issue #29)",
-        "docs/benchmarks/tutorials.md",
-        "2-core AMD EPYC (no bfloat16 instructions: float32), shared with other sessions (load about 5); "
-        "token counts, TTFT only indicative",
-        "shared",
-    ),
     "ttft": Study(
         "core engine speed at 4k: draft scoring cost, sparse prefill, TTFT against the bound (1.7B-shape main)",
         "docs/benchmarks/core-speed.md",
@@ -271,6 +264,13 @@ STUDIES: dict[str, Study] = {
             "smollm2-1.7b-shape-4k-memory": "4k again, with the peak-memory probe",
             "smollm2-135m": "the real SmolLM2-135M as main",
         },
+    ),
+    "tutorials": Study(
+        "the frameworks' own RAG tutorial chains on the real pair: documents found, kept share, answer (issue #29)",
+        "docs/benchmarks/tutorials.md",
+        "2-core AMD EPYC (no bfloat16 instructions: float32), shared with other sessions (load about 5); "
+        "token counts, TTFT only indicative",
+        "shared",
     ),
     "vllm-ttft": Study(
         "vLLM main model: TTFT and decode speed of a compressed request through the plugin (SmolLM2-135M)",
