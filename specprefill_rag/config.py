@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
@@ -315,6 +317,31 @@ class SpecPrefillConfig(CompressionSettings):
         return 1 if self.is_self_draft else self.look_ahead
 
 
+ToolCallFormat = Literal["hermes", "llama3", "mistral"]
+"""How a model family writes tool calls: ``<tool_call>`` JSON blocks (Qwen2.5, Hermes), a bare JSON object
+(Llama 3.x), ``[TOOL_CALLS]`` and a JSON list (Mistral)."""
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """What the answer must be, enforced token by token (:mod:`specprefill_rag.decode.constraints`).
+
+    Attributes:
+        kind: ``json_object`` (any JSON object), ``json_schema`` (valid for ``schema``) or ``tool_call``
+            (one call, or several with ``parallel``, to one of ``tools`` in the ``tool_format`` markup).
+        schema: the JSON schema of ``json_schema``.
+        tools: OpenAI tool schemas of ``tool_call``.
+        tool_format: the markup of ``tool_call``.
+        parallel: ``tool_call`` may write several calls.
+    """
+
+    kind: Literal["json_object", "json_schema", "tool_call"]
+    schema: Mapping[str, Any] | None = None
+    tools: tuple[Mapping[str, Any], ...] = ()
+    tool_format: ToolCallFormat | None = None
+    parallel: bool = True
+
+
 class GenerationParams(BaseModel):
     """Per-request decoding settings.
 
@@ -330,6 +357,13 @@ class GenerationParams(BaseModel):
         None, ge=0, lt=2**63, strict=True, description="Seed for sampling, 0 <= seed < 2**63; None = nondeterministic."
     )
     stop: tuple[str, ...] = Field((), description="Stop strings; the returned text ends before the first match.")
+    tool_format: ToolCallFormat | None = Field(
+        None, description="Parse tool calls written in this markup out of the answer (set when tools are offered)."
+    )
+    parallel_tool_calls: bool = Field(True, strict=True, description="False: the answer makes at most one call.")
+    output_format: OutputFormat | None = Field(
+        None, description="Constrain the answer to a JSON object, a JSON schema or a tool call."
+    )
 
     @field_validator("temperature")
     @classmethod

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any, Literal
 
@@ -25,6 +25,7 @@ from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import HFBackend, eos_token_ids
 from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decode.stream import Decoding, alast_result, last_result
+from .decode.tool_choice import tool_decoding
 from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, parameter_count, pays_from
 from .draft.hooks import decoder_layers
 from .draft.model import LayerPrefixDraft, ModelDraft
@@ -33,8 +34,10 @@ from .draft.prefix_cache import DraftPrefixCache, shared_prefix_cache
 from .errors import ContextLengthError, InvalidRequestError
 from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_model
 from .pipeline import Pipeline
+from .prompt.chat import ChatLayout, ChatMessage, chat_layout
 from .prompt.layout import DocumentLike, PromptLayout, check_layout
 from .prompt.render import build_rag_layout, build_text_layout
+from .prompt.tools import ToolChoice
 from .results import DraftPath, GenerationResult, Selection, StreamChunk
 from .selection import KeepBudget
 
@@ -213,6 +216,21 @@ class SpecPrefillEngine:
         check_flag(use_chat_template, "use_chat_template")
         return build_rag_layout(self.tokenizer, question, documents, instructions, use_chat_template)
 
+    def chat_layout(
+        self,
+        messages: Sequence[ChatMessage],
+        documents: Sequence[DocumentLike] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        question: str | None = None,
+        use_chat_template: bool = True,
+    ) -> ChatLayout:
+        """A chat's layout (:func:`~specprefill_rag.prompt.chat.chat_layout`): documents found in the messages or
+        given, tool results as documents, ``tools`` offered through the chat template.
+        """
+        check_flag(use_chat_template, "use_chat_template")
+        tail = self.config.protect_tail_tokens
+        return chat_layout(self.tokenizer, messages, documents, tail, use_chat_template, question, tools=tools)
+
     def text_layout(self, prompt: str, parse_special_tokens: bool = False) -> PromptLayout:
         """Layout of an already-rendered prompt (no roles: see :func:`build_text_layout`)."""
         check_flag(parse_special_tokens, "parse_special_tokens")
@@ -294,6 +312,39 @@ class SpecPrefillEngine:
     ) -> GenerationResult:
         """Answer ``question`` over ``documents``; only document tokens are compressed."""
         return last_result(self.stream(question, documents, instructions, keep_rate, **params))
+
+    def stream_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        documents: Sequence[DocumentLike] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool = True,
+        keep_rate: RequestKeepRate = None,
+        **params: Any,
+    ) -> Iterator[StreamChunk]:
+        """Stream the answer to a chat; chunks carry the model's tool calls as they complete (``tool_choice``:
+        ``auto``, ``none``, ``required`` or a tool's name, :mod:`specprefill_rag.decode.tool_choice`).
+        """
+        started = time.perf_counter()
+        check_flag(parallel_tool_calls, "parallel_tool_calls")
+        chat = self.chat_layout(messages, documents, tools)
+        decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls)
+        return self._stream(chat.layout, generation_params({**params, **decoding}), keep_rate, started)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage],
+        documents: Sequence[DocumentLike] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool = True,
+        keep_rate: RequestKeepRate = None,
+        **params: Any,
+    ) -> GenerationResult:
+        """Answer a chat (:meth:`stream_chat`); ``result.tool_calls`` holds the calls the model made."""
+        chunks = self.stream_chat(messages, documents, tools, tool_choice, parallel_tool_calls, keep_rate, **params)
+        return last_result(chunks)
 
     def generate_text(
         self, prompt: str, keep_rate: RequestKeepRate = None, parse_special_tokens: bool = False, **params: Any

@@ -2,19 +2,44 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # results also travel through the torch-free gateway client
     import torch
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 DraftPath = Literal["direct", "mapped", "self"]
 KeepPolicy = Literal["fixed", "auto"]
 # Why a request was prefilled whole: asked to keep everything or not to compress, no documents found,
 # shorter than min_prompt_tokens, a vLLM server without the plugin, a failed draft, or the draft's
 # budget kept every document token.
 NotCompressed = Literal["keep_all", "disabled", "no_documents", "short_prompt", "no_plugin", "draft_error", "all_kept"]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call: made by the model (parsed from its output) or in a chat history.
+
+    ``arguments`` is the decoded JSON object; ``id`` pairs the call with its tool result.
+    """
+
+    name: str
+    arguments: Mapping[str, Any]
+    id: str
+
+
+@dataclass(frozen=True)
+class InvalidToolCall:
+    """A tool call the model wrote that could not be decoded: its raw text and why (LangChain's
+    ``invalid_tool_calls`` shape). Never dropped: the caller sees it and can retry or repair.
+    """
+
+    name: str | None
+    arguments: str
+    id: str
+    error: str
 
 
 @dataclass(frozen=True)
@@ -107,6 +132,11 @@ class GenerationResult:
     stats: SpecPrefillStats
     kept_positions: torch.Tensor | None = field(repr=False)
     """``[K]`` sorted kept prompt indices; None when the answer came from a gateway."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The calls the model made (``text`` is then what it wrote outside them); ``finish_reason`` is
+    ``"tool_calls"``."""
+    invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
+    """Calls the model wrote that could not be decoded."""
 
 
 @dataclass(frozen=True)
@@ -118,3 +148,5 @@ class StreamChunk:
     finish_reason: FinishReason | None = None
     stats: SpecPrefillStats | None = None
     result: GenerationResult | None = field(default=None, repr=False)
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Tool calls completed in this chunk (``text`` never holds their markup)."""

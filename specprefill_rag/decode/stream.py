@@ -7,6 +7,7 @@ the final :class:`GenerationResult`.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import aclosing
@@ -16,8 +17,18 @@ import torch
 
 from ..config import GenerationParams
 from ..prompt.layout import PromptLayout
-from ..results import DraftPath, GenerationResult, Selection, SpecPrefillStats, StreamChunk
+from ..results import (
+    DraftPath,
+    FinishReason,
+    GenerationResult,
+    InvalidToolCall,
+    Selection,
+    SpecPrefillStats,
+    StreamChunk,
+    ToolCall,
+)
 from .detokenize import IncrementalText
+from .tool_calls import StreamedPart, ToolCallStream
 
 
 class Decoding:
@@ -50,6 +61,7 @@ class Decoding:
         self.kept = selection.kept
         self.started = started
         self.text = IncrementalText(tokenizer, params.stop)
+        self.calls = _CallCollector(params)
         self.tokens: list[int] = []
         self._pending: list[int] = []
         self._prefill_started = time.perf_counter()
@@ -65,10 +77,10 @@ class Decoding:
         self._first_token_at = self._first_token_at or time.perf_counter()
         self.tokens.append(token)
         self._pending.append(token)
-        delta = self.text.push(token)
-        if not (delta or self.text.stopped):
+        delta, calls = self.calls.push(self.text.push(token))
+        if not (delta or calls or self.text.stopped):
             return None
-        chunk = StreamChunk(delta, self._pending)
+        chunk = StreamChunk(delta, self._pending, tool_calls=calls)
         self._pending = []
         return chunk
 
@@ -78,9 +90,13 @@ class Decoding:
         first_token_at = self._first_token_at or finished_at
         stopped = self.text.stopped or len(self.tokens) < self.params.max_new_tokens
         stats = self._stats(first_token_at, finished_at)
-        tail = self.text.finish()
-        result = GenerationResult(self.text.emitted, self.tokens, "stop" if stopped else "length", stats, self.kept)
-        return StreamChunk(tail, self._pending, result.finish_reason, stats, result)
+        tail, calls = self.calls.finish(self.text.finish())
+        reason: FinishReason = "tool_calls" if self.calls.calls else "stop" if stopped else "length"
+        text = self.calls.content if self.calls.parsing else self.text.emitted
+        result = GenerationResult(
+            text, self.tokens, reason, stats, self.kept, tuple(self.calls.calls), tuple(self.calls.invalid)
+        )
+        return StreamChunk(tail, self._pending, result.finish_reason, stats, result, calls)
 
     def _stats(self, first_token_at: float, finished_at: float) -> SpecPrefillStats:
         tokens = self.tokens
@@ -92,6 +108,48 @@ class Decoding:
             completion_tokens=len(tokens),
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
         )
+
+
+class _CallCollector:
+    """The answer's tool calls, parsed from its text as it streams (``params.tool_format``); with no format,
+    text passes through untouched. With ``parallel_tool_calls=False`` every call after the first is an
+    invalid call (reported, not dropped).
+    """
+
+    def __init__(self, params: GenerationParams) -> None:
+        self.parsing = params.tool_format is not None
+        self._stream = ToolCallStream(params.tool_format) if params.tool_format is not None else None
+        self._parallel = params.parallel_tool_calls
+        self.content = ""
+        self.calls: list[ToolCall] = []
+        self.invalid: list[InvalidToolCall] = []
+
+    def push(self, delta: str) -> tuple[str, tuple[ToolCall, ...]]:
+        """Text that is certainly not markup, and the calls completed by ``delta``."""
+        if self._stream is None:
+            return delta, ()
+        return self._take(self._stream.push(delta)) if delta else ("", ())
+
+    def finish(self, tail: str) -> tuple[str, tuple[ToolCall, ...]]:
+        """The rest of the text and calls, ``tail`` being the last text delta."""
+        if self._stream is None:
+            return tail, ()
+        content, calls = self._take(self._stream.push(tail)) if tail else ("", ())
+        last_content, last_calls = self._take(self._stream.finish())
+        return content + last_content, calls + last_calls
+
+    def _take(self, part: StreamedPart) -> tuple[str, tuple[ToolCall, ...]]:
+        self.content += part.content
+        self.invalid += part.invalid_tool_calls
+        calls = []
+        for call in part.tool_calls:
+            if self.calls and not self._parallel:
+                error = "a second call while parallel_tool_calls is false"
+                self.invalid.append(InvalidToolCall(call.name, json.dumps(dict(call.arguments)), call.id, error))
+            else:
+                self.calls.append(call)
+                calls.append(call)
+        return part.content, tuple(calls)
 
 
 def selected(layout: PromptLayout, selection: Selection, draft_path: DraftPath | None) -> dict[str, Any]:

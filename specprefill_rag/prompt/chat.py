@@ -10,23 +10,27 @@ Framework adapters (LangChain, LlamaIndex) convert their messages to :class:`Cha
 4. none of these: every message but the system text is a candidate, except the last
    ``protect_tail_tokens`` tokens (the question).
 
-Text outside documents is kept whole: the system message as instructions, the last user message as
-the question, earlier turns as context that is never dropped.
+Tool results (``tool`` messages) are documents too, whatever else is found, unless the message says
+``compress=False``. Text outside documents is kept whole: system and developer messages as instructions,
+the last user message as the question, earlier turns as context that is never dropped. Tools offered
+(``tools=``) and the tool calls of assistant messages are written by the chat template as its own
+scaffolding, so they are always kept.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..arguments import check_documents, check_optional_text, check_unicode
 from ..errors import InvalidRequestError
 from .documents import as_document, document_segments
-from .layout import Document, DocumentLike, PromptLayout, Role, Segment, Turn
+from .layout import Document, DocumentLike, PromptLayout, Role, Segment, ToolCall, Turn
 from .render import build_turns_layout, protect_tail
+from .tools import check_no_control_text, check_tool_call, check_tools
 
 # A secret of this process in every marker: retrieved text cannot forge one, so a document cannot end
 # its own span early and pass the rest of its text off as the (never dropped) question.
@@ -35,11 +39,20 @@ DOCUMENT_START = f"\x02{_MARKER_NONCE}\x02"
 DOCUMENT_END = f"\x03{_MARKER_NONCE}\x03"
 _MARKED = re.compile(f"{re.escape(DOCUMENT_START)}(.*?){re.escape(DOCUMENT_END)}", re.S)
 
-ChatRole = Literal["system", "user", "assistant"]
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Where a request's documents were found. The adapters and the gateway add their own: "retriever-located"
 # (a LangChain retriever's documents, located in the prompt), "system-context" (the gateway's system_context).
+# "tool-results": only tool results are documents.
 DocumentSource = Literal[
-    "argument-located", "argument-inserted", "blocks", "markers", "none", "retriever-located", "system-context"
+    "argument-located",
+    "argument-inserted",
+    "blocks",
+    "markers",
+    "none",
+    "retriever-located",
+    "system-context",
+    "tool-results",
 ]
 
 
@@ -58,10 +71,21 @@ def mark_document(text: str) -> str:
 
 @dataclass
 class ChatMessage:
-    """A framework-neutral chat message: text parts (str) and document parts (Document)."""
+    """A framework-neutral chat message: text parts (str) and document parts (Document).
+
+    Attributes:
+        tool_calls: an assistant message's calls (its text may be empty).
+        tool_call_id: a ``tool`` message's call, one made by an earlier assistant message.
+        name: a ``tool`` message's tool (taken from its call when None).
+        compress: a ``tool`` message's result may be compressed (it is a document); False keeps it whole.
+    """
 
     role: ChatRole
     parts: list[str | Document] = field(default_factory=list)
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    compress: bool = True
 
     @property
     def text(self) -> str:
@@ -75,6 +99,8 @@ class ChatLayout:
     layout: PromptLayout
     document_source: DocumentSource
     n_documents: int
+    tools: tuple[dict[str, Any], ...] = ()
+    """The checked tool schemas offered to the model."""
 
 
 def _split_markers(text: str, outside: Role, next_index: int) -> list[Segment]:
@@ -107,10 +133,24 @@ def _locate(text: str, documents: list[Document], outside: Role, found: dict[int
     return [s for s in [*segments, Segment(text[cursor:], outside)] if s.text]
 
 
-def _outside_role(message: ChatMessage, is_last: bool) -> Role:
-    if message.role == "system":
-        return Role.INSTRUCTION
-    return Role.QUESTION if is_last else Role.INSTRUCTION
+def _outside_role(message: ChatMessage, is_question: bool) -> Role:
+    """The role of a message's text outside its documents."""
+    if message.role == "tool":
+        return Role.DOCUMENT if message.compress else Role.INSTRUCTION
+    return Role.QUESTION if is_question and message.role == "user" else Role.INSTRUCTION
+
+
+def _question_index(messages: Sequence[ChatMessage]) -> int:
+    """The last user message: the question (kept whole). Tool results may follow it."""
+    return max(i for i, m in enumerate(messages) if m.role == "user")
+
+
+def _turn(message: ChatMessage, segments: Sequence[Segment]) -> Turn:
+    """A message as the chat template reads it; a developer message is a system turn (the templates of open
+    models know no developer role).
+    """
+    role = "system" if message.role == "developer" else message.role
+    return Turn(role, tuple(segments), message.tool_calls, message.tool_call_id, message.name)
 
 
 def _message_segments(message: ChatMessage, outside: Role, next_index: int) -> list[Segment]:
@@ -126,19 +166,81 @@ def _message_segments(message: ChatMessage, outside: Role, next_index: int) -> l
     return segments
 
 
+def _numbered(turns: list[Turn]) -> list[Turn]:
+    """Document segments without an index (tool results) get their own, after every other document's."""
+    next_index = 1 + max((s.document for t in turns for s in t.segments), default=-1)
+    numbered = []
+    for turn in turns:
+        segments = []
+        for segment in turn.segments:
+            if segment.role == Role.DOCUMENT and segment.document < 0:
+                segment = Segment(segment.text, Role.DOCUMENT, next_index, segment.scaffold)
+                next_index += 1
+            segments.append(segment)
+        numbered.append(replace(turn, segments=tuple(segments)))
+    return numbered
+
+
 def _validate(messages: Sequence[ChatMessage]) -> None:
     if not messages:
         raise InvalidRequestError("no messages given; pass at least one user message")
+    calls: dict[str, ToolCall] = {}
     for index, message in enumerate(messages):
-        for part in message.parts:
-            if isinstance(part, str):
-                check_unicode(part, f"message {index}")
-    if messages[-1].role != "user":
+        _validate_message(message, index, calls)
+    if messages[-1].role not in ("user", "tool"):
         raise InvalidRequestError(
-            f"the last message is from '{messages[-1].role}'; SpecPrefill answers a user message, so end with one"
+            f"the last message is from '{messages[-1].role}'; SpecPrefill answers a user message or a tool result, "
+            "so end with one"
         )
-    if not messages[-1].text.strip():
+    if not any(m.role == "user" for m in messages):
+        raise InvalidRequestError("no user message given; pass the user's question as a user message")
+    question = messages[_question_index(messages)]
+    if messages[-1].role == "user" and not question.text.strip():
         raise InvalidRequestError("the last user message is empty; pass the question in it")
+
+
+def _validate_message(message: ChatMessage, index: int, calls: dict[str, ToolCall]) -> None:
+    """One message's role, text and tool fields; ``calls``: the calls made so far and not yet answered."""
+    field_name = f"messages[{index}]"
+    if message.role not in _ROLES:
+        raise InvalidRequestError(f"{field_name} has role {message.role!r}; use one of {list(_ROLES)}")
+    for part in message.parts:
+        if isinstance(part, str):
+            check_unicode(part, f"message {index}")
+    if message.tool_calls and message.role != "assistant":
+        raise InvalidRequestError(f"{field_name} is a {message.role} message with tool_calls; only assistants call")
+    for number, call in enumerate(message.tool_calls):
+        checked = check_tool_call(call, f"{field_name}.tool_calls[{number}]")
+        if checked.id in calls:
+            raise InvalidRequestError(f"{field_name}.tool_calls[{number}] reuses the call id {checked.id!r}")
+        calls[checked.id] = checked
+    if message.role != "tool":
+        if message.tool_call_id is not None:
+            raise InvalidRequestError(f"{field_name} has a tool_call_id but is not a tool message")
+        return
+    answered = calls.pop(message.tool_call_id, None) if message.tool_call_id is not None else None
+    if answered is None:
+        raise InvalidRequestError(
+            f"{field_name} is a tool result for call id {message.tool_call_id!r}, which no earlier assistant "
+            "message made (or another result already answered); send each result with its call's id"
+        )
+    if message.name is not None and message.name != answered.name:
+        raise InvalidRequestError(
+            f"{field_name} names the tool {message.name!r}, but its call was to {answered.name!r}"
+        )
+
+
+def _with_tool_names(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """Tool messages with their tool's name (from the call) and calls with their checked arguments."""
+    calls = {call.id: call for m in messages for call in m.tool_calls}
+    return [
+        replace(
+            m,
+            tool_calls=tuple(ToolCall(c.name, dict(c.arguments), c.id) for c in m.tool_calls),
+            name=m.name or (calls[m.tool_call_id].name if m.role == "tool" and m.tool_call_id else None),
+        )
+        for m in messages
+    ]
 
 
 def _has_explicit_documents(messages: Sequence[ChatMessage]) -> DocumentSource:
@@ -146,6 +248,8 @@ def _has_explicit_documents(messages: Sequence[ChatMessage]) -> DocumentSource:
         return "blocks"
     if any(DOCUMENT_START in m.text for m in messages):
         return "markers"
+    if any(m.role == "tool" and m.compress for m in messages):
+        return "tool-results"
     return "none"
 
 
@@ -153,40 +257,45 @@ def _with_documents(
     messages: Sequence[ChatMessage], documents: list[Document], insert_missing: bool
 ) -> tuple[list[Turn], DocumentSource] | None:
     found: dict[int, int] = {}
-    located = [
-        _locate(m.text, documents, _outside_role(m, i == len(messages) - 1), found) for i, m in enumerate(messages)
-    ]
+    question = _question_index(messages)
+    located = [_locate(m.text, documents, _outside_role(m, i == question), found) for i, m in enumerate(messages)]
     if len(found) == len(documents):
-        return [Turn(m.role, tuple(s)) for m, s in zip(messages, located)], "argument-located"
+        return [_turn(m, s) for m, s in zip(messages, located)], "argument-located"
     if not insert_missing:
         return None
-    turns = [Turn(m.role, (Segment(m.text, _outside_role(m, False)),)) for m in messages[:-1]]
-    last = messages[-1]
-    question = Segment(last.text, Role.QUESTION)
-    turns.append(Turn(last.role, (*document_segments(documents), Segment("Question: ", Role.TEMPLATE), question)))
+    turns = [_turn(m, (Segment(m.text, _outside_role(m, False)),)) for m in messages]
+    inserted = (
+        *document_segments(documents),
+        Segment("Question: ", Role.TEMPLATE),
+        Segment(messages[question].text, Role.QUESTION),
+    )
+    turns[question] = _turn(messages[question], inserted)
     return turns, "argument-inserted"
 
 
 def _fallback(messages: Sequence[ChatMessage], question: str | None) -> list[Turn]:
-    """Every non-system message is a candidate pseudo-document. With a ``question`` found in the last
-    message, it and what follows are kept; otherwise the caller protects the tail.
+    """Every message but system text and kept tool results is a candidate pseudo-document. With a ``question``
+    found in the last user message, it and what follows are kept; otherwise the caller protects the tail.
     """
+    kept = [m.role in ("system", "developer") or (m.role == "tool" and not m.compress) for m in messages]
     turns = [
-        Turn(m.role, (Segment(m.text, Role.INSTRUCTION if m.role == "system" else Role.DOCUMENT, i),))
-        for i, m in enumerate(messages)
+        _turn(m, (Segment(m.text, Role.INSTRUCTION if keep else Role.DOCUMENT, i),))
+        for i, (m, keep) in enumerate(zip(messages, kept))
     ]
-    text = messages[-1].text
+    index = _question_index(messages)
+    text = messages[index].text
     start = text.rfind(question) if question else -1
     if start >= 0:
-        last = (Segment(text[:start], Role.DOCUMENT, len(messages) - 1), Segment(text[start:], Role.QUESTION))
-        turns[-1] = Turn(messages[-1].role, tuple(s for s in last if s.text))
+        last = (Segment(text[:start], Role.DOCUMENT, index), Segment(text[start:], Role.QUESTION))
+        turns[index] = _turn(messages[index], [s for s in last if s.text])
     return turns
 
 
-def _append_question(turns: list[Turn], question: str) -> list[Turn]:
-    last = turns[-1]
+def _append_question(turns: list[Turn], index: int, question: str) -> list[Turn]:
     extra = (Segment("\n\nQuestion: ", Role.TEMPLATE), Segment(question, Role.QUESTION))
-    return [*turns[:-1], Turn(last.role, (*last.segments, *extra))]
+    turns = list(turns)
+    turns[index] = replace(turns[index], segments=(*turns[index].segments, *extra))
+    return turns
 
 
 def chat_layout(
@@ -197,19 +306,42 @@ def chat_layout(
     use_chat_template: bool = True,
     question: str | None = None,
     insert_missing: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> ChatLayout:
     """Lay out a chat for SpecPrefill; see the module docstring for how documents are found.
 
     ``question``: the user's question when it is not simply the last user message; kept whole, and
-    appended to the last message if it does not occur there. ``insert_missing=False``: documents
+    appended to the last user message if it does not occur there. ``insert_missing=False``: documents
     that are not all found verbatim in the messages are not inserted (they came from the messages,
-    e.g. a template variable); the fallback applies instead.
+    e.g. a template variable); the fallback applies instead. ``tools``: OpenAI tool schemas, rendered by
+    the chat template (:mod:`specprefill_rag.prompt.tools`).
     """
     _validate(messages)
+    checked_tools = check_tools(tools)
+    messages = _with_tool_names(messages)
+    check_no_control_text(tokenizer, checked_tools, [c for m in messages for c in m.tool_calls])
     question = check_optional_text(question, "question", "user's question")
+    turns, source = _turns(messages, documents, question, insert_missing)
+    question_index = _question_index(messages)
+    if question is not None and question not in messages[question_index].text:
+        turns = _append_question(turns, question_index, question)
+    layout = build_turns_layout(tokenizer, _numbered(turns), use_chat_template, checked_tools)
+    if source == "none":
+        return ChatLayout(layout if question else protect_tail(layout, protect_tail_tokens), "none", 0, checked_tools)
+    n_documents = len({int(i) for i in layout.document_index.unique() if int(i) >= 0})
+    return ChatLayout(layout, source, n_documents, checked_tools)
+
+
+def _turns(
+    messages: Sequence[ChatMessage],
+    documents: Sequence[DocumentLike] | None,
+    question: str | None,
+    insert_missing: bool,
+) -> tuple[list[Turn], DocumentSource]:
+    """The turns with their documents marked, and where the documents came from."""
     source = _has_explicit_documents(messages)
     if documents is not None:
-        if source != "none":
+        if source not in ("none", "tool-results"):
             raise InvalidRequestError(
                 f"documents were given twice: as an argument and as {source} in the messages; pass them one way"
             )
@@ -217,23 +349,14 @@ def chat_layout(
             raise InvalidRequestError("documents=[] is empty; pass the retrieved documents or leave it out")
         normalised = [as_document(d, i) for i, d in enumerate(check_documents(documents))]
         placed = _with_documents(messages, normalised, insert_missing)
-        if placed is None:
-            return chat_layout(tokenizer, messages, None, protect_tail_tokens, use_chat_template, question)
-        turns, source = placed
-    elif source != "none":
-        turns, count = [], 0
-        for i, message in enumerate(messages):
-            segments = _message_segments(message, _outside_role(message, i == len(messages) - 1), count)
-            count += sum(s.role == Role.DOCUMENT for s in segments)
-            turns.append(Turn(message.role, tuple(segments)))
-    else:
-        turns = _fallback(messages, question)
-        if question is not None and question not in messages[-1].text:
-            turns = _append_question(turns, question)
-        layout = build_turns_layout(tokenizer, turns, use_chat_template)
-        return ChatLayout(layout if question else protect_tail(layout, protect_tail_tokens), "none", 0)
-    if question is not None and question not in messages[-1].text:
-        turns = _append_question(turns, question)
-    layout = build_turns_layout(tokenizer, turns, use_chat_template)
-    n_documents = len({int(i) for i in layout.document_index.unique() if int(i) >= 0})
-    return ChatLayout(layout, source, n_documents)
+        if placed is not None:
+            return placed
+    if source == "none":
+        return _fallback(messages, question), "none"
+    turns, count = [], 0
+    question_index = _question_index(messages)
+    for i, message in enumerate(messages):
+        segments = _message_segments(message, _outside_role(message, i == question_index), count)
+        count += sum(s.role == Role.DOCUMENT for s in segments)
+        turns.append(_turn(message, segments))
+    return turns, source

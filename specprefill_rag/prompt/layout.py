@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import InvalidRequestError
+from ..results import ToolCall
 
 
 class Role(IntEnum):
@@ -83,10 +84,17 @@ class PromptLayout:
 
 @dataclass(frozen=True)
 class Turn:
-    """One chat message: a role name understood by chat templates and its content as segments."""
+    """One chat message: a role name understood by chat templates and its content as segments.
+
+    ``tool_calls``: an assistant turn's calls (the template writes their JSON); ``tool_call_id`` and ``name``:
+    a tool turn's call id and tool name.
+    """
 
     role: str
     segments: tuple[Segment, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @property
     def text(self) -> str:

@@ -14,7 +14,7 @@ chat template reads the same instructions, documents and question rendered its o
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,6 +25,7 @@ from ..errors import InvalidRequestError
 from .documents import rag_turns
 from .layout import DocumentLike, PromptLayout, Role, Segment, Turn
 from .tokens import encode_trusted_controls
+from .tools import template_tool_calls
 
 # Private-use characters: not whitespace, so templates that trim message content keep them whole.
 _SENTINEL = "\ue000SPR{}\ue001"
@@ -33,16 +34,35 @@ _SENTINEL = "\ue000SPR{}\ue001"
 _SENTINEL_RE = re.compile("\ue000SPR(\\d+)\ue001")
 
 
-def render_chat(tokenizer: Any, turns: Sequence[Turn]) -> list[Segment]:
+def render_chat(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapping[str, Any]] = ()) -> list[Segment]:
     """Render turns with the tokenizer's chat template (plus generation prompt), keeping segment roles.
 
     Every segment is rendered as a unique sentinel, located in the output, and put back, so the text
-    between sentinels is exactly what the template wrote (``scaffold``). The result must equal the
-    template rendered over the real text, or the template is rejected.
+    between sentinels is exactly what the template wrote (``scaffold``: its markup, the ``tools`` schemas
+    and the turns' tool calls). The result must equal the template rendered over the real text, or the
+    template is rejected. A template that trims message content (Llama 3.x) is rendered over the trimmed
+    content: the same text it writes for the original.
     """
+    turns = _without_empty(turns)
+    segments = _sentinel_render(tokenizer, turns, tools)
+    if segments is not None:
+        return segments
+    trimmed = _trimmed(turns)
+    original = _apply_template(tokenizer, turns, [s for t in turns for s in t.segments], tools)
+    segments = _sentinel_render(tokenizer, trimmed, tools)
+    if segments is not None and "".join(s.text for s in segments) == original:
+        return segments
+    raise InvalidRequestError(
+        "the chat template reorders or rewrites message content, so document spans cannot be located; "
+        "pass use_chat_template=False"
+    )
+
+
+def _sentinel_render(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapping[str, Any]]) -> list[Segment] | None:
+    """The rendered segments, or None when the template does not write every segment verbatim and in order."""
     flat = [segment for turn in turns for segment in turn.segments]
     marked = [Segment(_SENTINEL.format(i), s.role) for i, s in enumerate(flat)]
-    rendered = _apply_template(tokenizer, turns, marked)
+    rendered = _apply_template(tokenizer, turns, marked, tools)
     found = [int(m.group(1)) for m in _SENTINEL_RE.finditer(rendered)]
     segments, cursor = [], 0
     for match in _SENTINEL_RE.finditer(rendered):
@@ -50,23 +70,57 @@ def render_chat(tokenizer: Any, turns: Sequence[Turn]) -> list[Segment]:
         segments.append(flat[int(match.group(1))])
         cursor = match.end()
     segments.append(Segment(rendered[cursor:], Role.TEMPLATE, scaffold=True))
-    if found != list(range(len(flat))) or "".join(s.text for s in segments) != _apply_template(tokenizer, turns, flat):
-        raise InvalidRequestError(
-            "the chat template reorders or rewrites message content, so document spans cannot be located; "
-            "pass use_chat_template=False"
-        )
+    real = _apply_template(tokenizer, turns, flat, tools)
+    if found != list(range(len(flat))) or "".join(s.text for s in segments) != real:
+        return None
     return [s for s in segments if s.text]
 
 
-def _apply_template(tokenizer: Any, turns: Sequence[Turn], flat: list[Segment]) -> str:
+def _without_empty(turns: Sequence[Turn]) -> list[Turn]:
+    """Turns without empty segments: an empty content stays empty (templates test it, e.g. before tool calls)."""
+    return [replace(t, segments=tuple(s for s in t.segments if s.text)) for t in turns]
+
+
+def _trimmed(turns: Sequence[Turn]) -> list[Turn]:
+    """Turns whose content has no leading or trailing whitespace (what trimming templates write)."""
+    trimmed = []
+    for turn in _without_empty(turns):
+        segments = list(turn.segments)
+        if segments:
+            segments[0] = replace(segments[0], text=segments[0].text.lstrip())
+            segments[-1] = replace(segments[-1], text=segments[-1].text.rstrip())
+        trimmed.append(replace(turn, segments=tuple(s for s in segments if s.text)))
+    return trimmed
+
+
+def _apply_template(
+    tokenizer: Any, turns: Sequence[Turn], flat: list[Segment], tools: Sequence[Mapping[str, Any]]
+) -> str:
     """Render ``turns`` with their segments replaced, in order, by ``flat``."""
     pieces = iter(flat)
-    chat = [{"role": t.role, "content": "".join(next(pieces).text for _ in t.segments)} for t in turns]
-    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    chat = [_template_message(t, "".join(next(pieces).text for _ in t.segments)) for t in turns]
+    return tokenizer.apply_chat_template(chat, tools=list(tools) or None, tokenize=False, add_generation_prompt=True)
+
+
+def _template_message(turn: Turn, content: str) -> dict[str, Any]:
+    """A turn as chat templates read it (OpenAI's message shape)."""
+    message: dict[str, Any] = {"role": turn.role, "content": content}
+    if turn.tool_calls:
+        message["tool_calls"] = template_tool_calls(turn.tool_calls)
+    if turn.tool_call_id is not None:
+        message["tool_call_id"] = turn.tool_call_id
+    if turn.name is not None:
+        message["name"] = turn.name
+    return message
 
 
 def render_plain(turns: Sequence[Turn]) -> list[Segment]:
     """Render turns without a chat template: contents separated by blank lines, then ``Answer:``."""
+    if any(t.tool_calls or t.role == "tool" for t in turns):
+        raise InvalidRequestError(
+            "tool calls and tool results need the model's chat template (it defines how they are written); "
+            "use a model with a chat template and use_chat_template=True"
+        )
     segments: list[Segment] = []
     for turn in turns:
         if turn.role == "assistant":
@@ -109,15 +163,24 @@ def _document_spans(segments: Sequence[Segment]) -> torch.Tensor:
     return torch.tensor(spans, dtype=torch.long).view(-1, 2)
 
 
-def build_turns_layout(tokenizer: Any, turns: Sequence[Turn], use_chat_template: bool = True) -> PromptLayout:
-    """Layout of chat turns, rendered with the tokenizer's chat template when it has one."""
+def build_turns_layout(
+    tokenizer: Any, turns: Sequence[Turn], use_chat_template: bool = True, tools: Sequence[Mapping[str, Any]] = ()
+) -> PromptLayout:
+    """Layout of chat turns, rendered with the tokenizer's chat template when it has one; ``tools``: the
+    checked tool schemas offered to the model (:func:`specprefill_rag.prompt.tools.check_tools`).
+    """
     if not turns:
         raise InvalidRequestError("no messages given; pass at least one user message")
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        layout = layout_from_segments(tokenizer, render_chat(tokenizer, turns), add_special_tokens=False)
+        layout = layout_from_segments(tokenizer, render_chat(tokenizer, turns, tools), add_special_tokens=False)
+    elif tools:
+        raise InvalidRequestError(
+            "tools need the model's chat template (it defines how tools are offered); use a model with a chat "
+            "template and use_chat_template=True"
+        )
     else:
         layout = layout_from_segments(tokenizer, render_plain(turns), add_special_tokens=True)
-    return replace(layout, source=TurnsSource(tuple(turns), use_chat_template))
+    return replace(layout, source=TurnsSource(tuple(turns), use_chat_template, tuple(tools)))
 
 
 def build_rag_layout(
@@ -193,9 +256,10 @@ class TurnsSource:
 
     turns: tuple[Turn, ...]
     use_chat_template: bool
+    tools: tuple[Mapping[str, Any], ...] = ()
 
     def render(self, tokenizer: Any) -> PromptLayout:
-        return build_turns_layout(tokenizer, self.turns, self.use_chat_template)
+        return build_turns_layout(tokenizer, self.turns, self.use_chat_template, self.tools)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,501 @@
+"""Tool calls in a model's generated text, per model family: blocking (:func:`parse_tool_calls`) and
+streamed (:class:`ToolCallStream`).
+
+:func:`tool_call_format` picks the family from the chat template:
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes, SmolLM3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  blocks, possibly after some text;
+- ``llama3`` (Llama 3.1 to 3.3 JSON tool calling): the whole output, after an optional ``<|python_tag|>``, is
+  ``{"name": ..., "parameters": {...}}`` or several such objects separated by ``;``;
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or the newer
+  ``[TOOL_CALLS]name[ARGS]{...}``, possibly repeated.
+
+Content is the text outside the markup. Whitespace next to removed markup is trimmed, and the pieces of text on
+either side of removed calls are joined by a blank line. A call the model wrote that cannot be decoded is an
+:class:`InvalidToolCall`, never an exception and never dropped. The blocking parser is the streaming one fed the
+whole text at once, so both give the same content, calls and ids however the text is split.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..config import ToolCallFormat
+from ..errors import InvalidRequestError
+from ..results import InvalidToolCall, ToolCall
+
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_CALLS = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+_SEPARATOR = "\n\n"  # between content pieces that removed calls stood between
+_JSON = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """A whole output split into content and tool calls.
+
+    Attributes:
+        content: the text outside tool-call markup, with the whitespace next to removed markup trimmed; ``""``
+            if none.
+        tool_calls: the decoded calls, in the order written.
+        invalid_tool_calls: the calls that could not be decoded, in the order written.
+    """
+
+    content: str
+    tool_calls: tuple[ToolCall, ...]
+    invalid_tool_calls: tuple[InvalidToolCall, ...]
+
+
+@dataclass(frozen=True)
+class StreamedPart:
+    """What one :meth:`ToolCallStream.push` or :meth:`ToolCallStream.finish` released.
+
+    Attributes:
+        content: content now certain not to be tool-call markup (possibly ``""``).
+        tool_calls: the calls completed by this delta.
+        invalid_tool_calls: the undecodable calls completed by this delta.
+    """
+
+    content: str
+    tool_calls: tuple[ToolCall, ...]
+    invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
+
+
+def new_call_id() -> str:
+    """A fresh tool-call id: ``call_`` and 24 random hex digits."""
+    return "call_" + secrets.token_hex(12)
+
+
+def tool_call_format(chat_template: str | None) -> ToolCallFormat | None:
+    """The family of a chat template's tool-call markup, or None when it has none this module knows.
+
+    ``chat_template`` is the template's source; for a tokenizer with several named templates pass the default one.
+    """
+    if chat_template is None:
+        return None
+    if not isinstance(chat_template, str):
+        raise InvalidRequestError(
+            f"chat_template must be a string or None, got {type(chat_template).__name__}; "
+            "for a tokenizer with several named templates pass the default one"
+        )
+    if _HERMES_OPEN in chat_template:
+        return "hermes"
+    if _MISTRAL_CALLS in chat_template:
+        return "mistral"
+    llama_turns = "<|eot_id|>" in chat_template or "<|start_header_id|>" in chat_template
+    if _PYTHON_TAG in chat_template or ('"parameters"' in chat_template and llama_turns):
+        return "llama3"
+    return None
+
+
+class ToolCallStream:
+    """Incremental parsing of streamed text deltas.
+
+    :meth:`push` releases content as soon as it cannot be tool-call markup, and the calls each delta completes.
+    Held back are only text that could still start markup (a trailing ``<tool_`` for hermes, ``[TOOL_`` for
+    mistral; for llama3 the whole output once its first non-blank text starts like a call) and trailing
+    whitespace that would be trimmed if markup came next. :meth:`finish` releases the rest. Concatenated, the
+    parts equal :func:`parse_tool_calls` of the whole text.
+
+    Args:
+        fmt: the markup family (see :func:`tool_call_format`).
+        new_id: makes the id of each call, valid or not, in the order the calls were written.
+    """
+
+    def __init__(self, fmt: ToolCallFormat, new_id: Callable[[], str] = new_call_id) -> None:
+        parser = _PARSERS.get(fmt) if isinstance(fmt, str) else None
+        if parser is None:
+            raise InvalidRequestError(
+                f"unknown tool-call format {fmt!r}; use one of {', '.join(map(repr, _PARSERS))} "
+                "(tool_call_format() picks it from a chat template)"
+            )
+        if not callable(new_id):
+            raise InvalidRequestError(f"new_id must be a function returning a call id, got {type(new_id).__name__}")
+        self._parser = parser(new_id)
+        self._finished = False
+
+    def push(self, delta: str) -> StreamedPart:
+        """Add generated text; return the content now certain and the calls this delta completed."""
+        if not isinstance(delta, str):
+            raise InvalidRequestError(f"a streamed delta must be a string, got {type(delta).__name__}")
+        self._check_open("push")
+        self._parser.feed(delta, final=False)
+        return self._parser.drain()
+
+    def finish(self) -> StreamedPart:
+        """End the text; return everything still held: content, calls and invalid calls (a ``<tool_call>``
+        block left open whose JSON does not parse is invalid with error ``unterminated``).
+        """
+        self._check_open("finish")
+        self._finished = True
+        self._parser.feed("", final=True)
+        return self._parser.drain()
+
+    def _check_open(self, method: str) -> None:
+        if self._finished:
+            raise InvalidRequestError(f"{method}() after finish(): start a new ToolCallStream for each output")
+
+
+def parse_tool_calls(text: str, fmt: ToolCallFormat, new_id: Callable[[], str] = new_call_id) -> ParsedOutput:
+    """Split a whole generated text into content, tool calls and invalid tool calls.
+
+    Args:
+        text: the model's output.
+        fmt: the markup family (see :func:`tool_call_format`).
+        new_id: makes the id of each call, valid or not, in the order the calls were written.
+    """
+    if not isinstance(text, str):
+        raise InvalidRequestError(f"text must be a string, got {type(text).__name__}")
+    stream = ToolCallStream(fmt, new_id)
+    first = stream.push(text)
+    last = stream.finish()
+    return ParsedOutput(
+        first.content + last.content,
+        first.tool_calls + last.tool_calls,
+        first.invalid_tool_calls + last.invalid_tool_calls,
+    )
+
+
+def _kind(value: Any) -> str:
+    """The JSON type of a decoded value, for error messages."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "null"
+
+
+def _raw(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _malformed(error: json.JSONDecodeError) -> str:
+    return f"malformed JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+
+
+def _decode_arguments(value: Any) -> tuple[dict[str, Any] | None, str]:
+    """The arguments as a JSON object, or None and why not. A string holding a JSON object is decoded."""
+    if isinstance(value, dict):
+        return value, ""
+    if isinstance(value, str):
+        try:
+            inner = json.loads(value)
+        except json.JSONDecodeError as error:
+            return None, f"arguments are a string that is not JSON ({error.msg})"
+        if isinstance(inner, dict):
+            return inner, ""
+        return None, f"arguments are a string holding {_kind(inner)}, not a JSON object"
+    return None, f"arguments must be a JSON object, got {_kind(value)}"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+class _Parser:
+    """What every family's parser shares: the unparsed text, what was found since the last drain, and the
+    content pieces (trimmed next to removed markup, joined by a blank line).
+    """
+
+    def __init__(self, new_id: Callable[[], str]) -> None:
+        self.new_id = new_id
+        self.buf = ""
+        self.content: list[str] = []
+        self.calls: list[ToolCall] = []
+        self.invalid: list[InvalidToolCall] = []
+        self.any_content = False
+        self.piece_has_text = False
+        self.trim_start = False
+
+    def feed(self, delta: str, final: bool) -> None:
+        """Take more text; with ``final`` the text is complete and nothing may stay held."""
+        raise NotImplementedError
+
+    def drain(self) -> StreamedPart:
+        """What was found since the last drain."""
+        part = StreamedPart("".join(self.content), tuple(self.calls), tuple(self.invalid))
+        self.content, self.calls, self.invalid = [], [], []
+        return part
+
+    def new_piece(self, after_markup: bool) -> None:
+        """Start a piece of content; one right after markup loses its leading whitespace."""
+        self.piece_has_text = False
+        self.trim_start = after_markup
+
+    def emit(self, text: str) -> None:
+        """Release content of the current piece."""
+        if not text:
+            return
+        if not self.piece_has_text:
+            self.piece_has_text = True
+            if self.any_content:
+                self.content.append(_SEPARATOR)
+            self.any_content = True
+        self.content.append(text)
+
+    def prose(self, tag: str) -> bool:
+        """Release the content in ``buf`` up to ``tag``; True when the tag was found (``buf`` then holds the text
+        after it). Held back: an end that could grow into the tag and the whitespace before it.
+        """
+        text = self.buf
+        if self.trim_start:
+            text = text.lstrip()
+            self.trim_start = not text
+        at = text.find(tag)
+        if at >= 0:
+            self.emit(text[:at].rstrip())
+            self.buf = text[at + len(tag) :]
+            return True
+        end = len(text[: len(text) - _partial_suffix(text, tag)].rstrip())
+        self.emit(text[:end])
+        self.buf = text[end:]
+        return False
+
+    def flush_prose(self) -> None:
+        """Release the rest of ``buf`` as content: the text has ended, no markup follows."""
+        self.emit(self.buf.lstrip() if self.trim_start else self.buf)
+        self.buf = ""
+
+    def add_invalid(self, name: str | None, raw: str, error: str) -> None:
+        self.invalid.append(InvalidToolCall(name, raw, self.new_id(), error))
+
+    def add_call(self, name: Any, arguments: Any, whole: Any = None) -> None:
+        """Record a call from its decoded name and arguments (``whole``: the object they came from, shown as
+        the raw text of a call without a usable name).
+        """
+        call_id = self.new_id()
+        if not isinstance(name, str) or not name:
+            error = 'the call has no "name"' if name in (None, "") else f'"name" must be a string, got {_kind(name)}'
+            raw = _raw(arguments if whole is None else whole)
+            self.invalid.append(InvalidToolCall(None, raw, call_id, error))
+            return
+        decoded, error = _decode_arguments(arguments)
+        if decoded is None:
+            self.invalid.append(InvalidToolCall(name, _raw(arguments), call_id, error))
+        else:
+            self.calls.append(ToolCall(name, decoded, call_id))
+
+    def add_object(self, value: Any, keys: tuple[str, ...]) -> None:
+        """Record a call written as one JSON object with a name and arguments under the first of ``keys``
+        present (none: no arguments).
+        """
+        if not isinstance(value, dict):
+            self.add_invalid(None, _raw(value), f"a tool call must be a JSON object, got {_kind(value)}")
+            return
+        key = next((key for key in keys if key in value), None)
+        whole = value if key is None else None
+        self.add_call(value.get("name"), {} if key is None else value[key], whole)
+
+
+class _Hermes(_Parser):
+    """``<tool_call>{...}</tool_call>`` blocks among text."""
+
+    def __init__(self, new_id: Callable[[], str]) -> None:
+        super().__init__(new_id)
+        self.inside = False
+
+    def feed(self, delta: str, final: bool) -> None:
+        self.buf += delta
+        while True:
+            if not self.inside:
+                if not self.prose(_HERMES_OPEN):
+                    if final:
+                        self.flush_prose()
+                    return
+                self.inside = True
+            close = self.buf.find(_HERMES_CLOSE)
+            reopen = self.buf.find(_HERMES_OPEN)
+            if close >= 0 and (reopen < 0 or close < reopen):
+                self.block(self.buf[:close], terminated=True)
+                self.buf = self.buf[close + len(_HERMES_CLOSE) :]
+                self.inside = False
+                self.new_piece(after_markup=True)
+            elif reopen >= 0:
+                # a block opened before this one was closed: this one ends there, unterminated
+                self.block(self.buf[:reopen], terminated=False)
+                self.buf = self.buf[reopen + len(_HERMES_OPEN) :]
+            else:
+                if final:
+                    self.block(self.buf, terminated=False)
+                    self.buf = ""
+                return
+
+    def block(self, raw: str, terminated: bool) -> None:
+        """Record the call of one block; an unterminated one counts when its JSON parses."""
+        text = raw.strip()
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            self.add_invalid(None, text, _malformed(error) if terminated else "unterminated")
+            return
+        self.add_object(value, ("arguments", "parameters"))
+
+
+class _Llama3(_Parser):
+    """The whole output is JSON calls (after an optional ``<|python_tag|>``), or it is content."""
+
+    def __init__(self, new_id: Callable[[], str]) -> None:
+        super().__init__(new_id)
+        self.mode: Literal["start", "text", "call"] = "start"
+
+    def feed(self, delta: str, final: bool) -> None:
+        if self.mode == "text":
+            self.emit(delta)
+            return
+        self.buf += delta
+        if self.mode == "start":
+            head = self.buf.lstrip()
+            if head.startswith(("{", _PYTHON_TAG)):
+                self.mode = "call"
+            elif not final and (not head or _PYTHON_TAG.startswith(head)):
+                return
+            else:
+                self.mode = "text"
+                self.emit(self.buf)
+                self.buf = ""
+                return
+        if final:
+            self.calls_of(self.buf)
+            self.buf = ""
+
+    def calls_of(self, text: str) -> None:
+        """Record the ``;``-separated JSON calls of a whole output; text after the last call is content."""
+        text = text.lstrip()
+        if text.startswith(_PYTHON_TAG):
+            text = text[len(_PYTHON_TAG) :]
+        expect_call = True
+        while text := text.lstrip():
+            if not text.startswith("{"):
+                if expect_call:
+                    self.add_invalid(None, text.rstrip(), 'expected a JSON object {"name": ..., "parameters": {...}}')
+                else:
+                    self.emit(text)
+                return
+            try:
+                value, end = _JSON.raw_decode(text)
+            except json.JSONDecodeError as error:
+                self.add_invalid(None, text.rstrip(), _malformed(error))
+                return
+            self.add_object(value, ("parameters", "arguments"))
+            text = text[end:].lstrip()
+            expect_call = text.startswith(";")
+            if expect_call:
+                text = text[1:]
+
+
+class _Mistral(_Parser):
+    """Text, then ``[TOOL_CALLS]`` followed by a JSON list of calls or ``name[ARGS]{...}``, possibly repeated."""
+
+    def __init__(self, new_id: Callable[[], str]) -> None:
+        super().__init__(new_id)
+        self.in_calls = False
+        self.after_marker = False
+
+    def feed(self, delta: str, final: bool) -> None:
+        self.buf += delta
+        if not self.in_calls:
+            if not self.prose(_MISTRAL_CALLS):
+                if final:
+                    self.flush_prose()
+                return
+            self.in_calls = self.after_marker = True
+        while self.step(final):
+            pass
+
+    def step(self, final: bool) -> bool:
+        """Decode what starts ``buf``; False when that needs more text or nothing is left.
+
+        Something is decided before the end of the text only when more text cannot change it: a JSON list or
+        object is complete at its closing bracket. A scalar after ``[ARGS]``, or text without ``[ARGS]``, waits
+        for the next ``[TOOL_CALLS]`` or the end.
+        """
+        text = self.buf = self.buf.lstrip()
+        if not text:
+            return False
+        if text.startswith(_MISTRAL_CALLS):
+            self.buf = text[len(_MISTRAL_CALLS) :]
+            self.after_marker = True
+            return True
+        if not final and (_MISTRAL_CALLS.startswith(text) or _MISTRAL_ARGS.startswith(text)):
+            return False
+        if text[0] in "[{" and not text.startswith(_MISTRAL_ARGS):
+            try:
+                value, end = _JSON.raw_decode(text)
+            except json.JSONDecodeError as error:
+                if not final:
+                    return False
+                self.skip_invalid(None, text, _malformed(error))
+                return True
+            for item in value if isinstance(value, list) else [value]:
+                self.add_object(item, ("arguments", "parameters"))
+            self.buf = text[end:]
+            self.after_marker = False
+            return True
+        args = text.find(_MISTRAL_ARGS)
+        marker = text.find(_MISTRAL_CALLS)
+        if args >= 0 and (marker < 0 or args < marker):
+            return self.named(text[:args].strip(), text[args + len(_MISTRAL_ARGS) :].lstrip(), final)
+        if marker < 0 and not final:
+            return False
+        piece = text if marker < 0 else text[:marker]
+        if self.after_marker:
+            self.add_invalid(None, piece.strip(), "expected a JSON list of calls or name[ARGS]{...} after [TOOL_CALLS]")
+        else:
+            # text after a call: content
+            self.new_piece(after_markup=True)
+            self.emit(piece if marker < 0 else piece.rstrip())
+        self.buf = text[len(piece) :]
+        return True
+
+    def named(self, name: str, rest: str, final: bool) -> bool:
+        """Decode the arguments of ``name[ARGS]...``; ``rest`` is the text after ``[ARGS]``."""
+        if not final and (not rest or rest[0] not in '[{"'):
+            return False
+        if not rest:
+            self.add_invalid(name or None, "", "no arguments after [ARGS]")
+            self.buf = ""
+            self.after_marker = False
+            return True
+        try:
+            value, end = _JSON.raw_decode(rest)
+        except json.JSONDecodeError as error:
+            if not final:
+                return False
+            self.skip_invalid(name or None, rest, _malformed(error))
+            return True
+        self.add_call(name, value)
+        self.buf = rest[end:]
+        self.after_marker = False
+        return True
+
+    def skip_invalid(self, name: str | None, text: str, error: str) -> None:
+        """Record the undecodable text up to the next ``[TOOL_CALLS]`` as one invalid call."""
+        end = text.find(_MISTRAL_CALLS)
+        end = len(text) if end < 0 else end
+        self.add_invalid(name, text[:end].strip(), error)
+        self.buf = text[end:]
+        self.after_marker = False
+
+
+_PARSERS: dict[str, Callable[[Callable[[], str]], _Parser]] = {
+    "hermes": _Hermes,
+    "llama3": _Llama3,
+    "mistral": _Mistral,
+}

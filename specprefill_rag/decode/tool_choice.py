@@ -1,0 +1,46 @@
+"""A request's tools and ``tool_choice`` -> what decoding parses and what it constrains.
+
+``auto``: the answer's tool calls are parsed in the model family's markup; ``none``: nothing is parsed
+(the tools are still shown); ``required`` or a tool's name: the answer is constrained to calls (to that
+tool), so the model cannot answer otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..config import OutputFormat, ToolCallFormat
+from ..errors import InvalidRequestError
+from ..prompt.tools import ToolChoice, check_tool_choice
+from .tool_calls import tool_call_format
+
+
+def model_tool_format(tokenizer: Any) -> ToolCallFormat | None:
+    """The tool-call markup of the tokenizer's chat template (None: it has no tool calling)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):  # several named templates: the default one renders chats
+        template = template.get("default")
+    return tool_call_format(template if isinstance(template, str) else None)
+
+
+def tool_decoding(
+    tokenizer: Any, tools: Sequence[Mapping[str, Any]], choice: ToolChoice | None, parallel: bool = True
+) -> dict[str, Any]:
+    """The :class:`~specprefill_rag.config.GenerationParams` fields for ``tools`` (checked) and ``choice``."""
+    chosen = check_tool_choice(choice, tools)
+    if not tools or chosen == "none":
+        return {}
+    markup = model_tool_format(tokenizer)
+    if markup is None:
+        raise InvalidRequestError(
+            "this model's chat template has no tool calling (no known tool-call markup: Qwen2.5/Hermes "
+            "<tool_call>, Llama 3.x JSON, Mistral [TOOL_CALLS]); use a model with tool calling or leave tools out"
+        )
+    fields: dict[str, Any] = {"tool_format": markup, "parallel_tool_calls": parallel}
+    if chosen in ("auto",):
+        return fields
+    offered = tuple(tools) if chosen == "required" else tuple(t for t in tools if t["function"]["name"] == chosen)
+    parallel_calls = parallel and chosen == "required"
+    fields["output_format"] = OutputFormat("tool_call", tools=offered, tool_format=markup, parallel=parallel_calls)
+    return fields

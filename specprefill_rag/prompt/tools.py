@@ -1,0 +1,141 @@
+"""Tools offered to the model and the tool calls of a chat history, checked before rendering.
+
+Tool schemas use OpenAI's shape (``{"type": "function", "function": {"name", "description", "parameters"}}``)
+and reach the chat template as its ``tools=``. The template writes them, and the calls of earlier assistant
+turns, as its own scaffolding, where special-token strings would become control tokens; so none of them may
+hold the text of one of the tokenizer's added tokens (a description saying ``<|im_end|>`` is refused, not
+passed on as a turn boundary).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from ..arguments import check_unicode
+from ..errors import InvalidRequestError
+from .layout import ToolCall
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names (plus dots)
+ToolChoice = Literal["auto", "none", "required"] | str
+"""``auto`` (the model decides), ``none`` (no call), ``required`` (at least one call) or a tool's name."""
+
+
+def check_tools(tools: Sequence[Mapping[str, Any]] | None, field: str = "tools") -> tuple[dict[str, Any], ...]:
+    """The tool schemas, checked: each ``{"type": "function", "function": {...}}`` with a unique valid name,
+    an optional str description and an optional JSON-object ``parameters`` schema. Returned as plain dicts
+    (what chat templates read); nothing is added or dropped.
+    """
+    if tools is None:
+        return ()
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise InvalidRequestError(f"{field} must be a list of tool schemas, got {type(tools).__name__}")
+    checked = tuple(_check_tool(tool, f"{field}[{i}]") for i, tool in enumerate(tools))
+    names = [tool["function"]["name"] for tool in checked]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise InvalidRequestError(f"{field} names the tool {duplicates[0]!r} twice; give each tool once")
+    return checked
+
+
+def _check_tool(tool: Any, field: str) -> dict[str, Any]:
+    if not isinstance(tool, Mapping) or tool.get("type") != "function" or not isinstance(tool.get("function"), Mapping):
+        raise InvalidRequestError(
+            f'{field} must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}'
+        )
+    unknown = sorted(set(tool) - {"type", "function"})
+    if unknown:
+        raise InvalidRequestError(f"{field} has unknown keys {unknown}; a tool takes 'type' and 'function'")
+    function = tool["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise InvalidRequestError(
+            f"{field}.function.name must be 1-64 letters, digits, '_', '-' or '.', got {_short(name)}"
+        )
+    description = function.get("description")
+    if description is not None:
+        if not isinstance(description, str):
+            raise InvalidRequestError(f"{field}.function.description must be a string")
+        check_unicode(description, f"{field}.function.description")
+    parameters = function.get("parameters")
+    if parameters is not None and (not isinstance(parameters, Mapping) or parameters.get("type", "object") != "object"):
+        raise InvalidRequestError(f"{field}.function.parameters must be a JSON schema of type 'object'")
+    unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
+    if unknown:
+        raise InvalidRequestError(
+            f"{field}.function has unknown keys {unknown}; it takes name, description, parameters and strict"
+        )
+    return _plain(tool, field)
+
+
+def _plain(value: Any, field: str) -> Any:
+    """A JSON-serialisable copy (plain dicts and lists), or an error naming the field."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise InvalidRequestError(f"{field} is not plain JSON ({error}); use dicts, lists, strings, numbers") from None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_tool_choice(choice: ToolChoice | None, tools: Sequence[Mapping[str, Any]]) -> ToolChoice:
+    """``auto`` (default), ``none``, ``required`` or the name of one of ``tools``."""
+    if choice is None:
+        return "auto"
+    if not isinstance(choice, str):
+        raise InvalidRequestError(
+            f"tool_choice must be 'auto', 'none', 'required' or a tool's name, got {type(choice).__name__}"
+        )
+    names = [tool["function"]["name"] for tool in tools]
+    if choice in ("auto", "none"):
+        return choice
+    if not tools:
+        raise InvalidRequestError(f"tool_choice={choice!r} but no tools are given; pass tools or leave it out")
+    if choice != "required" and choice not in names:
+        raise InvalidRequestError(f"tool_choice names {_short(choice)}, which is not one of the tools {names}")
+    return choice
+
+
+def check_tool_call(call: Any, field: str) -> ToolCall:
+    """A history's tool call: a :class:`ToolCall` with a str id, a valid name and an object of arguments."""
+    if not isinstance(call, ToolCall):
+        raise InvalidRequestError(f"{field} must be a ToolCall(name, arguments, id), got {type(call).__name__}")
+    if not isinstance(call.name, str) or not TOOL_NAME.fullmatch(call.name):
+        raise InvalidRequestError(
+            f"{field}.name must be 1-64 letters, digits, '_', '-' or '.', got {_short(call.name)}"
+        )
+    if not isinstance(call.id, str) or not call.id.strip():
+        raise InvalidRequestError(f"{field}.id must be a non-empty string (it pairs the call with its result)")
+    if not isinstance(call.arguments, Mapping):
+        raise InvalidRequestError(
+            f"{field}.arguments must be a JSON object (dict), got {type(call.arguments).__name__}"
+        )
+    return ToolCall(call.name, _plain(call.arguments, f"{field}.arguments"), call.id)
+
+
+def template_tool_calls(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """Calls in the shape chat templates read (OpenAI's, arguments as an object)."""
+    return [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": dict(call.arguments)}}
+        for call in calls
+    ]
+
+
+def check_no_control_text(tokenizer: Any, tools: Sequence[Mapping[str, Any]], calls: Sequence[ToolCall]) -> None:
+    """Refuse tool schemas or calls holding the text of an added token: the template writes them as scaffolding."""
+    controls = [str(token) for token in getattr(tokenizer, "added_tokens_decoder", {}).values()]
+    for what, value in [("a tool schema", tools), ("a tool call", template_tool_calls(calls))]:
+        if not value:
+            continue
+        text = json.dumps(value, ensure_ascii=False)
+        found = next((c for c in controls if c and c in text), None)
+        if found is not None:
+            raise InvalidRequestError(
+                f"{what} contains the control-token text {found!r}; the chat template writes tools and calls as "
+                "its own markup, so remove that text from names, descriptions and arguments"
+            )
