@@ -228,3 +228,24 @@ def test_engine_chat_over_an_agent_history_compresses_the_tool_result(qwen):
     assert result.stats.kept_tokens < result.stats.prompt_tokens
     whole = engine.chat(agent_history(compress=False), tools=[SEARCH], max_new_tokens=4)
     assert whole.stats.document_tokens < result.stats.document_tokens
+
+
+def test_after_a_tool_result_the_draft_scores_against_the_question_and_the_call(qwen):
+    layout = chat_layout(qwen, agent_history(), tools=[SEARCH]).layout
+    query = qwen.decode(layout.draft_query_ids)
+    assert query == '\n\nQuestion: When did the bridge open?\n{"query": "Brooklyn Bridge opening"}'
+    assert layout.source.render(qwen).draft_query_ids.tolist() == layout.draft_query_ids.tolist()
+    asked = chat_layout(qwen, [ChatMessage("user", ["When did the bridge open?"])]).layout
+    assert asked.draft_query_ids is None  # a chat ending with the user's message: the prompt's own last tokens
+
+
+def test_the_draft_reads_the_query_after_the_prompt_and_scores_only_the_prompt(qwen):
+    model = build_model(qwen, layers=2)
+    engine = SpecPrefillEngine.from_models(model, qwen, keep_rate=0.3, min_prompt_tokens=0)
+    layout = chat_layout(qwen, agent_history(), tools=[SEARCH]).layout
+    prepared = engine.draft_scoring.prepare(layout)
+    assert prepared.token_ids.numel() == len(layout) + layout.draft_query_ids.numel()
+    assert prepared.token_ids[len(layout) :].tolist() == layout.draft_query_ids.tolist()
+    assert engine.draft_scoring.importance(layout).shape == (len(layout),)
+    kept = engine.select(layout).kept
+    assert int(kept.max()) < len(layout)

@@ -100,7 +100,14 @@ class DraftInput:
 
     @property
     def token_ids(self) -> torch.Tensor:
-        return self.draft_layout.input_ids
+        """``[L_d + Q]``: the draft's prompt, then its query tokens (``PromptLayout.draft_query_ids``) if any."""
+        query = self.draft_layout.draft_query_ids
+        ids = self.draft_layout.input_ids
+        return ids if query is None else torch.cat([ids, query.to(ids.device)])
+
+    def prompt_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """``[L_d + Q]`` scores of :attr:`token_ids` -> ``[L_d]``, those of the draft's prompt."""
+        return scores[: len(self.draft_layout)]
 
 
 class _LayoutScoring:
@@ -147,12 +154,13 @@ class DirectScoring(_LayoutScoring):
 
     def prepare(self, layout: PromptLayout) -> DraftInput:
         """What the draft reads (the layout's own ids); raises if they do not fit the draft's context."""
-        check_draft_context(len(layout), self.look_ahead, self.context_length, self.max_tokens)
-        return DraftInput(layout, layout)
+        prepared = DraftInput(layout, layout)
+        check_draft_context(prepared.token_ids.numel(), self.look_ahead, self.context_length, self.max_tokens)
+        return prepared
 
     def finish(self, prepared: DraftInput, scores: torch.Tensor) -> torch.Tensor:
-        """The draft's ``[L]`` scores are already the layout's importance."""
-        return scores
+        """The draft's scores of the prompt's ``[L]`` tokens are already the layout's importance."""
+        return prepared.prompt_scores(scores)
 
 
 @dataclass(frozen=True)
@@ -178,9 +186,9 @@ class MappedScoring(_LayoutScoring):
 
     def prepare(self, layout: PromptLayout) -> DraftInput:
         """The layout rendered for the draft; raises if it does not fit the draft's context."""
-        draft_layout = self.draft_layout(layout)
-        check_draft_context(len(draft_layout), self.look_ahead, self.context_length, self.max_tokens)
-        return DraftInput(layout, draft_layout)
+        prepared = DraftInput(layout, self.draft_layout(layout))
+        check_draft_context(prepared.token_ids.numel(), self.look_ahead, self.context_length, self.max_tokens)
+        return prepared
 
     def finish(self, prepared: DraftInput, scores: torch.Tensor) -> torch.Tensor:
         """The draft's ``[L_d]`` scores carried onto the main layout's ``[L]`` tokens through the documents'
@@ -189,7 +197,13 @@ class MappedScoring(_LayoutScoring):
         _, draft_offsets, draft_spans = _characters(prepared.draft_layout)
         _, main_offsets, main_spans = _characters(prepared.layout)
         return map_importance(
-            scores, draft_offsets, draft_spans, main_offsets, prepared.layout.document_index, main_spans, self.reduce
+            prepared.prompt_scores(scores),
+            draft_offsets,
+            draft_spans,
+            main_offsets,
+            prepared.layout.document_index,
+            main_spans,
+            self.reduce,
         )
 
     def draft_layout(self, layout: PromptLayout) -> PromptLayout:

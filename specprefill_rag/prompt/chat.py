@@ -19,6 +19,7 @@ scaffolding, so they are always kept.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -325,11 +326,35 @@ def chat_layout(
     question_index = _question_index(messages)
     if question is not None and question not in messages[question_index].text:
         turns = _append_question(turns, question_index, question)
-    layout = build_turns_layout(tokenizer, _numbered(turns), use_chat_template, checked_tools)
+    query = _draft_query(messages, question)
+    layout = build_turns_layout(tokenizer, _numbered(turns), use_chat_template, checked_tools, query)
     if source == "none":
         return ChatLayout(layout if question else protect_tail(layout, protect_tail_tokens), "none", 0, checked_tools)
     n_documents = len({int(i) for i in layout.document_index.unique() if int(i) >= 0})
     return ChatLayout(layout, source, n_documents, checked_tools)
+
+
+def _draft_query(messages: Sequence[ChatMessage], question: str | None) -> str | None:
+    """After tool results, what the draft scores the documents against: the question and the arguments of the
+    calls the results answer (the agent's own query); None when the chat ends with the user's message.
+    """
+    if messages[-1].role != "tool":
+        return None
+    answered = {m.tool_call_id for m in _trailing_results(messages)}
+    pending = [c for m in messages for c in m.tool_calls if c.id in answered]
+    asked = question or messages[_question_index(messages)].text
+    arguments = "\n".join(json.dumps(dict(c.arguments), ensure_ascii=False) for c in pending)
+    return f"\n\nQuestion: {asked.strip()}\n{arguments}"
+
+
+def _trailing_results(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    """The tool results that end the chat (the answers to the last assistant message's calls)."""
+    results: list[ChatMessage] = []
+    for message in reversed(messages):
+        if message.role != "tool":
+            break
+        results.append(message)
+    return results
 
 
 def _turns(

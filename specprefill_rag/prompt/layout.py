@@ -64,6 +64,10 @@ class PromptLayout:
         document_spans: ``[S, 2]`` long ``(start, end)`` in ``text`` of every document's text, in
             prompt order (a document whose text is split by the template has several).
         source: what to render for another tokenizer; None for a layout built by hand.
+        draft_query_ids: ``[Q]`` long ids the draft reads after the prompt as its queries, never prefilled by
+            the main model: after a tool result, the question and the pending call's arguments restated
+            (the attention of the prompt's last tokens would otherwise score the documents against the tool
+            result); None: the prompt's own last tokens are the queries (the paper).
     """
 
     input_ids: torch.Tensor
@@ -73,6 +77,7 @@ class PromptLayout:
     offsets: torch.Tensor | None = None
     document_spans: torch.Tensor | None = None
     source: PromptSource | None = None
+    draft_query_ids: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())

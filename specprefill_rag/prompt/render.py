@@ -24,7 +24,7 @@ from ..arguments import check_text
 from ..errors import InvalidRequestError
 from .documents import rag_turns
 from .layout import DocumentLike, PromptLayout, Role, Segment, Turn
-from .tokens import encode_trusted_controls
+from .tokens import encode_as_text, encode_trusted_controls
 from .tools import template_tool_calls
 
 # Private-use characters: not whitespace, so templates that trim message content keep them whole.
@@ -164,10 +164,15 @@ def _document_spans(segments: Sequence[Segment]) -> torch.Tensor:
 
 
 def build_turns_layout(
-    tokenizer: Any, turns: Sequence[Turn], use_chat_template: bool = True, tools: Sequence[Mapping[str, Any]] = ()
+    tokenizer: Any,
+    turns: Sequence[Turn],
+    use_chat_template: bool = True,
+    tools: Sequence[Mapping[str, Any]] = (),
+    draft_query: str | None = None,
 ) -> PromptLayout:
     """Layout of chat turns, rendered with the tokenizer's chat template when it has one; ``tools``: the
-    checked tool schemas offered to the model (:func:`specprefill_rag.prompt.tools.check_tools`).
+    checked tool schemas offered to the model (:func:`specprefill_rag.prompt.tools.check_tools`);
+    ``draft_query``: text the draft reads after the prompt as its queries (``PromptLayout.draft_query_ids``).
     """
     if not turns:
         raise InvalidRequestError("no messages given; pass at least one user message")
@@ -180,7 +185,9 @@ def build_turns_layout(
         )
     else:
         layout = layout_from_segments(tokenizer, render_plain(turns), add_special_tokens=True)
-    return replace(layout, source=TurnsSource(tuple(turns), use_chat_template, tuple(tools)))
+    query = torch.tensor(encode_as_text(tokenizer, draft_query)[0], dtype=torch.long) if draft_query else None
+    source = TurnsSource(tuple(turns), use_chat_template, tuple(tools), draft_query)
+    return replace(layout, source=source, draft_query_ids=query)
 
 
 def build_rag_layout(
@@ -257,9 +264,10 @@ class TurnsSource:
     turns: tuple[Turn, ...]
     use_chat_template: bool
     tools: tuple[Mapping[str, Any], ...] = ()
+    draft_query: str | None = None
 
     def render(self, tokenizer: Any) -> PromptLayout:
-        return build_turns_layout(tokenizer, self.turns, self.use_chat_template, self.tools)
+        return build_turns_layout(tokenizer, self.turns, self.use_chat_template, self.tools, self.draft_query)
 
 
 @dataclass(frozen=True)
