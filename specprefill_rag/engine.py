@@ -135,7 +135,7 @@ class SpecPrefillEngine:
             )
             share = parameter_count(drafting.model) / parameter_count(main.model)
         floor = _prompt_floor(config, share, config.effective_look_ahead, main.context_length)
-        backend = HFBackend(main.model, eos, model_lock(main.model))
+        backend = HFBackend(main.model, eos, model_lock(main.model), main.tokenizer)
         self._assemble(config, main.tokenizer, backend, scoring, main, floor)
 
     def _assemble(
@@ -379,6 +379,8 @@ class SpecPrefillEngine:
         check_layout(layout, len(self.tokenizer))
         rate = check_keep_rate(keep_rate)
         self.check_length(len(layout), params.max_new_tokens)
+        if params.output_format is not None:
+            self.backend.check_output_format(params.output_format)
         if self.compresses(layout, self.config.keep_rate if rate is None else rate, self.config.max_document_tokens):
             return self.draft_scoring.prepare(layout)  # raises DraftContextLengthError or DraftLimitError
         return None

@@ -1,11 +1,12 @@
 """Agent histories in the core: tools offered through the chat template, tool calls, tool results as documents."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from specprefill_rag.config import GenerationParams
+from specprefill_rag.config import GenerationParams, OutputFormat
 from specprefill_rag.decode.stream import Decoding
 from specprefill_rag.decode.tool_choice import model_tool_format, tool_decoding
 from specprefill_rag.engine import SpecPrefillEngine
@@ -249,3 +250,62 @@ def test_the_draft_reads_the_query_after_the_prompt_and_scores_only_the_prompt(q
     assert engine.draft_scoring.importance(layout).shape == (len(layout),)
     kept = engine.select(layout).kept
     assert int(kept.max()) < len(layout)
+
+
+TOPIC = {
+    "type": "function",
+    "function": {
+        "name": "browse",
+        "parameters": {
+            "type": "object",
+            "properties": {"topic": {"enum": ["bridges", "rivers"]}},
+            "required": ["topic"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def qwen_engine(qwen):
+    return SpecPrefillEngine.from_models(build_model(qwen, layers=2), qwen, keep_rate=0.3, min_prompt_tokens=0)
+
+
+def test_a_named_tool_choice_forces_a_valid_call_even_from_a_random_model(qwen_engine):
+    question = [ChatMessage("user", ["Which topic? " + RESULT])]
+    result = qwen_engine.chat(question, tools=[SEARCH, TOPIC], tool_choice="browse", max_new_tokens=64)
+    assert result.finish_reason == "tool_calls" and result.invalid_tool_calls == ()
+    [call] = result.tool_calls
+    assert call.name == "browse" and dict(call.arguments)["topic"] in ("bridges", "rivers")
+    assert call.id.startswith("call_")
+
+
+def test_required_tool_choice_calls_one_of_the_tools(qwen_engine):
+    question = [ChatMessage("user", ["Which topic?"])]
+    result = qwen_engine.chat(
+        question, tools=[TOPIC], tool_choice="required", parallel_tool_calls=False, max_new_tokens=64
+    )
+    assert [c.name for c in result.tool_calls] == ["browse"]
+
+
+def test_json_schema_output_is_valid_for_the_schema(qwen_engine):
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+        "additionalProperties": False,
+    }
+    result = qwen_engine.chat(
+        [ChatMessage("user", ["Is it a bridge?"])],
+        output_format=OutputFormat("json_schema", schema=schema),
+        max_new_tokens=256,  # whitespace runs are bounded (MAX_WHITESPACE), so the grammar completes within this
+    )
+    parsed = json.loads(result.text)
+    assert set(parsed) == {"answer", "sure"} and parsed["answer"] in ("yes", "no")
+    assert isinstance(parsed["sure"], bool) and result.finish_reason == "stop"
+
+
+def test_a_schema_that_cannot_compile_is_refused_before_any_work(qwen_engine):
+    impossible = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}
+    with pytest.raises(InvalidRequestError):
+        qwen_engine.chat([ChatMessage("user", ["q"])], output_format=OutputFormat("json_schema", schema=impossible))

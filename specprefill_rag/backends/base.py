@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from ..config import GenerationParams
+from ..config import GenerationParams, OutputFormat
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,12 @@ class MainBackend(Protocol):
     @property
     def context_length(self) -> int:
         """Largest position + 1 the main model supports."""
+        ...
+
+    def check_output_format(self, output_format: OutputFormat) -> None:
+        """Raise :class:`~specprefill_rag.errors.InvalidRequestError` unless this backend can constrain its output
+        to ``output_format`` (``params.output_format``); called before any model runs.
+        """
         ...
 
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:

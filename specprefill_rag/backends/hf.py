@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from ..aio import iterate_in_thread
-from ..config import GenerationParams
+from ..config import GenerationParams, OutputFormat
+from ..decode.constraints import ConstraintCompiler
 from ..decode.sampling import next_token
+from ..errors import InvalidRequestError
 from .base import SparsePrompt
 
 
@@ -34,14 +36,21 @@ class HFBackend:
         model: a causal LM loaded with SDPA or eager attention.
         eos_ids: token ids that end generation.
         lock: serialises forward passes when several requests share the model.
+        tokenizer: the model's tokenizer, for output constrained by ``params.output_format``
+            (:mod:`specprefill_rag.decode.constraints`); None: such requests are refused.
     """
 
     supports_sparse_prefill = True
 
-    def __init__(self, model: Any, eos_ids: frozenset[int], lock: threading.RLock | None = None) -> None:
+    def __init__(
+        self, model: Any, eos_ids: frozenset[int], lock: threading.RLock | None = None, tokenizer: Any = None
+    ) -> None:
         self.model = model
         self.eos_ids = eos_ids
         self._lock = lock or nullcontext()
+        self._tokenizer = tokenizer
+        self._compiler: ConstraintCompiler | None = None
+        self._compiler_lock = threading.Lock()
 
     @property
     def context_length(self) -> int:
@@ -66,9 +75,27 @@ class HFBackend:
             )
         return output.logits[0, -1]
 
+    def check_output_format(self, output_format: OutputFormat) -> None:
+        """Compile the format now (cached), so a schema that cannot be enforced is refused before any work."""
+        self._constraints().compiled(output_format)
+
+    def _constraints(self) -> ConstraintCompiler:
+        """The compiler of this model's grammars, built on first use (its tokenizer tables cost ~0.5 s)."""
+        if self._tokenizer is None:
+            raise InvalidRequestError("this backend was built without its tokenizer, so it cannot constrain output")
+        with self._compiler_lock:
+            if self._compiler is None:
+                width = int(self.model.get_output_embeddings().weight.shape[0])
+                self._compiler = ConstraintCompiler(self._tokenizer, width, stop_token_ids=sorted(self.eos_ids))
+            return self._compiler
+
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
+        """Yield generated token ids; with ``params.output_format`` only tokens its grammar allows, ending when
+        the grammar is complete.
+        """
         from transformers import DynamicCache
 
+        constraint = self._constraints().constraint(params.output_format) if params.output_format else None
         cache = DynamicCache(config=self.model.config)
         generator = None
         if params.seed is not None:
@@ -76,10 +103,16 @@ class HFBackend:
         kept = prompt.token_ids.numel()
         logits = self._forward(prompt.token_ids, prompt.position_ids, 0, cache)
         for step in range(params.max_new_tokens):
+            if constraint is not None:
+                constraint.mask_(logits)
             token = next_token(logits, params.temperature, params.top_p, generator)
             if token in self.eos_ids:
                 return
+            if constraint is not None:
+                constraint.accept(token)
             yield token
+            if constraint is not None and constraint.finished:
+                return
             if step + 1 < params.max_new_tokens:
                 position = torch.tensor([prompt.prompt_length + step])
                 logits = self._forward(torch.tensor([token]), position, kept + step, cache)

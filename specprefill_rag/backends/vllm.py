@@ -27,7 +27,8 @@ import httpx
 
 from ..aio import iterate_in_thread
 from ..arguments import check_number, shown
-from ..config import GenerationParams
+from ..config import GenerationParams, OutputFormat
+from ..decode.constraints import validate_format
 from ..errors import InvalidRequestError, SpecPrefillError, TokenizerMismatchError
 from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
 from .base import SparsePrompt
@@ -67,6 +68,19 @@ def request_fields(prompt: SparsePrompt) -> dict[str, Any]:
     return fields
 
 
+def structured_outputs(output_format: OutputFormat) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` for a format it enforces itself (its xgrammar backend, strict)."""
+    validate_format(output_format)
+    if output_format.kind == "json_object":
+        return {"json_object": True}
+    if output_format.kind == "json_schema" and output_format.schema is not None:
+        return {"json": dict(output_format.schema)}
+    raise InvalidRequestError(
+        "a forced tool call (tool_choice 'required' or a named tool) is not supported with a vLLM main yet; use "
+        "tool_choice 'auto' (the answer's calls are parsed) or an in-process main"
+    )
+
+
 def _without_eos(tokens: list[int], eos_ids: frozenset[int]) -> Iterator[int]:
     for token in tokens:
         if token in eos_ids:
@@ -102,10 +116,15 @@ class VLLMOfflineBackend:
             )
         self.eos_ids = eos_ids
 
+    def check_output_format(self, output_format: OutputFormat) -> None:
+        structured_outputs(output_format)
+
     def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
         from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
 
         fields = request_fields(prompt)
+        constrained = params.output_format and StructuredOutputsParams(**structured_outputs(params.output_format))
         sampling = SamplingParams(
             max_tokens=params.max_new_tokens,
             temperature=params.temperature,
@@ -113,6 +132,7 @@ class VLLMOfflineBackend:
             seed=params.seed,
             extra_args=fields.pop("extra_args", None),
             detokenize=False,
+            structured_outputs=constrained or None,
         )
         output = self.llm.generate([fields], sampling, use_tqdm=False)[0]
         yield from _without_eos(list(output.outputs[0].token_ids), self.eos_ids)
@@ -210,6 +230,9 @@ class VLLMServerBackend:
             return PROBE_MARKER in str(error)
         return False
 
+    def check_output_format(self, output_format: OutputFormat) -> None:
+        structured_outputs(output_format)
+
     def _body(self, prompt: SparsePrompt, params: GenerationParams) -> dict[str, Any]:
         fields = request_fields(prompt)
         body: dict[str, Any] = {
@@ -224,6 +247,8 @@ class VLLMServerBackend:
         }
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.output_format is not None:
+            body["structured_outputs"] = structured_outputs(params.output_format)
         if "extra_args" in fields:
             body["vllm_xargs"] = fields["extra_args"]
             body["cache_salt"] = fields["cache_salt"]
