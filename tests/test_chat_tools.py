@@ -309,3 +309,20 @@ def test_a_schema_that_cannot_compile_is_refused_before_any_work(qwen_engine):
     impossible = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}
     with pytest.raises(InvalidRequestError):
         qwen_engine.chat([ChatMessage("user", ["q"])], output_format=OutputFormat("json_schema", schema=impossible))
+
+
+def test_mistral_calls_are_parsed_although_their_marker_is_a_special_token():
+    tokenizer = build_family_tokenizer("mistral")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tokenizer.chat_template = (TEMPLATES / "mistral.jinja").read_text()
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    arguments = tokenizer.encode(' [{"name": "search", "arguments": {"query": "bridge"}}]', add_special_tokens=False)
+    layout = chat_layout(tokenizer, [ChatMessage("user", ["q"])]).layout
+    decoding = Decoding(
+        tokenizer, layout, GenerationParams(tool_format="mistral"), Selection(torch.arange(len(layout)), 0.0), 0.0
+    )
+    for token in [marker, *arguments]:
+        decoding.push(token)
+    result = decoding.finish().result
+    assert [(c.name, dict(c.arguments)) for c in result.tool_calls] == [("search", {"query": "bridge"})]
+    assert result.text == ""

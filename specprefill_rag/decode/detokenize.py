@@ -2,26 +2,39 @@
 
 Text is released only when it can no longer change: an incomplete UTF-8 character at the end, or
 a suffix that could still grow into a stop string, is held back. The final text ends right before
-the first stop string.
+the first stop string. Special tokens are left out of the text, except ``visible`` ones (a tool-call
+marker such as Mistral's ``[TOOL_CALLS]``, which the tool-call parser reads).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
 class IncrementalText:
     """Turn a stream of token ids into text deltas, honouring stop strings."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), visible: Mapping[int, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.visible = dict(visible or {})
         self.token_ids: list[int] = []
         self.emitted = ""
         self.stopped = False
 
     def _decoded(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        if not self.visible:
+            return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        pieces: list[str] = []
+        run: list[int] = []
+        for token in self.token_ids:
+            if token in self.visible:
+                pieces += [self.tokenizer.decode(run, skip_special_tokens=True), self.visible[token]]
+                run = []
+            else:
+                run.append(token)
+        return "".join([*pieces, self.tokenizer.decode(run, skip_special_tokens=True)])
 
     def _held_back(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""

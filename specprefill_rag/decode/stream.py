@@ -28,7 +28,7 @@ from ..results import (
     ToolCall,
 )
 from .detokenize import IncrementalText
-from .tool_calls import StreamedPart, ToolCallStream
+from .tool_calls import StreamedPart, ToolCallStream, marker_tokens
 
 
 class Decoding:
@@ -60,7 +60,7 @@ class Decoding:
         self.selection = selection
         self.kept = selection.kept
         self.started = started
-        self.text = IncrementalText(tokenizer, params.stop)
+        self.text = IncrementalText(tokenizer, params.stop, marker_tokens(tokenizer, params.tool_format))
         self.calls = _CallCollector(params)
         self.tokens: list[int] = []
         self._pending: list[int] = []

@@ -68,6 +68,23 @@ class StreamedPart:
     invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
 
 
+MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
+    "hermes": (_HERMES_OPEN, _HERMES_CLOSE),
+    "llama3": (_PYTHON_TAG,),
+    "mistral": (_MISTRAL_CALLS, _MISTRAL_ARGS),
+}
+
+
+def marker_tokens(tokenizer: Any, fmt: ToolCallFormat | None) -> dict[int, str]:
+    """The family's markup that the tokenizer holds as single added tokens, id -> text: decoded into the answer's
+    text even when special (Mistral's ``[TOOL_CALLS]``), so the parser sees it.
+    """
+    if fmt is None:
+        return {}
+    added = {str(token): int(i) for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()}
+    return {added[marker]: marker for marker in MARKERS[fmt] if marker in added}
+
+
 def new_call_id() -> str:
     """A fresh tool-call id: ``call_`` and 24 random hex digits."""
     return "call_" + secrets.token_hex(12)
