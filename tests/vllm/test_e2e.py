@@ -212,3 +212,48 @@ def test_unreachable_server_fails_fast():
     with pytest.raises(VLLMServerError, match="cannot reach a vLLM server"):
         VLLMServerBackend(f"http://127.0.0.1:{free_port()}", frozenset(), timeout=5)
     assert time.monotonic() - started < 10
+
+
+JSON_ANSWER = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"],
+    "additionalProperties": False,
+}
+
+
+def _constrained_text(backend, tiny_folder, prompt_ids) -> str:
+    from transformers import AutoTokenizer
+
+    from specprefill_rag.config import OutputFormat
+
+    params = GenerationParams(max_new_tokens=200, output_format=OutputFormat("json_schema", schema=JSON_ANSWER))
+    backend.check_output_format(params.output_format)
+    tokens = list(backend.generate(SparsePrompt.kept(prompt_ids, KEPT_A), params))
+    return AutoTokenizer.from_pretrained(tiny_folder).decode(tokens, skip_special_tokens=True)
+
+
+def test_json_schema_through_vllms_structured_outputs_in_process(llm, tiny_folder, prompt_ids):
+    import json
+
+    text = _constrained_text(VLLMOfflineBackend(llm, frozenset()), tiny_folder, prompt_ids)
+    parsed = json.loads(text)
+    assert parsed["answer"] in ("yes", "no") and isinstance(parsed["sure"], bool)
+
+
+def test_json_schema_through_the_servers_structured_outputs(server, tiny_folder, prompt_ids):
+    import json
+
+    from specprefill_rag.backends.vllm import VLLMServerBackend
+
+    text = _constrained_text(VLLMServerBackend(server, frozenset()), tiny_folder, prompt_ids)
+    parsed = json.loads(text)
+    assert parsed["answer"] in ("yes", "no") and isinstance(parsed["sure"], bool)
+
+
+def test_a_forced_tool_call_is_refused_with_a_vllm_main(llm):
+    from specprefill_rag.config import OutputFormat
+
+    forced = OutputFormat("tool_call", tools=({"type": "function", "function": {"name": "f"}},), tool_format="hermes")
+    with pytest.raises(InvalidRequestError, match="not supported with a vLLM main"):
+        VLLMOfflineBackend(llm, frozenset()).check_output_format(forced)
