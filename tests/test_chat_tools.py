@@ -176,8 +176,11 @@ def test_tool_choice_decides_what_is_parsed_and_constrained(qwen):
     assert forced.kind == "tool_call" and forced.tools == (SEARCH,) and not forced.parallel
     with pytest.raises(InvalidRequestError, match="not one of the tools"):
         tool_decoding(qwen, (SEARCH,), "lookup")
-    with pytest.raises(InvalidRequestError, match="no tool calling"):
-        tool_decoding(family("chatml", "chatml_no_tools.jinja"), (SEARCH,), "auto")
+    plain = family("chatml", "chatml_no_tools.jinja")
+    assert model_tool_format(plain) == "hermes"  # written into the messages: see the test below
+    plain.chat_template = None
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        tool_decoding(plain, (SEARCH,), "auto")
 
 
 def decode_text(tokenizer, text: str, **params) -> tuple[list, object]:
@@ -326,3 +329,20 @@ def test_mistral_calls_are_parsed_although_their_marker_is_a_special_token():
     result = decoding.finish().result
     assert [(c.name, dict(c.arguments)) for c in result.tool_calls] == [("search", {"query": "bridge"})]
     assert result.text == ""
+
+
+def test_a_template_without_tool_calling_gets_the_hermes_format_in_its_messages():
+    tokenizer = family("chatml", "chatml_no_tools.jinja")  # like SmolLM2's: ignores tools, drops tool calls
+    messages = agent_history()
+    messages.append(ChatMessage("tool", ["Second result."], tool_call_id="call_2"))
+    messages[2] = ChatMessage("assistant", [], tool_calls=(CALL, ToolCall("search", {"query": "x"}, "call_2")))
+    chat = chat_layout(tokenizer, messages, tools=[SEARCH])
+    text = chat.layout.text
+    system = text[: text.index("<|im_end|>")]
+    assert "Answer from the search results." in system and '"name": "search"' in system and "<tools>" in system
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "search", "arguments": {"query": "Brooklyn' in text
+    assert text.count("<tool_response>") == 2 and text.count("<|im_start|>user") == 2  # both results, one turn
+    assert role_text(tokenizer, chat.layout, Role.DOCUMENT) == RESULT + "Second result."
+    assert chat.document_source == "tool-results" and "You are a helpful AI assistant" not in text
+    no_system = chat_layout(tokenizer, agent_history(system=False), tools=[SEARCH]).layout.text
+    assert no_system.startswith("<|im_start|>system\n# Tools")

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from ..config import ToolCallFormat
 from ..errors import InvalidRequestError
+from ..prompt.tools import tool_call_format
 from ..results import InvalidToolCall, ToolCall
 
 _HERMES_OPEN = "<tool_call>"
@@ -68,6 +69,8 @@ class StreamedPart:
     invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
 
 
+__all__ = ["ParsedOutput", "StreamedPart", "ToolCallStream", "marker_tokens", "parse_tool_calls", "tool_call_format"]
+
 MARKERS: dict[ToolCallFormat, tuple[str, ...]] = {
     "hermes": (_HERMES_OPEN, _HERMES_CLOSE),
     "llama3": (_PYTHON_TAG,),
@@ -88,28 +91,6 @@ def marker_tokens(tokenizer: Any, fmt: ToolCallFormat | None) -> dict[int, str]:
 def new_call_id() -> str:
     """A fresh tool-call id: ``call_`` and 24 random hex digits."""
     return "call_" + secrets.token_hex(12)
-
-
-def tool_call_format(chat_template: str | None) -> ToolCallFormat | None:
-    """The family of a chat template's tool-call markup, or None when it has none this module knows.
-
-    ``chat_template`` is the template's source; for a tokenizer with several named templates pass the default one.
-    """
-    if chat_template is None:
-        return None
-    if not isinstance(chat_template, str):
-        raise InvalidRequestError(
-            f"chat_template must be a string or None, got {type(chat_template).__name__}; "
-            "for a tokenizer with several named templates pass the default one"
-        )
-    if _HERMES_OPEN in chat_template:
-        return "hermes"
-    if _MISTRAL_CALLS in chat_template:
-        return "mistral"
-    llama_turns = "<|eot_id|>" in chat_template or "<|start_header_id|>" in chat_template
-    if _PYTHON_TAG in chat_template or ('"parameters"' in chat_template and llama_turns):
-        return "llama3"
-    return None
 
 
 class ToolCallStream:

@@ -10,18 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..config import OutputFormat, ToolCallFormat
+from ..config import OutputFormat
 from ..errors import InvalidRequestError
-from ..prompt.tools import ToolChoice, check_tool_choice
-from .tool_calls import tool_call_format
-
-
-def model_tool_format(tokenizer: Any) -> ToolCallFormat | None:
-    """The tool-call markup of the tokenizer's chat template (None: it has no tool calling)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, Mapping):  # several named templates: the default one renders chats
-        template = template.get("default")
-    return tool_call_format(template if isinstance(template, str) else None)
+from ..prompt.tools import ToolChoice, check_tool_choice, model_tool_format
 
 
 def tool_decoding(
@@ -34,8 +25,8 @@ def tool_decoding(
     markup = model_tool_format(tokenizer)
     if markup is None:
         raise InvalidRequestError(
-            "this model's chat template has no tool calling (no known tool-call markup: Qwen2.5/Hermes "
-            "<tool_call>, Llama 3.x JSON, Mistral [TOOL_CALLS]); use a model with tool calling or leave tools out"
+            "this tokenizer has no chat template, and tool calls are written in chat turns; use a model with a chat "
+            "template or leave tools out"
         )
     fields: dict[str, Any] = {"tool_format": markup, "parallel_tool_calls": parallel}
     if chosen in ("auto",):

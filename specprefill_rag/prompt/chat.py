@@ -31,7 +31,14 @@ from ..errors import InvalidRequestError
 from .documents import as_document, document_segments
 from .layout import Document, DocumentLike, PromptLayout, Role, Segment, ToolCall, Turn
 from .render import build_turns_layout, protect_tail
-from .tools import check_no_control_text, check_tool_call, check_tools
+from .tools import (
+    check_no_control_text,
+    check_tool_call,
+    check_tools,
+    hermes_in_messages,
+    model_tool_format,
+    template_tool_format,
+)
 
 # A secret of this process in every marker: retrieved text cannot forge one, so a document cannot end
 # its own span early and pass the rest of its text off as the (never dropped) question.
@@ -327,7 +334,11 @@ def chat_layout(
     if question is not None and question not in messages[question_index].text:
         turns = _append_question(turns, question_index, question)
     query = _draft_query(messages, question)
-    layout = build_turns_layout(tokenizer, _numbered(turns), use_chat_template, checked_tools, query)
+    turns, offered = _numbered(turns), checked_tools
+    uses_tools = bool(checked_tools) or any(m.tool_calls or m.role == "tool" for m in messages)
+    if uses_tools and use_chat_template and model_tool_format(tokenizer) and not template_tool_format(tokenizer):
+        turns, offered = hermes_in_messages(turns, checked_tools), ()
+    layout = build_turns_layout(tokenizer, turns, use_chat_template, offered, query)
     if source == "none":
         return ChatLayout(layout if question else protect_tail(layout, protect_tail_tokens), "none", 0, checked_tools)
     n_documents = len({int(i) for i in layout.document_index.unique() if int(i) >= 0})

@@ -12,15 +12,56 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 from ..arguments import check_unicode
+from ..config import ToolCallFormat
 from ..errors import InvalidRequestError
-from .layout import ToolCall
+from .layout import Role, Segment, ToolCall, Turn
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names (plus dots)
 ToolChoice = Literal["auto", "none", "required"] | str
 """``auto`` (the model decides), ``none`` (no call), ``required`` (at least one call) or a tool's name."""
+
+
+def tool_call_format(chat_template: str | None) -> ToolCallFormat | None:
+    """The family of a chat template's tool-call markup, or None when it has none this module knows.
+
+    ``chat_template`` is the template's source; for a tokenizer with several named templates pass the default one.
+    """
+    if chat_template is None:
+        return None
+    if not isinstance(chat_template, str):
+        raise InvalidRequestError(
+            f"chat_template must be a string or None, got {type(chat_template).__name__}; "
+            "for a tokenizer with several named templates pass the default one"
+        )
+    if "<tool_call>" in chat_template:
+        return "hermes"
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
+    llama_turns = "<|eot_id|>" in chat_template or "<|start_header_id|>" in chat_template
+    if "<|python_tag|>" in chat_template or (llama_turns and re.search(r"""\\?["']parameters\\?["']""", chat_template)):
+        return "llama3"
+    return None
+
+
+def template_tool_format(tokenizer: Any) -> ToolCallFormat | None:
+    """The tool-call markup the tokenizer's chat template itself writes (None: it has no tool calling)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, Mapping):  # several named templates: the default one renders chats
+        template = template.get("default")
+    return tool_call_format(template if isinstance(template, str) else None)
+
+
+def model_tool_format(tokenizer: Any) -> ToolCallFormat | None:
+    """The markup the model's tool calls are parsed in: its template's, or ``hermes`` written into the messages
+    for a chat template without tool calling (:func:`hermes_in_messages`); None without a chat template.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    return template_tool_format(tokenizer) or "hermes"
 
 
 def check_tools(tools: Sequence[Mapping[str, Any]] | None, field: str = "tools") -> tuple[dict[str, Any], ...]:
@@ -139,3 +180,73 @@ def check_no_control_text(tokenizer: Any, tools: Sequence[Mapping[str, Any]], ca
                 f"{what} contains the control-token text {found!r}; the chat template writes tools and calls as "
                 "its own markup, so remove that text from names, descriptions and arguments"
             )
+
+
+_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou can call functions to help answer. Their signatures are listed in <tools></tools>:\n<tools>\n"
+)
+_CALL_INSTRUCTIONS = (
+    "\n</tools>\n\nTo call a function, write one JSON object per call inside <tool_call></tool_call> tags:\n"
+    '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+)
+
+
+def hermes_in_messages(turns: Sequence[Turn], tools: Sequence[Mapping[str, Any]]) -> list[Turn]:
+    """Tool calling for a chat template that has none (SmolLM2's ignores ``tools`` and drops tool calls): the
+    Hermes format written into the messages. The tools are described at the end of the system turn (one is
+    added first if there is none), each call as ``<tool_call>`` JSON in its assistant turn, and each run of
+    tool results as one user turn of ``<tool_response>`` blocks. Everything written here is kept; the results
+    stay documents. Written as message text (not scaffolding), so nothing in it becomes a control token.
+    """
+    written = [_with_calls(turn) for turn in _grouped_results(turns)]
+    if not tools:
+        return written
+    schemas = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    description = Segment(_TOOLS_PREAMBLE + schemas + _CALL_INSTRUCTIONS, Role.INSTRUCTION)
+    if written and written[0].role == "system":
+        first = written[0]
+        gap = (Segment("\n\n", Role.INSTRUCTION),) if first.segments else ()
+        return [replace(first, segments=(*first.segments, *gap, description)), *written[1:]]
+    return [Turn("system", (description,)), *written]
+
+
+def _with_calls(turn: Turn) -> Turn:
+    if not turn.tool_calls:
+        return turn
+    calls = [
+        Segment(
+            f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': dict(c.arguments)}, ensure_ascii=False)}"
+            "\n</tool_call>",
+            Role.INSTRUCTION,
+        )
+        for c in turn.tool_calls
+    ]
+    gap = (Segment("\n", Role.INSTRUCTION),) if turn.segments else ()
+    return Turn(turn.role, (*turn.segments, *gap, *_joined(calls)))
+
+
+def _joined(segments: list[Segment]) -> list[Segment]:
+    joined: list[Segment] = []
+    for segment in segments:
+        joined += [Segment("\n", Role.INSTRUCTION), segment] if joined else [segment]
+    return joined
+
+
+def _grouped_results(turns: Sequence[Turn]) -> list[Turn]:
+    """Each run of tool turns as one user turn of ``<tool_response>`` blocks."""
+    grouped: list[Turn] = []
+    previous_was_result = False
+    for turn in turns:
+        if turn.role != "tool":
+            grouped.append(turn)
+            previous_was_result = False
+            continue
+        opening, closing = Segment("<tool_response>\n", Role.TEMPLATE), Segment("\n</tool_response>", Role.TEMPLATE)
+        block = (opening, *turn.segments, closing)
+        if previous_was_result:
+            last = grouped[-1]
+            grouped[-1] = replace(last, segments=(*last.segments, Segment("\n", Role.TEMPLATE), *block))
+        else:
+            grouped.append(Turn("user", block))
+        previous_was_result = True
+    return grouped
