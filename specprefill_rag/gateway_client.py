@@ -1,25 +1,27 @@
 """A client of a SpecPrefill gateway (``specprefill-rag serve``) for the framework adapters.
 
 Torch-free: an application that sends its RAG requests to a gateway loads no model and needs no torch.
-Messages go out as OpenAI chat messages (``document`` content parts for documents); the answer comes
-back as the same :class:`~specprefill_rag.results.StreamChunk` objects the in-process engine yields,
-the last one with the gateway's stats.
+Messages go out as OpenAI chat messages (``document`` content parts for documents; assistant ``tool_calls``
+and ``tool`` results as OpenAI shapes them, :func:`tool_calls_json`); the answer comes back as the same
+:class:`~specprefill_rag.results.StreamChunk` objects the in-process engine yields, the last one with the
+gateway's stats. The model's tool calls fill ``StreamChunk.tool_calls`` as they complete and the result's
+``tool_calls``; calls it wrote that did not decode are the result's ``invalid_tool_calls``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import httpx
 from pydantic import SecretStr
 
-from .config import GenerationParams
+from .config import GenerationParams, OutputFormat
 from .errors import InvalidRequestError, SpecPrefillError
-from .results import GenerationResult, SpecPrefillStats, StreamChunk
+from .results import FinishReason, GenerationResult, InvalidToolCall, SpecPrefillStats, StreamChunk, ToolCall
 
 
 class GatewayClientError(SpecPrefillError):
@@ -27,6 +29,8 @@ class GatewayClientError(SpecPrefillError):
 
 
 _STATS_FIELDS = {f.name for f in fields(SpecPrefillStats)}
+_INVALID_CALLS = "invalid_tool_calls"  # spec_prefill's list of the calls that did not decode
+_FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,54 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+def tool_calls_json(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` in OpenAI's shape (arguments as a JSON object encoded as a string)."""
+    return [
+        {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(dict(call.arguments), ensure_ascii=False)},
+        }
+        for call in calls
+    ]
+
+
+def _response_format(output: OutputFormat) -> dict[str, Any]:
+    """``response_format`` for a JSON output format."""
+    if output.kind == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": "response", "schema": dict(output.schema or {})}}
+    return {"type": "json_object"}
+
+
+def _decoding_fields(params: GenerationParams, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Request fields for what ``params`` asks of decoding beyond sampling. The gateway derives the tool-call
+    markup and a ``tool_choice`` constraint from the ``tools`` and ``tool_choice`` sent (in ``extra``), so
+    params that ask for tool calls need them there.
+    """
+    output = params.output_format
+    if (params.tool_format is not None or (output is not None and output.kind == "tool_call")) and "tools" not in extra:
+        raise InvalidRequestError(
+            "params ask for tool calls (tool_format or a tool_call output_format) but no tools are sent; pass "
+            "extra={'tools': [...], 'tool_choice': ...}: the gateway derives the rest"
+        )
+    fields: dict[str, Any] = {}
+    if output is not None and output.kind != "tool_call":
+        fields["response_format"] = _response_format(output)
+    if not params.parallel_tool_calls:
+        fields["parallel_tool_calls"] = False
+    return fields
+
+
+def _merged(body: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``body`` with ``extra``'s fields; a field both set to different values is refused, not overwritten."""
+    clash = sorted(k for k in extra if k in body and body[k] != extra[k])
+    if clash:
+        raise InvalidRequestError(
+            f"extra sets {clash}, which the other arguments already set to other values; set each field once"
+        )
+    return {**body, **extra}
+
+
 class GatewayClient:
     """Chat completions from one gateway.
 
@@ -107,8 +159,20 @@ class GatewayClient:
         self.timeout = timeout
         self._headers = _headers(api_key)
 
-    def body(self, messages: list[dict[str, Any]], options: dict[str, Any], params: GenerationParams) -> dict[str, Any]:
-        """The request: OpenAI chat fields plus ``spec_prefill`` (``options`` with None values left out)."""
+    def body(
+        self,
+        messages: list[dict[str, Any]],
+        options: dict[str, Any],
+        params: GenerationParams,
+        extra: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The request: OpenAI chat fields plus ``spec_prefill`` (``options`` with None values left out).
+
+        ``extra``: more OpenAI fields, e.g. ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+        ``response_format``; ``params.output_format`` (JSON) goes out as ``response_format`` and
+        ``parallel_tool_calls=False`` as that field.
+        """
+        extra = extra or {}
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -122,7 +186,7 @@ class GatewayClient:
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)
-        return body
+        return _merged({**body, **_decoding_fields(params, extra)}, extra)
 
     def stream(self, body: dict[str, Any]) -> Iterator[GatewayReply]:
         """Stream one request (blocking)."""
@@ -154,6 +218,21 @@ class GatewayClient:
             raise GatewayClientError(f"the gateway at {self.base_url} failed mid-request ({error})") from None
         reader.check_complete(self.base_url)
 
+    def complete(self, body: dict[str, Any]) -> GatewayReply:
+        """One request answered whole (``stream`` false): the reply's chunk carries all text, calls and stats."""
+        url = self.base_url + "/v1/chat/completions"
+        try:
+            response = httpx.post(url, json={**body, "stream": False}, headers=self._headers, timeout=self.timeout)
+        except httpx.HTTPError as error:
+            raise GatewayClientError(f"the gateway at {self.base_url} failed mid-request ({error})") from None
+        if response.status_code >= 400:
+            raise _refused(response.status_code, response.text)
+        try:
+            answer = response.json()
+        except ValueError:
+            raise GatewayClientError(f"the gateway at {self.base_url} answered something that is not JSON") from None
+        return completion_reply(answer)
+
     def token_ids(self, text: str) -> list[int]:
         """The main model's token ids of ``text`` (the gateway's ``/tokenize``)."""
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
@@ -169,12 +248,86 @@ def _refused(status: int, detail: str) -> SpecPrefillError:
     return GatewayClientError(f"the gateway failed ({status}): {detail}")
 
 
+def completion_reply(answer: Any) -> GatewayReply:
+    """A whole chat completion (``message.content``, ``message.tool_calls``, ``spec_prefill``) as one reply."""
+    try:
+        choice = answer["choices"][0]
+        message, stats = choice["message"], answer["spec_prefill"]
+        calls = [{"index": i, **call} for i, call in enumerate(message.get("tool_calls") or [])]
+        text = message.get("content") or ""
+    except (KeyError, IndexError, TypeError):
+        raise GatewayClientError("the gateway's answer is not a chat completion with spec_prefill stats") from None
+    reader = _StreamReader()
+    reader.text = text
+    return reader.last(text, reader.calls.feed(calls), choice.get("finish_reason"), stats)
+
+
+class _CallAssembler:
+    """Streamed ``delta.tool_calls`` entries -> :class:`ToolCall` objects. The gateway sends each call whole in
+    one entry; pieces of one call (same ``index``) are joined, as OpenAI streams them. A call is complete once its
+    arguments decode as a JSON object (no longer prefix of an object decodes); one that never does is invalid.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCall] = []
+        self._pieces: dict[int, dict[str, str]] = {}
+        self._done: set[int] = set()
+
+    def feed(self, entries: Sequence[Any]) -> tuple[ToolCall, ...]:
+        """The calls these entries complete."""
+        completed = []
+        for entry in entries:
+            index = entry.get("index") if isinstance(entry, dict) else None
+            if not isinstance(index, int) or isinstance(index, bool):
+                raise GatewayClientError(f"a streamed tool call has no integer index: {str(entry)[:200]}")
+            piece = self._pieces.setdefault(index, {"id": "", "name": "", "arguments": ""})
+            function = entry.get("function") or {}
+            piece["id"] = entry.get("id") or piece["id"]
+            piece["name"] = function.get("name") or piece["name"]
+            piece["arguments"] += function.get("arguments") or ""
+            call = _decoded(piece) if index not in self._done else None
+            if call is not None:
+                self._done.add(index)
+                completed.append(call)
+        self.calls += completed
+        return tuple(completed)
+
+    def unfinished(self) -> tuple[InvalidToolCall, ...]:
+        """The calls whose arguments never decoded as a JSON object."""
+        error = "the arguments are not a JSON object"
+        return tuple(
+            InvalidToolCall(piece["name"] or None, piece["arguments"], piece["id"], error)
+            for index, piece in sorted(self._pieces.items())
+            if index not in self._done
+        )
+
+
+def _decoded(piece: dict[str, str]) -> ToolCall | None:
+    try:
+        arguments = json.loads(piece["arguments"])
+    except ValueError:
+        return None
+    return ToolCall(piece["name"], arguments, piece["id"]) if isinstance(arguments, dict) else None
+
+
+def _invalid_calls(stats: dict[str, Any]) -> tuple[InvalidToolCall, ...]:
+    """``spec_prefill.invalid_tool_calls``: the calls the model wrote that did not decode."""
+    try:
+        return tuple(
+            InvalidToolCall(c.get("name"), str(c["arguments"]), str(c["id"]), str(c["error"]))
+            for c in stats.get(_INVALID_CALLS) or ()
+        )
+    except (KeyError, TypeError, AttributeError):
+        raise GatewayClientError(f"spec_prefill.{_INVALID_CALLS} is not a list of invalid calls") from None
+
+
 class _StreamReader:
     """Server-sent events of a chat completion -> :class:`GatewayReply` objects."""
 
     def __init__(self) -> None:
         self.text = ""
         self.done = False
+        self.calls = _CallAssembler()
 
     def feed(self, line: str) -> list[GatewayReply]:
         line = line.strip()
@@ -188,20 +341,24 @@ class _StreamReader:
         if "error" in event:
             error = event["error"]
             raise _refused(int(error.get("code") or 500), str(error.get("message")))
-        delta = "".join((c.get("delta") or {}).get("content") or "" for c in event.get("choices", []))
-        finish = next((c.get("finish_reason") for c in event.get("choices", []) if c.get("finish_reason")), None)
+        choices = event.get("choices", [])
+        delta = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
+        calls = self.calls.feed([e for c in choices for e in (c.get("delta") or {}).get("tool_calls") or []])
+        finish = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
         self.text += delta
         stats = event.get("spec_prefill")
         if stats is None:
-            return [GatewayReply(StreamChunk(delta, []), {})] if delta else []
-        return [self._last(delta, finish, stats)]
+            return [GatewayReply(StreamChunk(delta, [], tool_calls=calls), {})] if delta or calls else []
+        return [self.last(delta, calls, finish, stats)]
 
-    def _last(self, delta: str, finish: str | None, stats: dict[str, Any]) -> GatewayReply:
+    def last(self, delta: str, calls: tuple[ToolCall, ...], finish: str | None, stats: dict[str, Any]) -> GatewayReply:
+        """The last reply: its chunk carries the stats and the whole result."""
         typed = SpecPrefillStats(**{k: v for k, v in stats.items() if k in _STATS_FIELDS})
-        reason = finish if finish in ("stop", "length") else "stop"
-        result = GenerationResult(self.text, [], reason, typed, None)  # type: ignore[arg-type]
-        extras = {k: v for k, v in stats.items() if k not in _STATS_FIELDS}
-        return GatewayReply(StreamChunk(delta, [], result.finish_reason, typed, result), extras)
+        reason: FinishReason = next((r for r in _FINISH_REASONS if r == finish), "stop")
+        invalid = _invalid_calls(stats) + self.calls.unfinished()
+        result = GenerationResult(self.text, [], reason, typed, None, tuple(self.calls.calls), invalid)
+        extras = {k: v for k, v in stats.items() if k not in _STATS_FIELDS and k != _INVALID_CALLS}
+        return GatewayReply(StreamChunk(delta, [], result.finish_reason, typed, result, calls), extras)
 
     def check_complete(self, base_url: str) -> None:
         if not self.done:

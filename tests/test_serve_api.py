@@ -197,7 +197,11 @@ def test_text_completion_locates_documents_in_the_prompt(client, engine):
         ({"spec_prefill": {"keep_rate": "Auto"}}, "spec_prefill.keep_rate", "a number or 'auto', got 'Auto'"),
         ({"spec_prefill": {"keep_ratio": 0.2}}, "spec_prefill.keep_ratio", "unsupported field"),
         ({"messages": [{"role": "narrator", "content": "x"}]}, "messages.0.role", "'system', 'developer', 'user'"),
-        ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages.0", "tool calling is not"),
+        (
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]},
+            "messages.0.tool_call_id",
+            "which no earlier assistant message's tool_calls made",
+        ),
         (
             {
                 "messages": [
@@ -206,12 +210,13 @@ def test_text_completion_locates_documents_in_the_prompt(client, engine):
                     {"role": "user", "content": "Q?"},
                 ]
             },
-            "messages.1",
-            "issue #30",
+            "messages.1.tool_calls.0.function",
+            "is required",
         ),
-        ({"tools": [{"type": "function", "function": {"name": "search"}}]}, "tools", "tool calling is not"),
-        ({"tool_choice": "required"}, "tool_choice", "tool calling is not"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "structured output: issue #30"),
+        ({"tools": [{"type": "function", "function": {"name": "web search"}}]}, "tools.0.function.name", "1-64"),
+        ({"tool_choice": "required"}, "tool_choice", "no tools are given"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs json_schema"),
+        ({"functions": [{"name": "search"}]}, "functions", "use the modern fields: tools and tool_choice"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
             "messages.0.content.0",

@@ -30,16 +30,19 @@ from ..config import GenerationParams
 from ..engine import SpecPrefillEngine
 from ..errors import InvalidRequestError
 from ..prompt.chat import ChatLayout
+from ..results import ToolCall
 from .errors import GatewayError, as_gateway_error, bad_request, echoed
 from .gateway import Answer, Gateway, Plan
 from .guard import RequestGuard
-from .layouts import chat_request_layout, completion_request_layout, tokenize_request
+from .layouts import chat_request_decoding, chat_request_layout, completion_request_layout, tokenize_request
 from .request_stream import ClientGone, RequestStream
-from .responses import CHAT, HEADER_NAMES, TEXT, ApiFormat, ResponseWriter, sse, stats_headers
+from .responses import CHAT, HEADER_NAMES, TEXT, ApiFormat, ResponseWriter, sse, stats_headers, with_invalid_calls
 from .schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest, first_problem
 from .settings import GatewaySettings
 
 log = logging.getLogger("specprefill_rag.serve")
+DecodingFields = Callable[[Any, ChatLayout], dict[str, Any]]
+"""A request's body and layout -> its extra GenerationParams fields (tool-call markup, output format)."""
 
 
 def build_engine(settings: GatewaySettings) -> SpecPrefillEngine:
@@ -189,7 +192,8 @@ def _completion_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         layout = lambda body: chat_request_layout(tokenizer, body, protect, context, settings.system_context)  # noqa: E731
-        return await _complete(gateway, request, ChatCompletionRequest, CHAT, layout, served)
+        decoding = lambda body, chat: chat_request_decoding(gateway.engine, body, chat)  # noqa: E731
+        return await _complete(gateway, request, ChatCompletionRequest, CHAT, layout, served, decoding)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -197,8 +201,18 @@ def _completion_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings
         return await _complete(gateway, request, CompletionRequest, TEXT, layout, served)
 
 
+def _no_decoding(body: Any, layout: ChatLayout) -> dict[str, Any]:
+    """Text completions: no tools, no output format."""
+    return {}
+
+
 async def _plan(
-    gateway: Gateway, request: Request, schema: type[BaseModel], make_layout: Callable[[Any], ChatLayout], served: str
+    gateway: Gateway,
+    request: Request,
+    schema: type[BaseModel],
+    make_layout: Callable[[Any], ChatLayout],
+    served: str,
+    decoding: DecodingFields = _no_decoding,
 ) -> tuple[Any, Plan]:
     """Authorize, parse and lay out one request (every failure a :class:`GatewayError`)."""
     started = time.perf_counter()
@@ -207,9 +221,15 @@ async def _plan(
         raise _unknown_model(body.model, served)
     layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
     limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
+    tools = await asyncio.to_thread(decoding, body, layout)  # may compile an output grammar
     try:
         params = GenerationParams(
-            max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop_strings
+            max_new_tokens=limit,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop_strings,
+            **tools,
         )
     except ValidationError as error:
         field, message = first_problem(error)
@@ -224,11 +244,12 @@ async def _complete(
     api: ApiFormat,
     make_layout: Callable[[Any], ChatLayout],
     served: str,
+    decoding: DecodingFields = _no_decoding,
 ) -> Response:
     endpoint = "chat" if api.is_chat else "completions"
     remote = gateway.settings.main_is_remote
     try:
-        body, plan = await _plan(gateway, request, schema, make_layout, served)
+        body, plan = await _plan(gateway, request, schema, make_layout, served, decoding)
         stream = RequestStream(gateway.answer(plan), request, gateway.settings.request_timeout_s)
         try:
             first = await stream.next()
@@ -261,9 +282,11 @@ async def _whole(
     headers: dict[str, str],
 ) -> Response:
     texts, final, answer = [], None, first
+    calls: list[ToolCall] = []
     try:
         while answer is not None:
             texts.append(answer.chunk.text)
+            calls.extend(answer.chunk.tool_calls)
             final = answer if answer.chunk.stats is not None else final
             answer = await stream.next()
     except ClientGone:
@@ -277,8 +300,8 @@ async def _whole(
         await stream.close()
     assert final is not None and final.chunk.stats is not None  # the engine's last chunk carries the stats
     gateway.metrics.finished(endpoint, "ok", final.chunk.stats)
-    stats, spec_prefill = final.chunk.stats, final.spec_prefill(plan)
-    body = writer.whole("".join(texts), final.chunk.finish_reason or "stop", stats, spec_prefill or {})
+    stats, spec_prefill = final.chunk.stats, with_invalid_calls(final.spec_prefill(plan), final.chunk, plan.params)
+    body = writer.whole("".join(texts), final.chunk.finish_reason or "stop", stats, spec_prefill or {}, calls)
     return JSONResponse(body, headers=headers)
 
 
@@ -294,11 +317,13 @@ async def _events(
     """The SSE body: chunks, the stats in the last one, ``[DONE]``; an error after the first chunk
     becomes an ``error`` event (the status line is already sent).
     """
-    outcome, stats, answer, is_first = "disconnected", None, first, True
+    outcome, stats, answer, is_first, calls = "disconnected", None, first, True, 0
     try:
         while answer is not None:
-            chunk, spec_prefill = answer.chunk, answer.spec_prefill(plan)
-            yield sse(writer.chunk(chunk.text, is_first, chunk.finish_reason, spec_prefill))
+            chunk = answer.chunk
+            spec_prefill = with_invalid_calls(answer.spec_prefill(plan), chunk, plan.params)
+            yield sse(writer.chunk(chunk.text, is_first, chunk.finish_reason, spec_prefill, chunk.tool_calls, calls))
+            calls += len(chunk.tool_calls)
             if chunk.stats is not None and spec_prefill is not None:
                 stats = chunk.stats
                 if include_usage:

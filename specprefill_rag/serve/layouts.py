@@ -10,13 +10,21 @@ Special tokens: in chat requests only the chat template writes control tokens. A
 the client's own rendering, so its special-token strings are control tokens, as vLLM reads them, except
 inside the ``spec_prefill.documents`` located in it, which are tokenized as text. Clients that stuff
 untrusted text into a completion prompt should name it in ``spec_prefill.documents`` (or use chat).
+
+Tools: the offered tools reach the chat template; a ``tool`` message's result is a document (compressible)
+unless ``spec_prefill.compress_tool_results`` is false or its tool is in ``spec_prefill.keep_tools_whole``.
+:func:`chat_request_decoding` turns ``tools``, ``tool_choice`` and ``response_format`` into the decoding
+fields (the tool-call markup to parse, the output to enforce).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
+from ..decode.tool_choice import tool_decoding
 from ..errors import ContextLengthError, InvalidRequestError
 from ..prompt.chat import ChatLayout, ChatMessage, DocumentSource, chat_layout
 from ..prompt.context import SystemContext, split_system_context
@@ -24,21 +32,84 @@ from ..prompt.documents import as_document
 from ..prompt.layout import Document, Role, Segment
 from ..prompt.render import layout_from_segments
 from ..prompt.tokens import count_tokens_at_least
+from ..prompt.tools import check_no_control_text
 from .errors import bad_request
 from .schema import ChatCompletionRequest, CompletionRequest, Message, SpecPrefillOptions, TokenizeRequest
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 DOCUMENTS_FIELD = "spec_prefill.documents"
+KEEP_TOOLS_FIELD = "spec_prefill.keep_tools_whole"
 SYSTEM_CONTEXT_SOURCE: DocumentSource = "system-context"  # the stats' document_source of such documents
 
 
-def _core_message(message: Message) -> ChatMessage:
+def _parts(message: Message) -> list[str | Document]:
+    """A message's content as core parts (none for an assistant message that only makes calls)."""
+    if message.content is None:
+        return []
     if isinstance(message.content, str):
-        return ChatMessage(_ROLES[message.role], [message.content])  # type: ignore[arg-type]
-    parts: list[str | Document] = [
-        Document(p.text, p.title, p.id) if p.type == "document" else p.text for p in message.content
+        return [message.content]
+    return [Document(p.text, p.title, p.id) if p.type == "document" else p.text for p in message.content]
+
+
+def _core_message(message: Message, compress: bool) -> ChatMessage:
+    """The core message; ``compress``: a tool result may be compressed (it is a document)."""
+    calls = tuple(call.core for call in message.tool_calls or ())
+    role = _ROLES[message.role]
+    return ChatMessage(role, _parts(message), calls, message.tool_call_id, message.name, compress)  # type: ignore[arg-type]
+
+
+def _called_tools(messages: Sequence[Message]) -> dict[str, str]:
+    """Each call id of the history -> the tool it called (a 400 naming a call id used twice, or a tool result
+    that answers no earlier call).
+    """
+    called: dict[str, str] = {}
+    answered: set[str] = set()
+    for index, message in enumerate(messages):
+        for number, call in enumerate(message.tool_calls or ()):
+            if call.id in called:
+                field = f"messages.{index}.tool_calls.{number}.id"
+                raise bad_request(f"{field} reuses the call id {call.id!r}; give each call its own id", field)
+            called[call.id] = call.function.name
+        call_id = message.tool_call_id
+        if call_id is not None and (call_id not in called or call_id in answered):
+            field = f"messages.{index}.tool_call_id"
+            raise bad_request(
+                f"{field} is {call_id!r}, which no earlier assistant message's tool_calls made (or another tool "
+                "message already answered); send each result with its call's id, after that call",
+                field,
+            )
+        if call_id is not None:
+            answered.add(call_id)
+    return called
+
+
+def _kept_whole(body: ChatCompletionRequest, called: dict[str, str]) -> set[str]:
+    """``spec_prefill.keep_tools_whole``, checked: each a tool offered in ``tools`` or called in the messages."""
+    known = {tool["function"]["name"] for tool in body.tool_schemas} | set(called.values())
+    for name in body.spec_prefill.keep_tools_whole:
+        if name not in known:
+            raise bad_request(
+                f"{KEEP_TOOLS_FIELD} names the tool {name!r}, which is neither offered in tools nor called in the "
+                f"messages (known: {sorted(known)})",
+                KEEP_TOOLS_FIELD,
+            )
+    return set(body.spec_prefill.keep_tools_whole)
+
+
+def _core_messages(body: ChatCompletionRequest) -> list[ChatMessage]:
+    """The request's messages for the core, each tool result compressible unless the options keep it whole."""
+    called = _called_tools(body.messages)
+    whole = _kept_whole(body, called)
+    compress = body.spec_prefill.compress_tool_results
+    return [
+        _core_message(m, compress and (m.name or called.get(m.tool_call_id or "")) not in whole) for m in body.messages
     ]
-    return ChatMessage(_ROLES[message.role], parts)  # type: ignore[arg-type]
+
+
+def _tool_texts(body: ChatCompletionRequest) -> list[str]:
+    """The offered tools and the history's call arguments as text: the template writes them into the prompt."""
+    arguments = [call.function.arguments for m in body.messages for call in m.tool_calls or ()]
+    return [json.dumps(body.tool_schemas, ensure_ascii=False), *arguments] if body.tools else arguments
 
 
 def _system_context_message(message: ChatMessage, mode: SystemContext) -> ChatMessage:
@@ -57,7 +128,7 @@ def _system_context_message(message: ChatMessage, mode: SystemContext) -> ChatMe
             if text:
                 parts.append(text)
         after_document = is_document
-    return ChatMessage(message.role, parts)
+    return replace(message, parts=parts)
 
 
 def _with_system_context(
@@ -107,21 +178,24 @@ def chat_request_layout(
     context_length: int,
     system_context: SystemContext = "off",
 ) -> ChatLayout:
-    """The layout of a chat request; a problem is a 400 naming ``messages`` or ``spec_prefill.documents``.
+    """The layout of a chat request (with its checked tools); a problem is a 400 naming ``messages``, the
+    field of a message, ``tools``, ``spec_prefill.documents`` or ``spec_prefill.keep_tools_whole``.
 
     ``system_context``: the gateway's default for ``spec_prefill.system_context`` (retrieved context sent as
     plain text in a system message, :mod:`specprefill_rag.prompt.context`).
     """
     options = body.spec_prefill
-    messages = [_core_message(m) for m in body.messages]
+    messages = _core_messages(body)
     documents = _documents(options)
-    check_fits(tokenizer, [m.text for m in messages], context_length)
+    check_fits(tokenizer, [m.text for m in messages] + _tool_texts(body), context_length)
     check_fits(tokenizer, [d.text for d in documents or ()], context_length)  # located or inserted: both count
+    _check_tool_text(tokenizer, body)
     messages, from_system = _with_system_context(messages, options, system_context)
+    tools = body.tool_schemas
     try:
         if from_system:
-            layout = chat_layout(tokenizer, messages, None, protect_tail_tokens, question=options.question)
-            return ChatLayout(layout.layout, SYSTEM_CONTEXT_SOURCE, layout.n_documents)
+            layout = chat_layout(tokenizer, messages, None, protect_tail_tokens, question=options.question, tools=tools)
+            return replace(layout, document_source=SYSTEM_CONTEXT_SOURCE)
         return chat_layout(
             tokenizer,
             messages,
@@ -129,11 +203,44 @@ def chat_request_layout(
             protect_tail_tokens,
             question=options.question,
             insert_missing=options.insert_documents,
+            tools=tools,
         )
     except ContextLengthError:
         raise
     except InvalidRequestError as error:
         raise bad_request(str(error), "messages") from None
+
+
+def _check_tool_text(tokenizer: Any, body: ChatCompletionRequest) -> None:
+    """No control-token text in the tools (a 400 naming ``tools``); the calls' are checked with the messages."""
+    try:
+        check_no_control_text(tokenizer, body.tool_schemas, [])
+    except InvalidRequestError as error:
+        raise bad_request(str(error), "tools") from None
+
+
+def chat_request_decoding(engine: Any, body: ChatCompletionRequest, layout: ChatLayout) -> dict[str, Any]:
+    """The :class:`~specprefill_rag.config.GenerationParams` fields of a chat request's ``tools``, ``tool_choice``,
+    ``parallel_tool_calls`` and ``response_format``. Blocking: an output to enforce is compiled by the main
+    backend now, so one it cannot enforce is a 400 (naming ``response_format`` or ``tool_choice``) before any
+    draft work; a tokenizer without a chat template is a 400 naming ``tools``.
+    """
+    parallel = body.parallel_tool_calls is not False
+    try:
+        fields = tool_decoding(engine.tokenizer, layout.tools, body.chosen_tool, parallel)
+    except InvalidRequestError as error:
+        raise bad_request(str(error), "tools") from None
+    if body.output_format is not None:
+        fields = {**fields, "output_format": body.output_format}
+    output = fields.get("output_format")
+    if output is not None:
+        try:
+            engine.backend.check_output_format(output)
+        except InvalidRequestError as error:
+            raise bad_request(
+                str(error), "response_format" if body.output_format is not None else "tool_choice"
+            ) from None
+    return fields
 
 
 def _located_segments(prompt: str, documents: list[Document]) -> list[Segment]:

@@ -3,6 +3,11 @@
 The chat and text endpoints differ only in object names and the shape of a choice; each is a
 :class:`ApiFormat`. Every answer carries ``spec_prefill`` (the stats) in its last chunk or body, and
 ``usage.prompt_tokens`` counts the full prompt, not the kept tokens.
+
+Tool calls go out in OpenAI's shapes: ``message.tool_calls`` (``content`` null when the model wrote only calls)
+or, streamed, one ``delta.tool_calls`` entry per completed call (``index`` counts the answer's calls), and
+``finish_reason`` ``"tool_calls"``. Calls the model wrote that did not decode are in the last chunk's or the
+body's ``spec_prefill.invalid_tool_calls`` (whenever tool calls were parsed), never dropped.
 """
 
 from __future__ import annotations
@@ -10,8 +15,33 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..config import GenerationParams
+from ..results import InvalidToolCall, StreamChunk, ToolCall
+
+
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    """A call in OpenAI's shape: the arguments as a JSON object encoded as a string."""
+    arguments = json.dumps(dict(call.arguments), ensure_ascii=False)
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def invalid_tool_call_json(call: InvalidToolCall) -> dict[str, Any]:
+    """A call that did not decode: its name (if read), raw arguments text, id and why."""
+    return {"name": call.name, "arguments": call.arguments, "id": call.id, "error": call.error}
+
+
+def with_invalid_calls(
+    spec_prefill: dict[str, Any] | None, chunk: StreamChunk, params: GenerationParams
+) -> dict[str, Any] | None:
+    """The last chunk's ``spec_prefill`` with the answer's undecodable calls, when tool calls were parsed."""
+    if spec_prefill is None or chunk.result is None or params.tool_format is None:
+        return spec_prefill
+    invalid = [invalid_tool_call_json(call) for call in chunk.result.invalid_tool_calls]
+    return {**spec_prefill, "invalid_tool_calls": invalid}
 
 
 @dataclass(frozen=True)
@@ -23,16 +53,33 @@ class ApiFormat:
     id_prefix: str
     is_chat: bool
 
-    def choice(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def choice(self, text: str, finish_reason: str | None, tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+        """A whole answer's choice; a chat message's ``content`` is null when the model wrote only calls."""
         if self.is_chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
+            if tool_calls:
+                message["tool_calls"] = [tool_call_json(call) for call in tool_calls]
             return {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
         return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
 
-    def delta(self, text: str, finish_reason: str | None, first: bool) -> dict[str, Any]:
+    def delta(
+        self,
+        text: str,
+        finish_reason: str | None,
+        first: bool,
+        tool_calls: Sequence[ToolCall] = (),
+        call_index: int = 0,
+    ) -> dict[str, Any]:
+        """A streamed choice; ``call_index``: the answer's calls sent before this chunk's."""
         if not self.is_chat:
             return self.choice(text, finish_reason)
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or not tool_calls:
+            delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [
+                {"index": call_index + number, **tool_call_json(call)} for number, call in enumerate(tool_calls)
+            ]
         return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
 
 
@@ -103,14 +150,29 @@ class ResponseWriter:
     def _envelope(self, name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": name, "created": self.created, "model": self.model, "choices": choices}
 
-    def whole(self, text: str, finish_reason: str, stats: Any, spec_prefill: dict[str, Any]) -> dict[str, Any]:
-        body = self._envelope(self.api.object_name, [self.api.choice(text, finish_reason)])
+    def whole(
+        self,
+        text: str,
+        finish_reason: str,
+        stats: Any,
+        spec_prefill: dict[str, Any],
+        tool_calls: Sequence[ToolCall] = (),
+    ) -> dict[str, Any]:
+        body = self._envelope(self.api.object_name, [self.api.choice(text, finish_reason, tool_calls)])
         return {**body, "usage": usage(stats), "spec_prefill": spec_prefill}
 
     def chunk(
-        self, text: str, first: bool, finish_reason: str | None = None, spec_prefill: dict[str, Any] | None = None
+        self,
+        text: str,
+        first: bool,
+        finish_reason: str | None = None,
+        spec_prefill: dict[str, Any] | None = None,
+        tool_calls: Sequence[ToolCall] = (),
+        call_index: int = 0,
     ) -> dict[str, Any]:
-        body = self._envelope(self.api.chunk_name, [self.api.delta(text, finish_reason, first)])
+        """One stream chunk; ``tool_calls``: the calls it completes, ``call_index``: how many came before."""
+        choice = self.api.delta(text, finish_reason, first, tool_calls, call_index)
+        body = self._envelope(self.api.chunk_name, [choice])
         return {**body, "spec_prefill": spec_prefill} if spec_prefill is not None else body
 
     def usage_chunk(self, stats: Any, spec_prefill: dict[str, Any]) -> dict[str, Any]:

@@ -6,16 +6,25 @@ Only fields the gateway honours are declared; any other field is refused (``extr
 not a number, ``"yes"`` not a boolean, ``1.0`` not an integer (an integer is a number). Integers have
 bounds, so a 4,000-digit ``max_tokens`` fails here, before any work. The per-request SpecPrefill
 options travel in ``spec_prefill`` (OpenAI clients send it with ``extra_body``).
+
+Tool calling takes OpenAI's fields: ``tools``, ``tool_choice``, ``parallel_tool_calls``, assistant messages
+with ``tool_calls`` (arguments as a JSON object encoded as a string) and ``tool`` messages answering them by
+``tool_call_id``; ``response_format`` asks for JSON (``json_object``, ``json_schema``). Legacy function
+calling (``functions``, ``function_call``, role ``function``) is refused with the modern fields' names.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from ..config import MIN_TEMPERATURE, StrictKeepRate, check_temperature
+from ..config import MIN_TEMPERATURE, OutputFormat, StrictKeepRate, check_temperature
+from ..errors import InvalidRequestError
 from ..prompt.context import SystemContext
+from ..prompt.tools import TOOL_NAME, ToolChoice, check_tool_choice, check_tools
+from ..results import ToolCall
 from .errors import echoed
 
 MAX_TOKENS = (1 << 31) - 1  # bound of every token count a request names (contexts are far smaller)
@@ -63,6 +72,14 @@ class SpecPrefillOptions(_Strict):
         "'Context:' label or the first paragraph, all is documents); the instructions stay whole. None: the "
         "gateway's --system-context. Explicit documents (documents, document parts) win.",
     )
+    compress_tool_results: bool = Field(
+        True, description="False: every tool result ('tool' message) stays whole; by default each is a document."
+    )
+    keep_tools_whole: list[str] = Field(
+        default_factory=list,
+        description="Names of tools whose results stay whole (the others' results are documents); each must be "
+        "offered in tools or called in the messages.",
+    )
 
 
 class TextPart(_Strict):
@@ -81,26 +98,204 @@ class DocumentPart(_Strict):
 
 ContentPart = Annotated[TextPart | DocumentPart, Field(discriminator="type")]
 
-
-_TOOLS_NOT_YET = (
-    "tool calling is not supported by the SpecPrefill gateway yet (no tools, tool calls or tool results; "
-    "issue #30): send the retrieved documents in spec_prefill.documents or as document content parts"
+_LEGACY_FUNCTIONS = (
+    "legacy function calling is not supported by the SpecPrefill gateway; use the modern fields: tools and "
+    "tool_choice in the request, tool_calls in assistant messages, role 'tool' with tool_call_id for results"
 )
 
 
+def _check_tool_name(value: str) -> str:
+    """OpenAI's rule for function names (plus dots), as :func:`~specprefill_rag.prompt.tools.check_tools` applies."""
+    if not TOOL_NAME.fullmatch(value):
+        raise ValueError(f"a tool name is 1-64 letters, digits, '_', '-' or '.', got {echoed(repr(value))}")
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """``text`` decoded as a JSON object (NaN and Infinity are not JSON); ValueError otherwise."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except ValueError as error:
+        raise ValueError(f"must be a JSON object encoded as a string ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object encoded as a string, got a JSON {type(value).__name__}")
+    return value
+
+
+class CalledFunction(_Strict):
+    """The function of a history's tool call; ``arguments`` is a JSON object encoded as a string (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_tool_name(value)
+
+    @field_validator("arguments")
+    @classmethod
+    def _object(cls, value: str) -> str:
+        json_object(value)
+        return value
+
+
+class ToolCallOption(_Strict):
+    """A tool call an earlier assistant message made."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: CalledFunction
+
+    @property
+    def core(self) -> ToolCall:
+        """The call as the core reads it (arguments decoded)."""
+        return ToolCall(self.function.name, json_object(self.function.arguments), self.id)
+
+
+def _role(info: ValidationInfo) -> str | None:
+    """The message's role, None when it did not validate (that error is reported instead)."""
+    role = info.data.get("role")
+    return role if isinstance(role, str) else None
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    """An OpenAI chat message. Tool messages answer a call of an earlier assistant message (``tool_call_id``);
+    their content is text (a document by default: see ``spec_prefill.compress_tool_results``). Fields are
+    validated in the order declared, so each validator sees the role (and the calls) before it.
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCallOption] | None = None
+    tool_call_id: str | None = Field(None, validate_default=True)
+    name: str | None = None
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
 
     @model_validator(mode="before")
     @classmethod
-    def _no_tool_history(cls, value: Any) -> Any:
-        """An agent's history (a tool result, an assistant's tool calls) gets the real cause, not a field error."""
-        if isinstance(value, dict) and (
-            value.get("role") in ("tool", "function") or "tool_calls" in value or "function_call" in value
-        ):
-            raise ValueError(_TOOLS_NOT_YET)
+    def _no_legacy_functions(cls, value: Any) -> Any:
+        """Legacy function calling (role 'function', ``function_call``) gets the modern fields' names."""
+        if isinstance(value, dict) and (value.get("role") == "function" or "function_call" in value):
+            raise ValueError(_LEGACY_FUNCTIONS)
         return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, value: list[ToolCallOption] | None, info: ValidationInfo) -> Any:
+        role = _role(info)
+        if value is not None and role not in (None, "assistant"):
+            raise ValueError(f"a {role} message has tool_calls; only assistant messages make calls")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = _role(info)
+        if role == "tool" and not value:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if role not in (None, "tool") and value is not None:
+            raise ValueError(f"a {role} message has a tool_call_id; only tool messages answer calls")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _tool_name(cls, value: str | None, info: ValidationInfo) -> str | None:
+        role = _role(info)
+        if value is not None and role not in (None, "tool"):
+            raise ValueError(
+                f"a {role} message's name (a participant name) is not passed to the model; leave it out "
+                "(only tool messages take a name: the tool's)"
+            )
+        return value if value is None else _check_tool_name(value)
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: str | list[ContentPart] | None, info: ValidationInfo) -> Any:
+        role = _role(info)
+        if value is None and role is not None and not (role == "assistant" and info.data.get("tool_calls")):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if role == "tool" and isinstance(value, list) and any(p.type != "text" for p in value):
+            raise ValueError(
+                "a tool result is text: send a string or text parts (it is a document unless "
+                "spec_prefill.compress_tool_results or keep_tools_whole keep it whole)"
+            )
+        return value
+
+
+class FunctionSchema(_Strict):
+    """A function offered to the model: OpenAI's fields, rendered by the chat template."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_tool_name(value)
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("must be a JSON schema of type 'object' (a function takes named arguments)")
+        return value
+
+
+class ToolOption(_Strict):
+    """``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionSchema
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    """``{"type": "function", "function": {"name": ...}}``: the answer is a call to that tool."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: the answer is JSON valid for ``schema``."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, validate_default=True)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema_with_its_type(cls, value: JsonSchemaFormat | None, info: ValidationInfo) -> JsonSchemaFormat | None:
+        kind = info.data.get("type")
+        if kind == "json_schema" and value is None:
+            raise ValueError("type 'json_schema' needs json_schema: {'name': ..., 'schema': {...}}")
+        if kind not in (None, "json_schema") and value is not None:
+            raise ValueError(f"json_schema is for type 'json_schema', not {kind!r}")
+        return value
+
+    @property
+    def output_format(self) -> OutputFormat | None:
+        """What decoding enforces (None: plain text)."""
+        if self.json_schema is not None:
+            return OutputFormat("json_schema", schema=self.json_schema.schema_)
+        return OutputFormat("json_object") if self.type == "json_object" else None
 
 
 class StreamOptions(_Strict):
@@ -150,6 +345,15 @@ class _Sampling(_Strict):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
+def _schemas(tools: list[ToolOption] | None) -> tuple[dict[str, Any], ...]:
+    """Tools as plain dicts, exactly the fields the client sent."""
+    return tuple(tool.model_dump(exclude_unset=True, by_alias=True) for tool in tools or ())
+
+
+def _choice(value: str | NamedToolChoice | None) -> ToolChoice | None:
+    return value if value is None or isinstance(value, str) else value.function.name
+
+
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``."""
 
@@ -157,33 +361,77 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
-    # Accepted only with the values that ask for nothing (clients send them by default); see _TOOLS_NOT_YET.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    response_format: Any = None
+    tools: list[ToolOption] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="False: the answer makes at most one call.")
+    response_format: ResponseFormat | None = None
+    functions: Any = None  # legacy function calling: refused, naming the modern fields
+    function_call: Any = None
 
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, value: bool | None) -> bool | None:
         return _neutral("logprobs", value, (None, False), "no log-probabilities")
 
-    @field_validator("tools", "tool_choice")
+    @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: Any, info: Any) -> Any:
-        if value in (None, [], "none"):
+    def _checked_tools(cls, value: list[ToolOption] | None) -> list[ToolOption] | None:
+        """The checks the core makes (a tool named twice...), as a field error."""
+        try:
+            check_tools(_schemas(value))
+        except InvalidRequestError as error:
+            raise ValueError(str(error)) from None
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _offered_tool(cls, value: Any, info: ValidationInfo) -> Any:
+        """A named tool must be one of ``tools``; ``required`` needs tools (skipped when ``tools`` is invalid)."""
+        if "tools" not in info.data:
             return value
-        raise ValueError(f"{info.field_name}: {_TOOLS_NOT_YET}")
+        choice = _choice(value)
+        if not isinstance(value, str) and choice in ("auto", "none", "required"):
+            raise ValueError(f"a tool named {choice!r} cannot be chosen by name (a tool_choice keyword); rename it")
+        try:
+            check_tool_choice(choice, _schemas(info.data["tools"]))
+        except InvalidRequestError as error:
+            raise ValueError(str(error)) from None
+        return value
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        if value is None or value == {"type": "text"}:
+    def _one_constraint(cls, value: ResponseFormat | None, info: ValidationInfo) -> ResponseFormat | None:
+        """JSON output and tool calls cannot both be enforced on one answer."""
+        if value is None or value.type == "text" or not info.data.get("tools"):
             return value
-        raise ValueError(
-            f"response_format={echoed(repr(value))} is not supported by the SpecPrefill gateway yet (structured "
-            "output: issue #30); leave it out or send {'type': 'text'}"
-        )
+        if info.data.get("tool_choice") != "none":
+            raise ValueError(
+                f"response_format type {value.type!r} constrains the answer to JSON, so the offered tools could not "
+                "be called; send tool_choice 'none' or leave tools out"
+            )
+        return value
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_fields(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(_LEGACY_FUNCTIONS)
+        return value
+
+    @property
+    def tool_schemas(self) -> tuple[dict[str, Any], ...]:
+        """The offered tools as plain OpenAI tool schemas (what the chat template reads)."""
+        return _schemas(self.tools)
+
+    @property
+    def chosen_tool(self) -> ToolChoice | None:
+        """``tool_choice`` as the core reads it: ``auto``, ``none``, ``required`` or a tool's name."""
+        return _choice(self.tool_choice)
+
+    @property
+    def output_format(self) -> OutputFormat | None:
+        """What ``response_format`` asks decoding to enforce (None: plain text)."""
+        return self.response_format.output_format if self.response_format is not None else None
 
     @property
     def token_limit(self) -> int | None:
