@@ -7,6 +7,7 @@ import os
 import pytest
 
 from specprefill_rag.testing import build_model, build_tokenizer
+from tests.serve_helpers import running_gateway, tiny_engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -40,3 +41,18 @@ def tiny_model_dir(tmp_path_factory, tokenizer, tiny_model):
     tiny_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer, tiny_model, tiny_draft):
+    """The gateway tests' tiny engine (keep 0.3, no prompt floor, look-ahead 2), one per module; a module
+    that needs another defines its own ``engine``.
+    """
+    return tiny_engine(tokenizer, tiny_model, tiny_draft)
+
+
+@pytest.fixture(scope="module")
+def gateway(engine):
+    """A gateway over the module's ``engine`` on 127.0.0.1: its base URL."""
+    with running_gateway(engine) as url:
+        yield url

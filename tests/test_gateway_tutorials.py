@@ -16,24 +16,13 @@ import pytest
 from specprefill_rag.serve.layouts import chat_request_layout
 from specprefill_rag.serve.schema import ChatCompletionRequest
 from specprefill_rag.testing import LANGCHAIN_RETRIEVAL_CHAIN, LANGCHAIN_TUTORIAL, random_documents
-from tests.serve_helpers import MODEL, running_gateway, tiny_engine
+from tests.serve_helpers import MODEL, running_gateway
 
 pytestmark = pytest.mark.timeout(300)
 
 DOCUMENTS = random_documents(4, 50, seed=11)
 QUESTION = "When did the bridge open?"
 DELIMITED = {"spec_prefill": {"system_context": "delimited"}}
-
-
-@pytest.fixture(scope="module")
-def engine(tokenizer, tiny_model, tiny_draft):
-    return tiny_engine(tokenizer, tiny_model, tiny_draft)
-
-
-@pytest.fixture(scope="module")
-def gateway(engine):
-    with running_gateway(engine) as url:
-        yield url
 
 
 class Recorder:

@@ -18,17 +18,6 @@ DOCUMENTS = random_documents(3, 60)
 
 
 @pytest.fixture(scope="module")
-def engine(tokenizer, tiny_model, tiny_draft):
-    return tiny_engine(tokenizer, tiny_model, tiny_draft)
-
-
-@pytest.fixture(scope="module")
-def gateway(engine):
-    with running_gateway(engine) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def client(gateway):
     return openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=60)
 

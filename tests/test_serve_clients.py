@@ -2,26 +2,14 @@
 a retrieval chain and a query engine (tiny random models, fake embeddings: no download)."""
 
 import httpx
-import pytest
 
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 from specprefill_rag.testing import random_documents
-from tests.serve_helpers import MODEL, running_gateway, tiny_engine
+from tests.serve_helpers import MODEL
 
 DOCUMENTS = random_documents(4, 50, seed=7)
 QUESTION = "When did the bridge open?"
-
-
-@pytest.fixture(scope="module")
-def engine(tokenizer, tiny_model, tiny_draft):
-    return tiny_engine(tokenizer, tiny_model, tiny_draft)
-
-
-@pytest.fixture(scope="module")
-def gateway(engine):
-    with running_gateway(engine) as url:
-        yield url
 
 
 def ok_requests(url):
