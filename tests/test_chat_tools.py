@@ -346,3 +346,11 @@ def test_a_template_without_tool_calling_gets_the_hermes_format_in_its_messages(
     assert chat.document_source == "tool-results" and "You are a helpful AI assistant" not in text
     no_system = chat_layout(tokenizer, agent_history(system=False), tools=[SEARCH]).layout.text
     assert no_system.startswith("<|im_start|>system\n# Tools")
+
+
+def test_instructions_after_the_tool_results_are_kept_and_the_query_still_built(qwen):
+    messages = [*agent_history(), ChatMessage("system", ["Answer now, without more calls."])]
+    chat = chat_layout(qwen, messages, tools=[SEARCH])
+    assert role_text(qwen, chat.layout, Role.DOCUMENT) == RESULT
+    assert "Answer now, without more calls." in role_text(qwen, chat.layout, Role.INSTRUCTION)
+    assert chat.layout.draft_query_ids is not None

@@ -195,15 +195,16 @@ def _validate(messages: Sequence[ChatMessage]) -> None:
     calls: dict[str, ToolCall] = {}
     for index, message in enumerate(messages):
         _validate_message(message, index, calls)
-    if messages[-1].role not in ("user", "tool"):
+    last = next((m for m in reversed(messages) if m.role not in ("system", "developer")), messages[-1])
+    if last.role not in ("user", "tool"):
         raise InvalidRequestError(
-            f"the last message is from '{messages[-1].role}'; SpecPrefill answers a user message or a tool result, "
-            "so end with one"
+            f"the last message is from '{last.role}'; SpecPrefill answers a user message or a tool result (system "
+            "messages may follow them), so end with one"
         )
     if not any(m.role == "user" for m in messages):
         raise InvalidRequestError("no user message given; pass the user's question as a user message")
     question = messages[_question_index(messages)]
-    if messages[-1].role == "user" and not question.text.strip():
+    if last.role == "user" and not question.text.strip():
         raise InvalidRequestError("the last user message is empty; pass the question in it")
 
 
@@ -349,9 +350,9 @@ def _draft_query(messages: Sequence[ChatMessage], question: str | None) -> str |
     """After tool results, what the draft scores the documents against: the question and the arguments of the
     calls the results answer (the agent's own query); None when the chat ends with the user's message.
     """
-    if messages[-1].role != "tool":
-        return None
     answered = {m.tool_call_id for m in _trailing_results(messages)}
+    if not answered:
+        return None
     pending = [c for m in messages for c in m.tool_calls if c.id in answered]
     asked = question or messages[_question_index(messages)].text
     arguments = "\n".join(json.dumps(dict(c.arguments), ensure_ascii=False) for c in pending)
@@ -362,6 +363,8 @@ def _trailing_results(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
     """The tool results that end the chat (the answers to the last assistant message's calls)."""
     results: list[ChatMessage] = []
     for message in reversed(messages):
+        if message.role in ("system", "developer") and not results:
+            continue  # instructions appended after the results (LlamaIndex's ReAct early stopping)
         if message.role != "tool":
             break
         results.append(message)

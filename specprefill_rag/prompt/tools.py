@@ -93,7 +93,7 @@ def _check_tool(tool: Any, field: str) -> dict[str, Any]:
     name = function.get("name")
     if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise InvalidRequestError(
-            f"{field}.function.name must be 1-64 letters, digits, '_', '-' or '.', got {_short(name)}"
+            f"{field}.function.name must be 1-64 letters, digits, '_', '-' or '.', got {_short(name)}; use such a name"
         )
     description = function.get("description")
     if description is not None:
@@ -138,7 +138,10 @@ def check_tool_choice(choice: ToolChoice | None, tools: Sequence[Mapping[str, An
     if not tools:
         raise InvalidRequestError(f"tool_choice={choice!r} but no tools are given; pass tools or leave it out")
     if choice != "required" and choice not in names:
-        raise InvalidRequestError(f"tool_choice names {_short(choice)}, which is not one of the tools {names}")
+        raise InvalidRequestError(
+            f"tool_choice names {_short(choice)}, which is not one of the tools {names}; pass one of them, or "
+            "'auto', 'none' or 'required'"
+        )
     return choice
 
 
@@ -148,7 +151,7 @@ def check_tool_call(call: Any, field: str) -> ToolCall:
         raise InvalidRequestError(f"{field} must be a ToolCall(name, arguments, id), got {type(call).__name__}")
     if not isinstance(call.name, str) or not TOOL_NAME.fullmatch(call.name):
         raise InvalidRequestError(
-            f"{field}.name must be 1-64 letters, digits, '_', '-' or '.', got {_short(call.name)}"
+            f"{field}.name must be 1-64 letters, digits, '_', '-' or '.', got {_short(call.name)}; use such a name"
         )
     if not isinstance(call.id, str) or not call.id.strip():
         raise InvalidRequestError(f"{field}.id must be a non-empty string (it pairs the call with its result)")
