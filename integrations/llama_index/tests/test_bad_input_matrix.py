@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from llama_index.core.base.llms.types import ImageBlock, MessageRole
+from llama_index.core.base.llms.types import ImageBlock, MessageRole, ToolCallBlock
 from llama_index.core.llms import ChatMessage
 from llama_index.llms.specprefill import SpecPrefillLLM
 from pydantic import ValidationError
@@ -32,6 +32,8 @@ DOCUMENTS = ["The bridge opened in 1883 after thirteen years of work.", "Paris i
 SURROGATE = "caf\udce9"
 FIX = re.compile(r"\b(pass|use|lower|send|decode|drop|wrap|build|leave|retrieve|give|end|change)\b")
 LONG = random_documents(8, 160)  # ~1,300 tokens: over the tiny model's 1,024-token context
+TOOL = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "search", "arguments": "{}"}}
 
 
 @dataclass(frozen=True)
@@ -128,11 +130,109 @@ CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
         "last message is from 'assistant'",
     ),
     (
-        "message: tool role",
-        [ChatMessage(role=MessageRole.TOOL, content="x")],
+        "message: function role",
+        [ChatMessage(role=MessageRole.FUNCTION, content="x")],
         {},
         InvalidRequestError,
-        "chat role 'tool' is not supported; use system, user or assistant",
+        "chat role 'function' is not supported; use system, developer, user, assistant or tool",
+    ),
+    (
+        "tool message: no tool_call_id",
+        [ChatMessage(role="user", content=QUESTION), ChatMessage(role=MessageRole.TOOL, content="x")],
+        {},
+        InvalidRequestError,
+        "messages\\[1\\] is a tool message without additional_kwargs\\['tool_call_id'\\]",
+    ),
+    (
+        "tool message: unknown call id",
+        [
+            ChatMessage(role="user", content=QUESTION),
+            ChatMessage(role=MessageRole.TOOL, content="x", additional_kwargs={"tool_call_id": "call_9"}),
+        ],
+        {},
+        InvalidRequestError,
+        "tool result for call id 'call_9', which no earlier assistant message made",
+    ),
+    (
+        "tool message: spec_prefill_compress not a bool",
+        [
+            ChatMessage(role="user", content=QUESTION),
+            ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [CALL]}),
+            ChatMessage(
+                role=MessageRole.TOOL, content="x", additional_kwargs={"tool_call_id": "c1", "spec_prefill_compress": 0}
+            ),
+        ],
+        {},
+        InvalidRequestError,
+        "additional_kwargs\\['spec_prefill_compress'\\] must be True or False, got int",
+    ),
+    (
+        "assistant tool_calls: arguments not JSON",
+        [
+            ChatMessage(role="user", content=QUESTION),
+            ChatMessage(
+                role="assistant",
+                content="",
+                additional_kwargs={"tool_calls": [{**CALL, "function": {"name": "search", "arguments": "{q:"}}]},
+            ),
+            ChatMessage(role=MessageRole.TOOL, content="x", additional_kwargs={"tool_call_id": "c1"}),
+        ],
+        {},
+        InvalidRequestError,
+        "messages\\[1\\].additional_kwargs\\['tool_calls'\\]\\[0\\].function.arguments is not valid JSON",
+    ),
+    (
+        "assistant tool_calls: no id",
+        [
+            ChatMessage(role="user", content=QUESTION),
+            ChatMessage(role="assistant", content="", additional_kwargs={"tool_calls": [{**CALL, "id": None}]}),
+            ChatMessage(role="user", content=QUESTION),
+        ],
+        {},
+        InvalidRequestError,
+        "tool_calls'\\]\\[0\\] has no id; give each call its id",
+    ),
+    (
+        "ToolCallBlock in a user message",
+        [ChatMessage(role="user", blocks=[ToolCallBlock(tool_call_id="c1", tool_name="search")])],
+        {},
+        InvalidRequestError,
+        "ToolCallBlock outside an assistant message is not supported",
+    ),
+    (
+        "tools=: one schema, not a list",
+        [ChatMessage(role="user", content=QUESTION)],
+        {"tools": TOOL},
+        InvalidRequestError,
+        "tools must be a list, got dict",
+    ),
+    (
+        "tools=: a function",
+        [ChatMessage(role="user", content=QUESTION)],
+        {"tools": [print]},
+        InvalidRequestError,
+        "tools\\[0\\] is a builtin_function_or_method; pass a LlamaIndex BaseTool",
+    ),
+    (
+        "tool_choice=: an int",
+        [ChatMessage(role="user", content=QUESTION)],
+        {"tools": [TOOL], "tool_choice": 1},
+        InvalidRequestError,
+        "tool_choice must be a str or OpenAI's dict form, got 1",
+    ),
+    (
+        "parallel_tool_calls=: a str",
+        [ChatMessage(role="user", content=QUESTION)],
+        {"tools": [TOOL], "parallel_tool_calls": "no"},
+        InvalidRequestError,
+        "parallel_tool_calls must be True or False, got str",
+    ),
+    (
+        "tools=: the same tool twice",
+        [ChatMessage(role="user", content=QUESTION)],
+        {"tools": [TOOL, TOOL]},
+        InvalidRequestError,
+        "tools names the tool 'search' twice; give each tool once",
     ),
     (
         "message: image block",

@@ -5,7 +5,7 @@ from llama_index.llms.specprefill import SpecPrefillLLM
 
 from specprefill_rag.config import CompressionSettings
 
-EXPORTS = {"SpecPrefillLLM", "install_node_recorder", "remove_node_recorder"}
+EXPORTS = {"NoToolCallError", "SpecPrefillLLM", "install_node_recorder", "remove_node_recorder"}
 SETTINGS = {
     "model",
     "draft_model",
@@ -29,6 +29,7 @@ SETTINGS = {
     "top_p",
     "seed",
     "stop",
+    "keep_tools_whole",
 }
 
 

@@ -1,5 +1,6 @@
 """LlamaIndex LLM integration of SpecPrefill-RAG."""
 
+from llama_index.llms.specprefill._tools import NoToolCallError
 from llama_index.llms.specprefill.base import SpecPrefillLLM, install_node_recorder, remove_node_recorder
 
-__all__ = ["SpecPrefillLLM", "install_node_recorder", "remove_node_recorder"]
+__all__ = ["NoToolCallError", "SpecPrefillLLM", "install_node_recorder", "remove_node_recorder"]

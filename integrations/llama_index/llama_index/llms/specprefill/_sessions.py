@@ -1,6 +1,6 @@
 """Where a call's answer comes from: the engine in this process, or a SpecPrefill gateway.
 
-Both sessions take ``(role, text)`` messages and a :class:`Request` and yield ``(StreamChunk, extras)``,
+Both sessions take a :class:`Request` (its messages as :class:`Message`) and yield ``(StreamChunk, extras)``,
 ``extras`` being the stats that go next to the engine's (``document_source``, ``n_documents``...).
 The gateway session imports no torch: an application that talks to a gateway loads no model.
 """
@@ -12,23 +12,53 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import GenerationParams
-from specprefill_rag.gateway_client import GatewayClient
-from specprefill_rag.results import StreamChunk
+from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.gateway_client import GatewayClient, tool_calls_json
+from specprefill_rag.results import StreamChunk, ToolCall
 
 Reply = tuple[StreamChunk, dict[str, Any]]
 
 
 @dataclass(frozen=True)
-class Request:
-    """One call: messages as ``(role, text)``, where the documents are and how to decode."""
+class Message:
+    """One chat message, framework-neutral and torch-free (the core's ``ChatMessage`` fields).
 
-    messages: list[tuple[str, str]]
+    Attributes:
+        role: ``system``, ``developer``, ``user``, ``assistant`` or ``tool``.
+        text: the message's text.
+        tool_calls: an assistant message's calls.
+        tool_call_id: a tool message's call.
+        name: a tool message's tool: the name it gives, else its call's (None when no earlier call has its id).
+        compress: a tool message's result may be compressed (False: kept whole).
+    """
+
+    role: str
+    text: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+    compress: bool = True
+
+
+@dataclass(frozen=True)
+class Request:
+    """One call: its messages, where the documents are, the tools offered and how to decode.
+
+    ``tools`` are OpenAI tool schemas (None: no tools); ``tool_choice`` is the core's (``auto``, ``none``,
+    ``required`` or a tool's name; None: ``auto``).
+    """
+
+    messages: list[Message]
     documents: list[Any] | None
     question: str | None
     insert_missing: bool
     keep_rate: Any  # a fraction or "auto": the call's, else the LLM's (the engine checks it)
     params: GenerationParams
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
 
 
 class LocalSession:
@@ -42,7 +72,9 @@ class LocalSession:
     def _layout(self, request: Request) -> Any:
         from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 
-        messages = [ChatMessage(role, [text]) for role, text in request.messages]
+        messages = [
+            ChatMessage(m.role, [m.text], m.tool_calls, m.tool_call_id, m.name, m.compress) for m in request.messages
+        ]
         return chat_layout(
             self.llm.engine.tokenizer,
             messages,
@@ -50,7 +82,16 @@ class LocalSession:
             self.llm.protect_tail_tokens,
             question=request.question,
             insert_missing=request.insert_missing,
+            tools=request.tools,
         )
+
+    def _params(self, request: Request, layout: Any) -> GenerationParams:
+        """The request's decoding, with what its tools and ``tool_choice`` add (parsing, constraints)."""
+        from specprefill_rag.decode.tool_choice import tool_decoding
+
+        tokenizer = self.llm.engine.tokenizer
+        decoding = tool_decoding(tokenizer, layout.tools, request.tool_choice, request.parallel_tool_calls)
+        return generation_params({**dict(request.params), **decoding}) if decoding else request.params
 
     @staticmethod
     def _extras(layout: Any) -> dict[str, Any]:
@@ -58,12 +99,14 @@ class LocalSession:
 
     def stream(self, request: Request) -> Iterator[Reply]:
         layout = self._layout(request)
-        for chunk in self.llm.engine.stream_layout(layout.layout, request.params, request.keep_rate):
+        params = self._params(request, layout)
+        for chunk in self.llm.engine.stream_layout(layout.layout, params, request.keep_rate):
             yield chunk, self._extras(layout)
 
     async def astream(self, request: Request) -> AsyncGenerator[Reply, None]:
         layout = self._layout(request)
-        async with aclosing(self.llm.engine.astream_layout(layout.layout, request.params, request.keep_rate)) as chunks:
+        params = self._params(request, layout)
+        async with aclosing(self.llm.engine.astream_layout(layout.layout, params, request.keep_rate)) as chunks:
             async for chunk in chunks:
                 yield chunk, self._extras(layout)
 
@@ -75,12 +118,22 @@ class LocalSession:
     def is_chat_model(self) -> bool:
         return bool(getattr(self.llm.engine.tokenizer, "chat_template", None))
 
+    @property
+    def is_function_calling_model(self) -> bool:
+        """Whether the main model can call tools: it has a chat template (one without tool calling gets the Hermes
+        format written into the messages, :func:`~specprefill_rag.prompt.tools.model_tool_format`).
+        """
+        from specprefill_rag.prompt.tools import model_tool_format
+
+        return model_tool_format(self.llm.engine.tokenizer) is not None
+
 
 class GatewaySession:
     """A gateway: the messages go out as OpenAI messages, the documents in ``spec_prefill.documents``."""
 
     runs_here = False
     is_chat_model = True
+    is_function_calling_model = True  # the gateway's model decides; it refuses tools its template cannot call
 
     def __init__(self, client: GatewayClient, llm: Any) -> None:
         self.client = client
@@ -93,9 +146,10 @@ class GatewaySession:
             "documents": _json_documents(request.documents),
             "question": request.question,
             "insert_documents": request.insert_missing,
+            "keep_tools_whole": _tools_kept_whole(request.messages) or None,
         }
-        messages = [{"role": role, "content": text} for role, text in request.messages]
-        return self.client.body(messages, options, request.params)
+        messages = [_json_message(m) for m in request.messages]
+        return self.client.body(messages, options, request.params, _tool_fields(request))
 
     def stream(self, request: Request) -> Iterator[Reply]:
         for reply in self.client.stream(self._body(request)):
@@ -109,6 +163,50 @@ class GatewaySession:
     @property
     def context_length(self) -> int:
         return self.client.context_length
+
+
+def _json_message(message: Message) -> dict[str, Any]:
+    """A message as OpenAI's: an assistant's ``tool_calls``, a tool result's ``tool_call_id`` and ``name``."""
+    body: dict[str, Any] = {"role": message.role, "content": message.text}
+    if message.tool_calls:
+        body["tool_calls"] = tool_calls_json(message.tool_calls)
+    if message.role == "tool":
+        body["tool_call_id"] = message.tool_call_id
+        if message.name is not None:
+            body["name"] = message.name
+    return body
+
+
+def _tool_fields(request: Request) -> dict[str, Any]:
+    """The request's OpenAI tool fields: ``tools``, ``tool_choice`` (a tool's name in OpenAI's dict form) and
+    ``parallel_tool_calls``, when given.
+    """
+    fields: dict[str, Any] = {}
+    if request.tools is not None:
+        fields["tools"] = request.tools
+        fields["parallel_tool_calls"] = request.parallel_tool_calls
+    choice = request.tool_choice
+    if choice is not None:
+        named = choice not in ("auto", "none", "required")
+        fields["tool_choice"] = {"type": "function", "function": {"name": choice}} if named else choice
+    return fields
+
+
+def _tools_kept_whole(messages: list[Message]) -> list[str]:
+    """The tools whose results stay whole, as the gateway's ``spec_prefill.keep_tools_whole`` (per tool).
+
+    A result kept whole on its own (``spec_prefill_compress=False``) goes as its tool's name, which is exact when
+    every result of that tool in the request is kept whole; otherwise it cannot be expressed, and is refused.
+    """
+    results = [m for m in messages if m.role == "tool"]
+    whole = sorted({m.name for m in results if not m.compress and m.name is not None})
+    mixed = sorted({m.name for m in results if m.compress and m.name in whole})
+    if mixed:
+        raise InvalidRequestError(
+            f"the gateway keeps tool results whole per tool, but some results of {mixed} are kept whole and others "
+            "not; give them all spec_prefill_compress=False, or name the tool in keep_tools_whole"
+        )
+    return whole
 
 
 def _json_documents(documents: list[Any] | None) -> list[Any] | None:

@@ -8,14 +8,18 @@ safe under concurrency. The retrieved context is then located in the rendered pr
 span per retrieved node: a small instrumentation handler (attached when the first SpecPrefillLLM is
 built, removable with :func:`remove_node_recorder`) remembers each retrieval's nodes in a context
 variable. Without it, the context is split at blank lines, which is how LlamaIndex joins nodes.
+
+Tool calling follows llama-index-llms-openai: ``SpecPrefillLLM`` is a ``FunctionCallingLLM``, so agents
+(``FunctionAgent``) and ``structured_predict`` use the model's own tool calling; tool results are documents
+the draft may compress (see :class:`SpecPrefillLLM` for keeping some whole).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -27,20 +31,23 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
-    TextBlock,
 )
 from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, model_validator
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
-from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode
-from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Request
+from llama_index.llms.specprefill._messages import COMPRESS_KEY, ChatAnswer, session_messages
+from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Message, Request
+from llama_index.llms.specprefill._tools import prepared_tools, resolve_tool_choice, tool_choice_name, tool_schemas
+from llama_index.llms.specprefill._tools import tool_selections as _tool_selections
 from pydantic import SecretStr
 
-from specprefill_rag.arguments import check_text, generation_params
+from specprefill_rag.arguments import check_flag, check_text, generation_params
 from specprefill_rag.config import (
     DEFAULT_MODEL,
     DRAFT_DESCRIPTION,
@@ -54,11 +61,17 @@ from specprefill_rag.gateway_client import api_key_from_environment, engine_here
 from specprefill_rag.results import StreamChunk
 
 if TYPE_CHECKING:
+    from llama_index.core.tools.types import BaseTool
+
     from specprefill_rag import SpecPrefillEngine
 
 _CAPTURE_KEY = "specprefill_template_args"
-_ROLES = {MessageRole.SYSTEM: "system", MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}
 CALL_OPTIONS = ("documents", "query", "keep_rate", "formatted")
+TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
+"""Chat-only call options (``_prepare_chat_with_tools`` fills them)."""
+
+
+Answer = TypeVar("Answer", CompletionResponse, ChatResponse)
 
 
 class _TemplatedPrompt(str):
@@ -122,21 +135,22 @@ def context_documents(context: str | None) -> list[str] | None:
     return [block for block in blocks if block] or None
 
 
-def _role_and_text(message: ChatMessage) -> tuple[str, str]:
-    role = _ROLES.get(message.role)
-    if role is None:
-        raise InvalidRequestError(f"chat role {message.role.value!r} is not supported; use system, user or assistant")
-    parts = []
-    for block in message.blocks:
-        if not isinstance(block, TextBlock):
-            raise InvalidRequestError(f"{type(block).__name__} is not supported; pass text blocks only")
-        parts.append(block.text)
-    return role, "".join(parts)
-
-
-class SpecPrefillLLM(CustomLLM, CompressionSettings):
+class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings):
     """SpecPrefill in front of a main model: a draft scores the retrieved context, the main model
     prefills the best ``keep_rate`` of it at original positions; instructions and the query stay whole.
+
+    Tool calling: a ``FunctionCallingLLM``, so ``FunctionAgent``, ``predict_and_call`` and ``structured_predict``
+    use the model's own calls. ``metadata.is_function_calling_model`` is true when the main model has a chat
+    template (its own tool calling, else the Hermes format written into the messages); through a gateway, the
+    gateway's model decides. The answer's message carries the calls as ``ToolCallBlock`` blocks and OpenAI-shaped
+    ``additional_kwargs["tool_calls"]``; calls the model wrote that could not be decoded are in
+    ``additional_kwargs["invalid_tool_calls"]`` (never dropped). ``tool_required=True``, ``tool_choice="required"``
+    or a tool's name constrains decoding to a call (xgrammar in-process; the server's structured outputs on vLLM).
+
+    Tool results (``role="tool"`` messages with ``additional_kwargs["tool_call_id"]``) are documents: the draft
+    may compress them like retrieved nodes. To keep a result whole, name its tool in ``keep_tools_whole`` (every
+    result of that tool), or set ``additional_kwargs["spec_prefill_compress"] = False`` on the tool message
+    (that result only).
 
     Example:
         .. code-block:: python
@@ -144,6 +158,9 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
             llm = SpecPrefillLLM(model="smollm2-135m", keep_rate=0.3)
             response = index.as_query_engine(llm=llm).query("When did the bridge open?")
             response.source_nodes, ...
+
+            llm = SpecPrefillLLM(model="Qwen/Qwen2.5-1.5B-Instruct", keep_tools_whole=["calculator"])
+            agent = FunctionAgent(llm=llm, tools=[search_tool, calculator_tool])  # search results: compressed
     """
 
     model: str = Field(default=DEFAULT_MODEL, description="Main model: HF id, folder, .gguf or 'smollm2-135m'.")
@@ -169,6 +186,11 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     seed: int | None = Field(default=None, description="Sampling seed.")
     stop: list[str] | None = Field(default=None, description="Stop strings.")
+    keep_tools_whole: list[str] = Field(
+        default_factory=list,
+        description="Tools whose results are never compressed (kept whole); other tool results are documents. "
+        f"One result: additional_kwargs[{COMPRESS_KEY!r}]=False on its tool message.",
+    )
 
     model_config = ConfigDict(extra="forbid")  # an unknown setting is refused, not ignored
 
@@ -231,6 +253,7 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
             context_window=session.context_length,
             num_output=self.max_new_tokens,
             is_chat_model=session.is_chat_model,
+            is_function_calling_model=session.is_function_calling_model,
             model_name=self.model,
         )
 
@@ -251,16 +274,29 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
 
     # -- one engine call -------------------------------------------------------------------------
 
-    def _request(self, messages: list[tuple[str, str]], captured: dict[str, Any], kwargs: dict[str, Any]) -> Request:
-        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+    def _request(
+        self, messages: list[Message], captured: dict[str, Any], kwargs: dict[str, Any], options: tuple[str, ...]
+    ) -> Request:
+        unknown = sorted(set(kwargs) - set(options))
         if unknown:
-            raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(CALL_OPTIONS)}")
+            raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(options)}")
         explicit = kwargs.get("documents")
         documents = explicit if explicit is not None else context_documents(captured.get("context"))
         question = kwargs["query"] if "query" in kwargs else captured.get("query")
         keep_rate = kwargs.get("keep_rate")  # the call's, else this LLM's (also over an engine from from_engine)
         keep_rate = self.keep_rate if keep_rate is None else keep_rate
-        return Request(messages, documents, question, explicit is not None, keep_rate, self._params())
+        tools = kwargs.get("tools")
+        return Request(
+            messages,
+            documents,
+            question,
+            explicit is not None,
+            keep_rate,
+            self._params(),
+            tools=None if tools is None else tool_schemas(tools),
+            tool_choice=tool_choice_name(kwargs.get("tool_choice")),
+            parallel_tool_calls=check_flag(kwargs.get("parallel_tool_calls", True), "parallel_tool_calls"),
+        )
 
     def _params(self) -> GenerationParams:
         return generation_params(
@@ -306,10 +342,22 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
                 text += chunk.text
                 yield self._response(chunk, text, extras)
 
+    def _chats(self, request: Request) -> ChatResponseGen:
+        answer = ChatAnswer()
+        for chunk, extras in self.session.stream(request):
+            yield answer.add(chunk, self._raw(chunk, extras))
+
+    async def _achats(self, request: Request) -> ChatResponseAsyncGen:
+        """:meth:`_chats` on the event loop."""
+        answer = ChatAnswer()
+        async with aclosing(self.session.astream(request)) as replies:
+            async for chunk, extras in replies:
+                yield answer.add(chunk, self._raw(chunk, extras))
+
     def _prompt_request(self, prompt: str, kwargs: dict[str, Any]) -> Request:
         check_text(prompt, "prompt", "prompt text")
         captured = getattr(prompt, "template_args", {})
-        return self._request([("user", str(prompt))], captured, kwargs)
+        return self._request([Message("user", str(prompt))], captured, kwargs, CALL_OPTIONS)
 
     def _chat_request(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> Request:
         if isinstance(messages, (str, bytes)) or not all(isinstance(m, ChatMessage) for m in messages):
@@ -317,7 +365,55 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
                 "messages must be a list of llama_index ChatMessage; wrap text as ChatMessage(role='user', content=...)"
             )
         captured = messages[-1].additional_kwargs.get(_CAPTURE_KEY, {}) if messages else {}
-        return self._request([_role_and_text(m) for m in messages], captured, kwargs)
+        converted = session_messages(messages, self.keep_tools_whole)
+        return self._request(converted, captured, kwargs, CALL_OPTIONS + TOOL_OPTIONS)
+
+    # -- tool calling (FunctionCallingLLM) -------------------------------------------------------
+
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[BaseTool],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The ``chat`` arguments of ``chat_with_tools``: the history plus ``user_msg``, the tools' OpenAI
+        schemas, ``tool_choice`` (``tool_required=True``: ``required``) and ``parallel_tool_calls``. Other
+        ``kwargs`` go on to ``chat`` (which refuses unknown ones). ``chat_history`` is not modified.
+        """
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            if isinstance(user_msg, str):
+                user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
+            messages.append(user_msg)
+        schemas = prepared_tools(tools)
+        prepared: dict[str, Any] = {"messages": messages, "tools": schemas, **kwargs}
+        if schemas:
+            prepared["tool_choice"] = resolve_tool_choice(tool_choice, tool_required)
+            prepared["parallel_tool_calls"] = allow_parallel_tool_calls
+        elif tool_required or tool_choice_name(tool_choice) not in (None, "auto", "none"):
+            raise InvalidRequestError(
+                "a tool call is required (tool_required or tool_choice) but no tools are given; pass tools or drop it"
+            )
+        return prepared
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any
+    ) -> list[ToolSelection]:
+        """The calls of ``response`` (its ``ToolCallBlock`` blocks, else ``additional_kwargs["tool_calls"]``).
+
+        Raises :class:`~llama_index.llms.specprefill._tools.NoToolCallError` (a ``ValueError``) when there is
+        none and ``error_on_no_tool_call``.
+        """
+        if kwargs:
+            raise InvalidRequestError(
+                f"unknown options {sorted(kwargs)} for get_tool_calls_from_response; pass only error_on_no_tool_call"
+            )
+        return _tool_selections(response, error_on_no_tool_call)
 
     # -- LlamaIndex interface --------------------------------------------------------------------
 
@@ -331,12 +427,11 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _as_chat(_last(self._completions(self._chat_request(messages, kwargs))))
+        return _last(self._chats(self._chat_request(messages, kwargs)))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        completions = self._completions(self._chat_request(messages, kwargs))
-        return (_as_chat(c) for c in completions)
+        return self._chats(self._chat_request(messages, kwargs))
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -348,21 +443,14 @@ class SpecPrefillLLM(CustomLLM, CompressionSettings):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _as_chat(await _alast(self._acompletions(self._chat_request(messages, kwargs))))
+        return await _alast(self._achats(self._chat_request(messages, kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        completions = self._acompletions(self._chat_request(messages, kwargs))
-
-        async def responses() -> ChatResponseAsyncGen:
-            async with aclosing(completions):
-                async for completion in completions:
-                    yield _as_chat(completion)
-
-        return responses()
+        return self._achats(self._chat_request(messages, kwargs))
 
 
-def _last(responses: CompletionResponseGen) -> CompletionResponse:
+def _last(responses: Iterator[Answer]) -> Answer:
     response = None
     for response in responses:  # noqa: B007 (the last one is the answer)
         pass
@@ -370,19 +458,10 @@ def _last(responses: CompletionResponseGen) -> CompletionResponse:
     return response
 
 
-async def _alast(responses: CompletionResponseAsyncGen) -> CompletionResponse:
+async def _alast(responses: AsyncGenerator[Answer, None]) -> Answer:
     response = None
     async with aclosing(responses):
         async for response in responses:  # noqa: B007 (the last one is the answer)
             pass
     assert response is not None  # the engine always yields a final chunk
     return response
-
-
-def _as_chat(completion: CompletionResponse) -> ChatResponse:
-    return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=completion.text),
-        delta=completion.delta,
-        raw=completion.raw,
-        additional_kwargs=completion.additional_kwargs,
-    )
