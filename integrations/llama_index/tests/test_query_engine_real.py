@@ -1,5 +1,10 @@
 """The LlamaIndex example for real: VectorStoreIndex with MiniLM embeddings, SmolLM2-135M answering."""
 
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
@@ -46,3 +51,21 @@ def test_context_chat_engine(example, index, last_call):
     reply = chat.chat(example.QUESTION)
     assert "1883" in str(reply)
     assert last_call.stats["document_source"] == "argument-located" and last_call.stats["compressed"]
+
+
+def test_the_agent_example_runs_a_tool_loop_with_the_embedded_model():
+    """examples/llamaindex_agent.py in-process: a forced search, its result compressed, a structured answer."""
+    path = Path(__file__).resolve().parents[3] / "examples" / "llamaindex_agent.py"
+    spec = importlib.util.spec_from_file_location("llamaindex_agent_example", path)
+    agent = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = agent  # pydantic resolves the example's annotations through its module
+    spec.loader.exec_module(agent)
+    recorder = agent.LastStats()
+    get_dispatcher().add_event_handler(recorder)
+    try:
+        reply, calls, answer = asyncio.run(agent.ask(agent.build_llm(), agent.search_tool()))
+    finally:
+        get_dispatcher().event_handlers.remove(recorder)
+    assert [c.tool_name for c in calls][:1] == ["search_documents"] and reply
+    assert recorder.after_tool["document_source"] == "tool-results" and recorder.after_tool["compressed"]
+    assert isinstance(answer, agent.Answer)
