@@ -354,3 +354,11 @@ def test_instructions_after_the_tool_results_are_kept_and_the_query_still_built(
     assert role_text(qwen, chat.layout, Role.DOCUMENT) == RESULT
     assert "Answer now, without more calls." in role_text(qwen, chat.layout, Role.INSTRUCTION)
     assert chat.layout.draft_query_ids is not None
+
+
+def test_a_forced_call_cut_inside_its_marker_is_an_invalid_call_not_content(qwen):
+    forced = OutputFormat("tool_call", tools=(TOPIC,), tool_format="hermes")
+    call = '<tool_call>\n{"name": "browse", "arguments": {"topic": "rivers"}}\n</tool_call>'
+    _, last = decode_text(qwen, call + "\n<tool_", tool_format="hermes", output_format=forced)
+    assert [c.name for c in last.result.tool_calls] == ["browse"]
+    assert last.result.text == "" and [i.error for i in last.result.invalid_tool_calls] == ["unterminated"]

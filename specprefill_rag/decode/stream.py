@@ -28,7 +28,7 @@ from ..results import (
     ToolCall,
 )
 from .detokenize import IncrementalText
-from .tool_calls import StreamedPart, ToolCallStream, marker_tokens
+from .tool_calls import StreamedPart, ToolCallStream, marker_tokens, new_call_id
 
 
 class Decoding:
@@ -120,6 +120,8 @@ class _CallCollector:
         self.parsing = params.tool_format is not None
         self._stream = ToolCallStream(params.tool_format) if params.tool_format is not None else None
         self._parallel = params.parallel_tool_calls
+        output = params.output_format
+        self._forced = output is not None and output.kind == "tool_call"  # the answer is nothing but calls
         self.content = ""
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []
@@ -136,6 +138,10 @@ class _CallCollector:
             return tail, ()
         content, calls = self._take(self._stream.push(tail)) if tail else ("", ())
         last_content, last_calls = self._take(self._stream.finish())
+        if self._forced and last_content.strip():  # held-back markup of a call cut off by max_new_tokens
+            self.content = self.content[: len(self.content) - len(last_content)]
+            self.invalid.append(InvalidToolCall(None, last_content, new_call_id(), "unterminated"))
+            last_content = ""
         return content + last_content, calls + last_calls
 
     def _take(self, part: StreamedPart) -> tuple[str, tuple[ToolCall, ...]]:

@@ -217,15 +217,22 @@ def _validate_message(message: ChatMessage, index: int, calls: dict[str, ToolCal
         if isinstance(part, str):
             check_unicode(part, f"message {index}")
     if message.tool_calls and message.role != "assistant":
-        raise InvalidRequestError(f"{field_name} is a {message.role} message with tool_calls; only assistants call")
+        raise InvalidRequestError(
+            f"{field_name} is a {message.role} message with tool_calls; only assistants call: move the calls to an "
+            "assistant message"
+        )
     for number, call in enumerate(message.tool_calls):
         checked = check_tool_call(call, f"{field_name}.tool_calls[{number}]")
         if checked.id in calls:
-            raise InvalidRequestError(f"{field_name}.tool_calls[{number}] reuses the call id {checked.id!r}")
+            raise InvalidRequestError(
+                f"{field_name}.tool_calls[{number}] reuses the call id {checked.id!r}; give each call its own id"
+            )
         calls[checked.id] = checked
     if message.role != "tool":
         if message.tool_call_id is not None:
-            raise InvalidRequestError(f"{field_name} has a tool_call_id but is not a tool message")
+            raise InvalidRequestError(
+                f"{field_name} has a tool_call_id but is not a tool message; send tool results with role 'tool'"
+            )
         return
     answered = calls.pop(message.tool_call_id, None) if message.tool_call_id is not None else None
     if answered is None:
@@ -235,7 +242,8 @@ def _validate_message(message: ChatMessage, index: int, calls: dict[str, ToolCal
         )
     if message.name is not None and message.name != answered.name:
         raise InvalidRequestError(
-            f"{field_name} names the tool {message.name!r}, but its call was to {answered.name!r}"
+            f"{field_name} names the tool {message.name!r}, but its call was to {answered.name!r}; pass the called "
+            "tool's name or leave the name out"
         )
 
 

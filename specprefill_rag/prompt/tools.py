@@ -148,16 +148,22 @@ def check_tool_choice(choice: ToolChoice | None, tools: Sequence[Mapping[str, An
 def check_tool_call(call: Any, field: str) -> ToolCall:
     """A history's tool call: a :class:`ToolCall` with a str id, a valid name and an object of arguments."""
     if not isinstance(call, ToolCall):
-        raise InvalidRequestError(f"{field} must be a ToolCall(name, arguments, id), got {type(call).__name__}")
+        raise InvalidRequestError(
+            f"{field} must be a ToolCall(name, arguments, id), got {type(call).__name__}; build it with ToolCall"
+        )
     if not isinstance(call.name, str) or not TOOL_NAME.fullmatch(call.name):
         raise InvalidRequestError(
             f"{field}.name must be 1-64 letters, digits, '_', '-' or '.', got {_short(call.name)}; use such a name"
         )
     if not isinstance(call.id, str) or not call.id.strip():
-        raise InvalidRequestError(f"{field}.id must be a non-empty string (it pairs the call with its result)")
+        raise InvalidRequestError(
+            f"{field}.id must be a non-empty string (it pairs the call with its result); pass the id the call was made "
+            "with"
+        )
     if not isinstance(call.arguments, Mapping):
         raise InvalidRequestError(
-            f"{field}.arguments must be a JSON object (dict), got {type(call.arguments).__name__}"
+            f"{field}.arguments must be a JSON object (dict), got {type(call.arguments).__name__}; pass the "
+            "arguments as a dict"
         )
     return ToolCall(call.name, _plain(call.arguments, f"{field}.arguments"), call.id)
 
