@@ -13,8 +13,16 @@ from typing import Any
 
 from langchain_core.messages import BaseMessage
 
-from langchain_specprefill.documents import documents_argument, documents_json, to_chat_message, to_openai_message
+from langchain_specprefill._tools import called_tools, keep_whole_names, openai_tool_choice
+from langchain_specprefill.documents import (
+    documents_argument,
+    documents_json,
+    kept_whole,
+    to_chat_messages,
+    to_openai_message,
+)
 from langchain_specprefill.retrievers import located_documents
+from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.gateway_client import GatewayClient
 from specprefill_rag.results import StreamChunk
@@ -33,6 +41,12 @@ def _retrieved_in(options: dict[str, Any], texts: list[str], explicit: bool) -> 
     return located_documents(options.get("retrieved") or (), texts)
 
 
+def _keep_whole(messages: list[BaseMessage], options: dict[str, Any]) -> list[str]:
+    """The call's ``keep_tools_whole`` where it applies (checked against the tools offered and called)."""
+    called = called_tools(messages).values()
+    return keep_whole_names(options.get("keep_tools_whole") or [], options.get("tools"), called)
+
+
 class LocalSession:
     """The engine of ``settings`` (loaded on first use), with documents found by :func:`chat_layout`."""
 
@@ -46,23 +60,35 @@ class LocalSession:
         from specprefill_rag.prompt.chat import DOCUMENT_START, chat_layout
         from specprefill_rag.prompt.layout import Document
 
-        chat = [to_chat_message(m) for m in messages]
+        chat = to_chat_messages(messages, _keep_whole(messages, options), options.get("compress_tool_results", True))
+        tools = options.get("tools")
         texts = [m.text for m in chat]
         blocks = any(isinstance(p, Document) for m in chat for p in m.parts)
         explicit = blocks or any(DOCUMENT_START in t for t in texts)
-        retrieved = _retrieved_in(options, texts, explicit)
+        searched = [m.text for m in chat if m.role != "tool" or m.compress]  # not in results kept whole
+        retrieved = _retrieved_in(options, searched, explicit)
         tokenizer, tail = self.settings.engine.tokenizer, self.settings.protect_tail_tokens
         if retrieved:
             # found verbatim, so nothing is inserted; if they cannot all be placed, the fallback applies
             layout = chat_layout(
-                tokenizer, chat, retrieved, tail, question=options.get("question"), insert_missing=False
+                tokenizer, chat, retrieved, tail, question=options.get("question"), insert_missing=False, tools=tools
             )
             located = layout.document_source == "argument-located"
             return layout, RETRIEVER_LOCATED if located else layout.document_source
-        layout = chat_layout(
-            tokenizer, chat, documents_argument(options.get("documents")), tail, question=options.get("question")
-        )
+        documents = documents_argument(options.get("documents"))
+        layout = chat_layout(tokenizer, chat, documents, tail, question=options.get("question"), tools=tools)
         return layout, layout.document_source
+
+    def _params(self, layout: Any, params: GenerationParams, options: dict[str, Any]) -> GenerationParams:
+        """``params`` with what decoding needs for the offered tools and ``tool_choice``: the model family's
+        tool-call markup to parse, and for a forced call the constraint (:func:`tool_decoding`).
+        """
+        from specprefill_rag.decode.tool_choice import tool_decoding
+
+        parallel = options.get("parallel_tool_calls")
+        tokenizer = self.settings.engine.tokenizer
+        decoding = tool_decoding(tokenizer, layout.tools, options.get("tool_choice"), parallel is not False)
+        return generation_params({**dict(params), **decoding}) if decoding else params
 
     def _keep_rate(self, options: dict[str, Any]) -> Any:
         """The call's keep rate, else the constructor's (also for an engine given with ``from_engine``)."""
@@ -70,6 +96,7 @@ class LocalSession:
 
     def stream(self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]) -> Iterator[Reply]:
         layout, source = self._layout(messages, options)
+        params = self._params(layout, params, options)
         for chunk in self.settings.engine.stream_layout(layout.layout, params, self._keep_rate(options)):
             yield chunk, {"document_source": source}
 
@@ -77,6 +104,7 @@ class LocalSession:
         self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]
     ) -> AsyncGenerator[Reply, None]:
         layout, source = self._layout(messages, options)
+        params = self._params(layout, params, options)
         chunks = self.settings.engine.astream_layout(layout.layout, params, self._keep_rate(options))
         async with aclosing(chunks):
             async for chunk in chunks:
@@ -84,6 +112,18 @@ class LocalSession:
 
     def token_ids(self, text: str) -> list[int]:
         return self.settings.engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _tool_fields(options: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI request fields of the call's tools: ``tools``, ``tool_choice``, ``parallel_tool_calls``."""
+    fields: dict[str, Any] = {}
+    if options.get("tools") is not None:
+        fields["tools"] = options["tools"]
+    if options.get("tool_choice") is not None:
+        fields["tool_choice"] = openai_tool_choice(options["tool_choice"])
+    if options.get("parallel_tool_calls") is not None:
+        fields["parallel_tool_calls"] = options["parallel_tool_calls"]
+    return fields
 
 
 class GatewaySession:
@@ -103,16 +143,21 @@ class GatewaySession:
         """The request, and whether it carries the run's retrieved documents (located, never inserted)."""
         keep_rate = options.get("keep_rate", self.settings.keep_rate)
         openai = [to_openai_message(m) for m in messages]
-        texts = [m["content"] for m in openai if isinstance(m["content"], str)]
-        retrieved = _retrieved_in(options, texts, explicit=len(texts) < len(openai))
+        keep = _keep_whole(messages, options)
+        whole = kept_whole(messages, keep, options.get("compress_tool_results", True))
+        texts = [m["content"] for m, kept in zip(openai, whole) if isinstance(m["content"], str) and not kept]
+        explicit = any(not isinstance(m["content"], str) for m in openai)
+        retrieved = _retrieved_in(options, texts, explicit)
         spec_prefill = {
             "keep_rate": keep_rate,
             "max_document_tokens": self.settings.max_document_tokens,
             "documents": retrieved or documents_json(options.get("documents")),
             "question": options.get("question"),
             "insert_documents": False if retrieved else None,
+            "compress_tool_results": False if options.get("compress_tool_results") is False else None,
+            "keep_tools_whole": keep or None,
         }
-        return self.client.body(openai, spec_prefill, params), bool(retrieved)
+        return self.client.body(openai, spec_prefill, params, _tool_fields(options)), bool(retrieved)
 
     @staticmethod
     def _extras(reply: Any, retrieved: bool) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from langchain_core.messages import BaseMessage
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
@@ -61,6 +61,8 @@ class SpecPrefillSettings(CompressionSettings):
     stop: list[str] | None = Field(None, description="Stop strings (merged with per-call stop).")
     streaming: bool = Field(False, description="LangChain's flag: invoke() runs through stream(); the same answer.")
 
+    _call_option_names: ClassVar[tuple[str, ...]] = CALL_OPTIONS  # what a call (or a binding) may pass
+
     _config: SpecPrefillConfig = PrivateAttr()
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
     _session: LocalSession | GatewaySession | None = PrivateAttr(default=None)
@@ -112,9 +114,10 @@ class SpecPrefillSettings(CompressionSettings):
     def _call_options(
         self, stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
     ) -> tuple[GenerationParams, dict[str, Any]]:
-        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+        supported = self._call_option_names
+        unknown = sorted(set(kwargs) - set(supported))
         if unknown:
-            raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(CALL_OPTIONS)}")
+            raise InvalidRequestError(f"unknown call options {unknown}; use the supported ones: {list(supported)}")
         params = generation_params(
             {
                 "max_new_tokens": kwargs.get("max_tokens", self.max_tokens),
@@ -122,11 +125,16 @@ class SpecPrefillSettings(CompressionSettings):
                 "top_p": kwargs.get("top_p", self.top_p),
                 "seed": kwargs.get("seed", self.seed),
                 "stop": self._stops(stop),
+                **self._decoding_fields(kwargs),
             },
             names={"max_new_tokens": "max_tokens"},
         )
         # not a call option: what the run's retrievers returned, to locate in the messages (see retrievers.py)
         return params, {**kwargs, "retrieved": retrieved_documents(run_manager)}
+
+    def _decoding_fields(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """More :class:`GenerationParams` fields from the call's options (the chat model's ``output_format``)."""
+        return {}
 
     def _stops(self, stop: Any) -> Any:
         """The constructor's stop strings then the call's (a str is one stop string), each once; anything

@@ -22,6 +22,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from pydantic import ValidationError
 
 from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM
+from specprefill_rag.config import OutputFormat
 from specprefill_rag.errors import ContextLengthError, InvalidRequestError, SpecPrefillError
 from specprefill_rag.testing import random_documents
 
@@ -32,6 +33,8 @@ DOCUMENTS = ["The bridge opened in 1883 after thirteen years of work.", "Paris i
 SURROGATE = "caf\udce9"
 FIX = re.compile(r"\b(pass|use|lower|send|decode|drop|wrap|build|leave|retrieve|give|end|change)\b")
 LONG = random_documents(8, 160)  # ~1,300 tokens: over the tiny model's 1,024-token context
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}
+CALL = AIMessage("", tool_calls=[{"name": "add", "args": {}, "id": "c1"}])
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,85 @@ CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
         "the last message is from 'assistant'.* end with one",
     ),
     (
-        "message: tool message",
-        [ToolMessage("x", tool_call_id="1")],
+        "message: tool result without its call",
+        [HumanMessage(QUESTION), ToolMessage("x", tool_call_id="1")],
         {},
         InvalidRequestError,
-        "ToolMessage is not supported; pass system, human and AI messages",
+        "messages\\[1\\] is a tool result for call id '1', which no earlier assistant message made",
+    ),
+    (
+        "message: invalid tool calls in the history",
+        [
+            HumanMessage(QUESTION),
+            AIMessage("", invalid_tool_calls=[{"name": "add", "args": "{", "id": "c1", "error": "bad JSON"}]),
+            HumanMessage(QUESTION),
+        ],
+        {},
+        InvalidRequestError,
+        "an AIMessage has 1 invalid_tool_calls .* drop them",
+    ),
+    (
+        "message: tool result with an image",
+        [HumanMessage(QUESTION), CALL, ToolMessage([{"type": "image", "url": "x"}], tool_call_id="c1")],
+        {},
+        InvalidRequestError,
+        "content block of type 'image' is not supported",
+    ),
+    (
+        "tools: one dict",
+        QUESTION,
+        {"tools": ADD},
+        InvalidRequestError,
+        "tools must be a list of OpenAI tool schemas, got dict",
+    ),
+    (
+        "tool_choice: not a bound tool",
+        QUESTION,
+        {"tools": [ADD], "tool_choice": "search"},
+        InvalidRequestError,
+        "tool_choice names 'search', which is not one of the tools \\['add'\\]",
+    ),
+    (
+        "tool_choice: a call without tools",
+        QUESTION,
+        {"tool_choice": "any"},
+        InvalidRequestError,
+        "tool_choice='any' asks for a tool call but no tools are bound",
+    ),
+    (
+        "parallel_tool_calls: str",
+        QUESTION,
+        {"tools": [ADD], "parallel_tool_calls": "no"},
+        InvalidRequestError,
+        "parallel_tool_calls must be True, False or None, got 'no'",
+    ),
+    (
+        "keep_tools_whole: not a tool",
+        [HumanMessage(QUESTION), CALL, ToolMessage("3", tool_call_id="c1")],
+        {"keep_tools_whole": ["search"]},
+        InvalidRequestError,
+        "keep_tools_whole names \\['search'\\], which are neither bound tools nor called",
+    ),
+    (
+        "keep_tools_whole: one str",
+        QUESTION,
+        {"keep_tools_whole": "add"},
+        InvalidRequestError,
+        "keep_tools_whole must be a list of tool names, got str",
+    ),
+    (
+        "output_format: dict",
+        QUESTION,
+        {"output_format": {"kind": "json_object"}},
+        InvalidRequestError,
+        "output_format must be a specprefill_rag.config.OutputFormat, got dict",
+    ),
+    (
+        "output_format: with a forced call",
+        QUESTION,
+        {"tools": [ADD], "tool_choice": "add", "output_format": OutputFormat("json_object")},
+        InvalidRequestError,
+        "output_format and tool_choice='add' both constrain the answer",
     ),
     (
         "content block: unknown type",

@@ -202,7 +202,7 @@ def test_text_llm(tiny_engine):
         (lambda m: m.invoke(QUESTION, documents=[3]), "document 0 has type int"),
         (lambda m: m.invoke([]), "no messages"),
         (lambda m: m.invoke([HumanMessage("hi"), AIMessage("hello")]), "last message is from 'assistant'"),
-        (lambda m: m.invoke([ToolMessage("x", tool_call_id="1"), HumanMessage("q")]), "ToolMessage is not supported"),
+        (lambda m: m.invoke([ToolMessage("x", tool_call_id="1"), HumanMessage("q")]), "no earlier assistant message"),
         (
             lambda m: m.invoke([HumanMessage(format_docs(["a b c"]) + "q")], documents=["x"]),
             "documents were given twice",

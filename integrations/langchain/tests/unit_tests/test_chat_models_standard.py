@@ -1,4 +1,5 @@
-"""langchain-tests standard unit suite. Construction must not load weights (test_init_time)."""
+"""langchain-tests standard unit suite. Construction must not load weights (test_init_time). bind_tools and
+with_structured_output (every method and strict value) build their runnables without loading a model."""
 
 from typing import Any
 
@@ -24,3 +25,23 @@ class TestChatSpecPrefillUnit(ChatModelUnitTests):
     @property
     def supports_model_override(self) -> bool:
         return False  # one SpecPrefill engine per instance: switch models by making another instance
+
+    @property
+    def has_tool_calling(self) -> bool:
+        return True
+
+    @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def has_structured_output(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
+    def returns_usage_metadata(self) -> bool:
+        return True
