@@ -10,6 +10,8 @@ The stats come from each response's JSON body, read by an httpx event hook on th
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -251,3 +253,18 @@ def test_the_serve_flag():
     assert serve_settings(args).system_context == "delimited"  # type: ignore[attr-defined]
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--system-context", "on"])
+
+
+def test_a_streamed_answer_carries_the_system_context_stats_in_headers_and_its_last_chunk(gateway):
+    body = tutorial_request(system_context="delimited").model_dump(exclude_unset=True)
+    body.update(stream=True, max_tokens=4, temperature=0)
+    with httpx.stream("POST", gateway + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        headers = response.headers
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    assert headers["x-specprefill-document-source"] == "system-context"
+    assert headers["x-specprefill-compressed"] == "true"
+    assert headers["x-specprefill-n-documents"] == str(len(DOCUMENTS))
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert_compressed(last["spec_prefill"])
