@@ -362,3 +362,13 @@ def test_a_forced_call_cut_inside_its_marker_is_an_invalid_call_not_content(qwen
     _, last = decode_text(qwen, call + "\n<tool_", tool_format="hermes", output_format=forced)
     assert [c.name for c in last.result.tool_calls] == ["browse"]
     assert last.result.text == "" and [i.error for i in last.result.invalid_tool_calls] == ["unterminated"]
+
+
+def test_llama3_json_encodes_tool_results_and_the_escaped_text_is_the_document():
+    tokenizer = family("llama3", "llama3_1.jinja")  # like Llama 3.1's: a tool result goes through tojson
+    result = 'He said "yes".\nThen <|eot_id|> came.'
+    layout = chat_layout(tokenizer, agent_history(result=result), tools=[SEARCH]).layout
+    escaped = json.dumps(result)[1:-1]
+    assert escaped in layout.text and role_text(tokenizer, layout, Role.DOCUMENT) == escaped
+    document = layout.input_ids[layout.roles == Role.DOCUMENT]
+    assert tokenizer.convert_tokens_to_ids("<|eot_id|>") not in document.tolist()  # still text, not a turn end

@@ -13,6 +13,7 @@ chat template reads the same instructions, documents and question rendered its o
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -71,9 +72,39 @@ def _sentinel_render(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapp
         cursor = match.end()
     segments.append(Segment(rendered[cursor:], Role.TEMPLATE, scaffold=True))
     real = _apply_template(tokenizer, turns, flat, tools)
-    if found != list(range(len(flat))) or "".join(s.text for s in segments) != real:
+    if found != list(range(len(flat))):
         return None
+    if "".join(s.text for s in segments) != real:
+        return _as_written(segments, real)
     return [s for s in segments if s.text]
+
+
+def _as_written(pieces: list[Segment], real: str) -> list[Segment] | None:
+    """The segments as a template that JSON-encodes content writes them (Llama 3.x's tool results go through
+    ``tojson``), read from its real output between the scaffolding pieces; None unless every segment is
+    written verbatim or JSON-escaped.
+    """
+    written, cursor = [], 0
+    for index, piece in enumerate(pieces):
+        if piece.scaffold:
+            if not real.startswith(piece.text, cursor):
+                return None
+            written.append(piece)
+            cursor += len(piece.text)
+            continue
+        following = pieces[index + 1].text  # a scaffold piece: sentinels alternate with them
+        end = real.find(following, cursor) if following else (len(real) if index + 2 == len(pieces) else -1)
+        text = real[cursor:end] if end >= 0 else None
+        if text is None or text not in (piece.text, *_json_escaped(piece.text)):
+            return None
+        written.append(replace(piece, text=text))
+        cursor = end
+    return [s for s in written if s.text] if cursor == len(real) else None
+
+
+def _json_escaped(text: str) -> tuple[str, str]:
+    """``text`` inside a JSON string, as ``tojson`` writes it (non-ASCII kept, or escaped)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]
 
 
 def _without_empty(turns: Sequence[Turn]) -> list[Turn]:
