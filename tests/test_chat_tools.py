@@ -372,3 +372,18 @@ def test_llama3_json_encodes_tool_results_and_the_escaped_text_is_the_document()
     assert escaped in layout.text and role_text(tokenizer, layout, Role.DOCUMENT) == escaped
     document = layout.input_ids[layout.roles == Role.DOCUMENT]
     assert tokenizer.convert_tokens_to_ids("<|eot_id|>") not in document.tolist()  # still text, not a turn end
+
+
+def test_mistral_moves_the_system_text_to_the_last_turn_and_each_part_keeps_its_role():
+    tokenizer = family("mistral", "mistral.jinja")
+    messages = [
+        ChatMessage("system", ["Be brief."]),
+        ChatMessage("user", ["Hi"]),
+        ChatMessage("assistant", ["Hello."]),
+        ChatMessage("user", ["When did the bridge open?"]),
+    ]
+    layout = chat_layout(tokenizer, messages, documents=[RESULT]).layout
+    assert layout.text.index("Be brief.") > layout.text.index("Hello.")  # written later than it was sent
+    assert role_text(tokenizer, layout, Role.QUESTION) == "When did the bridge open?"
+    assert role_text(tokenizer, layout, Role.DOCUMENT) == RESULT.strip()
+    assert "Be brief." in role_text(tokenizer, layout, Role.INSTRUCTION)

@@ -54,13 +54,15 @@ def render_chat(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapping[s
     if segments is not None and "".join(s.text for s in segments) == original:
         return segments
     raise InvalidRequestError(
-        "the chat template reorders or rewrites message content, so document spans cannot be located; "
+        "the chat template rewrites or drops message content, so document spans cannot be located; "
         "pass use_chat_template=False"
     )
 
 
 def _sentinel_render(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapping[str, Any]]) -> list[Segment] | None:
-    """The rendered segments, or None when the template does not write every segment verbatim and in order."""
+    """The rendered segments, in the order the template writes them, or None unless it writes every segment once,
+    verbatim (or JSON-escaped, :func:`_as_written`).
+    """
     flat = [segment for turn in turns for segment in turn.segments]
     marked = [Segment(_SENTINEL.format(i), s.role) for i, s in enumerate(flat)]
     rendered = _apply_template(tokenizer, turns, marked, tools)
@@ -72,7 +74,7 @@ def _sentinel_render(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapp
         cursor = match.end()
     segments.append(Segment(rendered[cursor:], Role.TEMPLATE, scaffold=True))
     real = _apply_template(tokenizer, turns, flat, tools)
-    if found != list(range(len(flat))):
+    if sorted(found) != list(range(len(flat))):  # each part written once (Mistral moves the system text later)
         return None
     if "".join(s.text for s in segments) != real:
         return _as_written(segments, real)
