@@ -379,6 +379,12 @@ class GenerationParams(BaseModel):
         None, ge=0, lt=2**63, strict=True, description="Seed for sampling, 0 <= seed < 2**63; None = nondeterministic."
     )
     stop: tuple[str, ...] = Field((), description="Stop strings; the returned text ends before the first match.")
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, strict=True, description="Subtracted from the logit of every token already generated."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, strict=True, description="Subtracted from a token's logit once per time it was generated."
+    )
     tool_format: ToolCallFormat | None = Field(
         None, description="Parse tool calls written in this markup out of the answer (set when tools are offered)."
     )

@@ -186,6 +186,8 @@ class GatewayClient:
             body["seed"] = params.seed
         if params.stop:
             body["stop"] = list(params.stop)
+        if params.presence_penalty or params.frequency_penalty:
+            body.update(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
         return _merged({**body, **_decoding_fields(params, extra)}, extra)
 
     def stream(self, body: dict[str, Any]) -> Iterator[GatewayReply]:

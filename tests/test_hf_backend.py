@@ -5,6 +5,7 @@ import torch
 from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.backends.hf import HFBackend
 from specprefill_rag.config import GenerationParams
+from specprefill_rag.decode.sampling import apply_penalties
 
 
 def prompt_ids(tokenizer):
@@ -99,3 +100,17 @@ def test_stops_at_eos_without_yielding_it(tokenizer, tiny_model):
     greedy = list(HFBackend(tiny_model, frozenset()).generate(prompt, GenerationParams(max_new_tokens=6)))
     stopped = list(HFBackend(tiny_model, frozenset({greedy[2]})).generate(prompt, GenerationParams(max_new_tokens=6)))
     assert stopped == greedy[: greedy.index(greedy[2])]
+
+
+def test_penalties_subtract_presence_once_and_frequency_per_occurrence():
+    logits = apply_penalties(torch.zeros(4), torch.tensor([0.0, 1.0, 3.0, 0.0]), presence=0.5, frequency=0.25)
+    assert logits.tolist() == [0.0, -0.75, -1.25, 0.0]
+
+
+def test_a_frequency_penalty_breaks_greedy_repetition(tiny_model, tokenizer):
+    prompt = SparsePrompt.full(torch.tensor(tokenizer.encode("the bridge the bridge the bridge")))
+    plain = list(HFBackend(tiny_model, frozenset()).generate(prompt, GenerationParams(max_new_tokens=16)))
+    assert len(set(plain)) < len(plain), "the check needs an unpenalised answer that repeats a token"
+    penalised = GenerationParams(max_new_tokens=16, frequency_penalty=2.0, presence_penalty=2.0)
+    varied = list(HFBackend(tiny_model, frozenset()).generate(prompt, penalised))
+    assert varied != plain and len(set(varied)) > len(set(plain))

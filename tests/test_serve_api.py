@@ -299,3 +299,15 @@ def test_the_selection_stats_are_response_headers_too(client, gateway):
         assert streamed.headers["x-specprefill-keep-rate"] == "1"
         events = [line for line in streamed.iter_lines() if line.startswith("data: {")]
     assert json.loads(events[-1][6:])["spec_prefill"]["uncompressed_reason"] == "no_documents"
+
+
+def test_penalties_reach_the_decoder_and_out_of_range_ones_are_a_400(client):
+    body = {"model": MODEL, "messages": chat_messages(), "max_tokens": 8, "temperature": 0}
+    plain = client.post("/chat/completions", body=body, cast_to=object)
+    penalised = client.post(
+        "/chat/completions", body={**body, "presence_penalty": 2.0, "frequency_penalty": 2.0}, cast_to=object
+    )
+    assert plain["choices"][0]["message"]["content"] != penalised["choices"][0]["message"]["content"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.post("/chat/completions", body={**body, "frequency_penalty": 2.5}, cast_to=object)
+    assert refused.value.body["param"] == "frequency_penalty"

@@ -17,7 +17,7 @@ import torch
 from ..aio import iterate_in_thread
 from ..config import GenerationParams, OutputFormat
 from ..decode.constraints import ConstraintCompiler
-from ..decode.sampling import next_token
+from ..decode.sampling import apply_penalties, next_token
 from ..errors import InvalidRequestError
 from .base import SparsePrompt
 
@@ -102,12 +102,15 @@ class HFBackend:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         kept = prompt.token_ids.numel()
         logits = self._forward(prompt.token_ids, prompt.position_ids, 0, cache)
+        counts = torch.zeros(logits.numel(), device=logits.device)  # generated tokens, for the penalties
         for step in range(params.max_new_tokens):
+            logits = apply_penalties(logits, counts, params.presence_penalty, params.frequency_penalty)
             if constraint is not None:
                 constraint.mask_(logits)
             token = next_token(logits, params.temperature, params.top_p, generator)
             if token in self.eos_ids:
                 return
+            counts[token] += 1
             if constraint is not None:
                 constraint.accept(token)
             yield token

@@ -130,6 +130,8 @@ class VLLMOfflineBackend:
             temperature=params.temperature,
             top_p=params.top_p,
             seed=params.seed,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
             extra_args=fields.pop("extra_args", None),
             detokenize=False,
             structured_outputs=constrained or None,
@@ -247,6 +249,8 @@ class VLLMServerBackend:
         }
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.presence_penalty or params.frequency_penalty:
+            body.update(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
         if params.output_format is not None:
             body["structured_outputs"] = structured_outputs(params.output_format)
         if "extra_args" in fields:

@@ -5,6 +5,19 @@ from __future__ import annotations
 import torch
 
 
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties: ``[V]`` logits less ``presence`` for every token generated
+    so far and ``frequency`` per time it was.
+
+    Args:
+        logits: ``[V]`` scores of the next token.
+        counts: ``[V]`` how often each token was generated so far.
+    """
+    if presence == 0.0 and frequency == 0.0:
+        return logits
+    return logits - (presence * (counts > 0) + frequency * counts).to(logits.dtype)
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
     """Pick one token.
 

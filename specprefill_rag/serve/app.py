@@ -229,6 +229,8 @@ async def _plan(
             top_p=body.top_p,
             seed=body.seed,
             stop=body.stop_strings,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
             **tools,
         )
     except ValidationError as error:

@@ -2,7 +2,7 @@
 
 Only fields the gateway honours are declared; any other field is refused (``extra="forbid"``) with a
 400 that names it, and so is a declared field whose value asks for something unsupported (``n=2``,
-``logprobs``, a penalty): nothing a client asks for is silently ignored. Types are strict: ``true`` is
+``logprobs``): nothing a client asks for is silently ignored. Types are strict: ``true`` is
 not a number, ``"yes"`` not a boolean, ``1.0`` not an integer (an integer is a number). Integers have
 bounds, so a 4,000-digit ``max_tokens`` fails here, before any work. The per-request SpecPrefill
 options travel in ``spec_prefill`` (OpenAI clients send it with ``extra_body``).
@@ -319,8 +319,8 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     spec_prefill: SpecPrefillOptions = Field(default_factory=SpecPrefillOptions)
 
     @field_validator("temperature")
@@ -332,11 +332,6 @@ class _Sampling(_Strict):
     @classmethod
     def _one_choice(cls, value: int) -> int:
         return _neutral("n", value, (1,), "one choice per request")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float, info: Any) -> float:
-        return _neutral(info.field_name, value, (0, 0.0), "no sampling penalties")
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
