@@ -369,6 +369,11 @@ class SpecPrefillEngine:
         if prompt_tokens + max_new_tokens > context:
             raise ContextLengthError(prompt_tokens, max_new_tokens, context)
 
+    def check_output(self, params: GenerationParams) -> None:
+        """Refuse an output format the backend cannot enforce (compiled now and cached), before any model runs."""
+        if params.output_format is not None:
+            self.backend.check_output_format(params.output_format)
+
     def _check_request(
         self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate
     ) -> DraftInput | None:
@@ -379,8 +384,7 @@ class SpecPrefillEngine:
         check_layout(layout, len(self.tokenizer))
         rate = check_keep_rate(keep_rate)
         self.check_length(len(layout), params.max_new_tokens)
-        if params.output_format is not None:
-            self.backend.check_output_format(params.output_format)
+        self.check_output(params)
         if self.compresses(layout, self.config.keep_rate if rate is None else rate, self.config.max_document_tokens):
             return self.draft_scoring.prepare(layout)  # raises DraftContextLengthError or DraftLimitError
         return None
@@ -481,6 +485,7 @@ class SpecPrefillEngine:
         concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival.
         """
         self.check_length(len(layout), params.max_new_tokens)
+        self.check_output(params)
         return self._astream_kept(layout, params, chosen, started)
 
     async def _astream_kept(
