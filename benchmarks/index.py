@@ -65,6 +65,12 @@ EPYC = "2-core AMD EPYC (AVX512-BF16)"
 
 # One entry per folder of benchmarks/results/ (its path below that folder), in alphabetical order.
 STUDIES: dict[str, Study] = {
+    "agentic": Study(
+        "agentic multi-hop HotpotQA: a search-tool agent (3 steps), the real pair, tool results at keep 1, 0.3, 0.1",
+        "docs/benchmarks/agentic.md",
+        f"{XEON}, bfloat16, two torch threads, shared with test suites (load 5-9): paired TTFT ratios only",
+        "contended",
+    ),
     "constrained-mask": Study(
         "JSON-schema next-token mask cost per token on CPU: xgrammar against llguidance, 49k and 152k vocabularies",
         "docs/benchmarks/constrained-mask.md",

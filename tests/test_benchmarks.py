@@ -520,3 +520,65 @@ def test_merge_keeps_the_settings_of_one_study_split_over_runs(tmp_path):
     tail["settings"] = settings | {"keep_rates": [0.3]}  # another study on the same samples: only those settings
     tail["sample_digests"] = ["a", "b", "c", "d"]
     assert set(merge([head, tail])["settings"]) == {"task", "seed", "documents", "length", "max_new_tokens", "sampler"}
+
+
+def test_agentic_study_runs_its_loop_on_a_tiny_model_and_resumes(task_data, tmp_path, monkeypatch):
+    """benchmarks/agentic.py end to end on a tiny random Qwen-format model: it never calls the tool on its own,
+    so the forced search (tool_choice="required") is what runs; the files have every field, and --resume adds
+    a question without asking the saved one again."""
+    import json
+
+    import agentic
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.testing import build_family_tokenizer, build_model
+
+    tokenizer = build_family_tokenizer("qwen3")
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2_5.jinja").read_text()
+    engine = SpecPrefillEngine.from_models(
+        build_model(tokenizer, layers=2), tokenizer, build_model(tokenizer, layers=1, seed=1), min_prompt_tokens=0
+    )
+    # a random model writes a free string forever: an enum query lets the forced call end within its tokens
+    search = json.loads(json.dumps(agentic.SEARCH))
+    search["function"]["parameters"]["properties"]["query"] = {"enum": ["object", "topic"]}
+    monkeypatch.setattr(agentic, "SEARCH", search)
+    out = tmp_path / "agentic"
+    argv = ["--out", str(out), "--max-new-tokens", "48", "--answer-tokens", "2", "--top-k", "2", "--max-steps", "2"]
+    argv += ["--keep-rates", "1", "0.1"]
+    report = agentic.main(["--questions", "1", *argv], engine=engine)
+    saved = json.loads(Path(f"{out}.json").read_text())
+    assert saved["records"] == report["records"] and [r["question"] for r in saved["records"]] == [0]
+    assert {"machine", "torch_dtype", "versions", "min_prompt_tokens", "auto_min_prompt_tokens"} <= set(saved["meta"])
+    assert saved["sessions"][0]["load_start"] and saved["sessions"][0]["load_end"]
+    (record,) = saved["records"]
+    assert set(record["runs"]) == {"1", "0.1"} and record["load_before"] and record["load_after"]
+    for run in record["runs"].values():
+        assert {"correct", "parse_failures", "steps", "natural_call", "forced", "answer", "searches"} <= set(run)
+        assert run["steps"] == 2 and run["forced"] and not run["forced_failed"] and run["parse_failures"] == 0
+        assert [t["tool_choice"] for t in run["turns"]] == ["auto", "required", "none"]
+        assert [s["query"] for s in run["searches"]] and all(len(s["returned"]) == 2 for s in run["searches"])
+        for turn in run["turns"]:
+            assert {"ttft_ms", "prompt_tokens", "kept_share", "compressed", "uncompressed_reason", "raw"} <= set(turn)
+    answering = {key: run["turns"][-1] for key, run in record["runs"].items()}
+    assert answering["1"]["uncompressed_reason"] == "keep_all"
+    assert answering["0.1"]["compressed"] and answering["0.1"]["keep_rate"] < 1 and answering["0.1"]["document_tokens"]
+    table = Path(f"{out}.md").read_text()
+    assert "| keep | n | correct |" in table and "| 2 | none | 0.1 | 1 |" in table
+
+    asked = []
+    monkeypatch.setattr(
+        agentic, "run_agent", lambda _e, sample, _r, _a, _f=None: asked.append(sample) or record["runs"]["1"]
+    )
+    agentic.main(["--questions", "2", "--resume", *argv], engine=engine)
+    assert len(asked) == 2  # question 1 at both keep rates; question 0 came from the file
+    resumed = json.loads(Path(f"{out}.json").read_text())
+    assert [r["question"] for r in resumed["records"]] == [0, 1] and len(resumed["sessions"]) == 2
+
+
+def test_agentic_search_ranks_by_bm25_and_breaks_ties_by_order():
+    from agentic import bm25_rank, query_of
+
+    paragraphs = ["Paris is the capital of France.", "The bridge opened in 1883.", "A bridge over the river Seine."]
+    assert bm25_rank("when did the bridge open", paragraphs)[:2] == [1, 2]
+    assert bm25_rank("nothing matches", paragraphs) == [0, 1, 2]
+    assert query_of({"query": "x"}) == "x" and query_of({"q": "y"}) == "y"
