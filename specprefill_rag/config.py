@@ -318,6 +318,7 @@ class SpecPrefillConfig(CompressionSettings):
         return 1 if self.is_self_draft else self.look_ahead
 
 
+MAX_PENALTY = 2.0  # OpenAI's bound of the presence and frequency penalties, either sign
 ToolCallFormat = Literal["hermes", "llama3", "mistral"]
 """How a model family writes tool calls: ``<tool_call>`` JSON blocks (Qwen2.5, Hermes), a bare JSON object
 (Llama 3.x), ``[TOOL_CALLS]`` and a JSON list (Mistral)."""
@@ -380,10 +381,18 @@ class GenerationParams(BaseModel):
     )
     stop: tuple[str, ...] = Field((), description="Stop strings; the returned text ends before the first match.")
     presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, strict=True, description="Subtracted from the logit of every token already generated."
+        0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        strict=True,
+        description="Subtracted from the logit of every token already generated.",
     )
     frequency_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, strict=True, description="Subtracted from a token's logit once per time it was generated."
+        0.0,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        strict=True,
+        description="Subtracted from a token's logit once per time it was generated.",
     )
     tool_format: ToolCallFormat | None = Field(
         None, description="Parse tool calls written in this markup out of the answer (set when tools are offered)."

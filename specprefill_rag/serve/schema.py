@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from ..config import MIN_TEMPERATURE, OutputFormat, StrictKeepRate, check_temperature
+from ..config import MAX_PENALTY, MIN_TEMPERATURE, OutputFormat, StrictKeepRate, check_temperature
 from ..errors import InvalidRequestError
 from ..prompt.context import SystemContext
 from ..prompt.tools import TOOL_NAME, ToolChoice, check_tool_choice, check_tools
@@ -319,8 +319,8 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     spec_prefill: SpecPrefillOptions = Field(default_factory=SpecPrefillOptions)
 
     @field_validator("temperature")
