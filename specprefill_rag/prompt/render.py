@@ -45,13 +45,13 @@ def render_chat(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapping[s
     content: the same text it writes for the original.
     """
     turns = _without_empty(turns)
-    segments = _sentinel_render(tokenizer, turns, tools)
+    original = _apply_template(tokenizer, turns, _flat(turns), tools)
+    segments = _sentinel_render(tokenizer, turns, tools, original)
+    if segments is None:
+        trimmed = _trimmed(turns)
+        if _apply_template(tokenizer, trimmed, _flat(trimmed), tools) == original:
+            segments = _sentinel_render(tokenizer, trimmed, tools, original)
     if segments is not None:
-        return segments
-    trimmed = _trimmed(turns)
-    original = _apply_template(tokenizer, turns, [s for t in turns for s in t.segments], tools)
-    segments = _sentinel_render(tokenizer, trimmed, tools)
-    if segments is not None and "".join(s.text for s in segments) == original:
         return segments
     raise InvalidRequestError(
         "the chat template rewrites or drops message content, so document spans cannot be located; "
@@ -59,11 +59,17 @@ def render_chat(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapping[s
     )
 
 
-def _sentinel_render(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapping[str, Any]]) -> list[Segment] | None:
+def _flat(turns: Sequence[Turn]) -> list[Segment]:
+    return [segment for turn in turns for segment in turn.segments]
+
+
+def _sentinel_render(
+    tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapping[str, Any]], real: str
+) -> list[Segment] | None:
     """The rendered segments, in the order the template writes them, or None unless it writes every segment once,
-    verbatim (or JSON-escaped, :func:`_as_written`).
+    verbatim (or JSON-escaped, :func:`_as_written`); ``real``: the template's output for these turns.
     """
-    flat = [segment for turn in turns for segment in turn.segments]
+    flat = _flat(turns)
     marked = [Segment(_SENTINEL.format(i), s.role) for i, s in enumerate(flat)]
     rendered = _apply_template(tokenizer, turns, marked, tools)
     found = [int(m.group(1)) for m in _SENTINEL_RE.finditer(rendered)]
@@ -73,7 +79,6 @@ def _sentinel_render(tokenizer: Any, turns: Sequence[Turn], tools: Sequence[Mapp
         segments.append(flat[int(match.group(1))])
         cursor = match.end()
     segments.append(Segment(rendered[cursor:], Role.TEMPLATE, scaffold=True))
-    real = _apply_template(tokenizer, turns, flat, tools)
     if sorted(found) != list(range(len(flat))):  # each part written once (Mistral moves the system text later)
         return None
     if "".join(s.text for s in segments) != real:
