@@ -30,6 +30,11 @@ DEFAULT_SELF_LAYER_SHARE = 0.4
 # GPU study), forty 4k-token prompts of Qwen2.5-0.5B in bfloat16 (12 KiB), eleven of SmolLM2-135M in
 # float32 (45 KiB). It fills only with use, and only with prompts that were drafted.
 DEFAULT_DRAFT_CACHE_MB = 2048
+# 1 GiB of main-model KV (in-process): 36k tokens of Qwen2.5-1.5B in bfloat16 (28 KiB a token), 4.6k of
+# SmolLM2-135M in float32 (225 KiB). Sparse prompts are short: a 4k-token prompt at keep 0.3 holds ~1.4k.
+DEFAULT_MAIN_CACHE_MB = 1024
+# Per-document draft KV: as much as the prefix cache, since it replaces it for the documents.
+DEFAULT_DOCUMENT_CACHE_MB = 2048
 AUTO: Literal["auto"] = "auto"
 # keep_rate="auto" (ImportanceMass): tuned on the SQuAD --seed 1 split, SmolLM2-135M as draft and main
 # (BENCHMARKS.md, "keep_rate='auto' (issue #17)").
@@ -203,6 +208,18 @@ class CompressionSettings(BaseModel):
         "or 'contiguous' (renumbered 0..K-1: an ordinary shorter prompt, so a vLLM server needs no plugin). "
         "BENCHMARKS.md compares them.",
     )
+    reselect: bool = Field(
+        False,
+        description="Score every compressed span (document, tool result) again against this request's question. "
+        "False: a span compressed earlier in the conversation keeps the tokens chosen then, so this turn's sparse "
+        "prompt extends the last one and the main model's prefix cache serves it (docs: Conversations).",
+    )
+    draft_document_cache: bool = Field(
+        False,
+        description="Draft each document once and reuse its draft KV, moved to its position, in any later prompt "
+        "that holds it, in any order or combination (docs: Document cache). An approximation: documents then "
+        "do not attend to each other in the draft.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="'auto' = bfloat16 on a CPU that computes it natively (AVX512-BF16 or AMX), float32 on other CPUs; "
@@ -257,6 +274,18 @@ class SpecPrefillConfig(CompressionSettings):
         ge=0,
         description="Draft prefix KV cache per device, in MiB (0 = off): a prompt that starts like one scored before "
         "(same documents, another question) has the draft prefill only the rest.",
+    )
+    main_cache_mb: int = Field(
+        DEFAULT_MAIN_CACHE_MB,
+        ge=0,
+        description="In-process main model: prefix KV cache of sparse prompts, in MiB (0 = off), keyed by token ids "
+        "and positions: a later turn of a conversation prefills only what is new.",
+    )
+    document_cache_mb: int = Field(
+        DEFAULT_DOCUMENT_CACHE_MB,
+        ge=0,
+        description="Per-document draft KV cache per device, in MiB (0 = off), used by requests with "
+        "draft_document_cache.",
     )
     device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
 

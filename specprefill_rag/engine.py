@@ -408,7 +408,7 @@ class SpecPrefillEngine:
     ) -> Iterator[StreamChunk]:
         chosen = self.select(layout, keep_rate, prepared)
         decoding = self._decoding(layout, params, chosen, started)
-        generated = self.backend.generate(self.sparse_prompt(layout, chosen.kept), params)
+        generated = self.backend.generate(self.sparse_prompt(layout, chosen.kept), params, decoding.report)
         try:
             for token in generated:
                 if chunk := decoding.push(token):
@@ -493,7 +493,7 @@ class SpecPrefillEngine:
     ) -> AsyncGenerator[StreamChunk, None]:
         decoding = self._decoding(layout, params, chosen, started)
         prompt = self.sparse_prompt(layout, chosen.kept)
-        async with aclosing(self.backend.agenerate(prompt, params)) as generated:
+        async with aclosing(self.backend.agenerate(prompt, params, decoding.report)) as generated:
             async for token in generated:
                 if chunk := decoding.push(token):
                     yield chunk

@@ -69,6 +69,13 @@ class SpecPrefillStats:
             the mapped path.
         keep_policy: the keep policy the request asked for: ``fixed`` (a number) or ``auto`` (the engine
             chose the budget from the draft's importance; the chosen share is ``keep_rate``).
+        reused_spans: compressed spans (documents, tool results) that kept the tokens chosen for them earlier
+            in the conversation (stable selection; 0 with ``reselect``). When every span was reused no draft ran.
+        draft_document_cached_tokens: draft prompt tokens whose KV came from the per-document draft cache
+            (``draft_document_cache``), in ``draft_documents_cached`` documents.
+        draft_documents_cached: documents whose draft KV came from that cache.
+        main_cached_tokens: kept tokens whose main-model KV came from the main model's prefix cache (the
+            main model prefilled ``kept_tokens - main_cached_tokens``); None when the backend does not say.
         uncompressed_reason: None when document tokens were dropped; else why the prompt went whole:
             ``keep_all`` (keep rate 1 and no cap), ``disabled`` (the request turned SpecPrefill off),
             ``no_documents`` (no retrieved documents found in it), ``short_prompt`` (under
@@ -91,6 +98,10 @@ class SpecPrefillStats:
     draft_path: DraftPath | None = None
     draft_cached_tokens: int = 0
     keep_policy: KeepPolicy = "fixed"
+    reused_spans: int = 0
+    draft_document_cached_tokens: int = 0
+    draft_documents_cached: int = 0
+    main_cached_tokens: int | None = None
     uncompressed_reason: NotCompressed | None = None
 
     def as_dict(self) -> dict[str, float | int | bool | str | None]:
@@ -110,6 +121,9 @@ class Selection:
         batch_size: prompts in the draft batch it was scored in (0 when no draft ran).
         draft_error: why the draft failed, when the request went uncompressed because of it.
         uncompressed_reason: why no draft ran (None when one did; see :class:`SpecPrefillStats`).
+        reused_spans: spans whose kept tokens came from an earlier turn (stable selection).
+        draft_document_cached_tokens: draft tokens served by the per-document draft cache.
+        draft_documents_cached: documents served by it.
     """
 
     kept: torch.Tensor
@@ -120,6 +134,9 @@ class Selection:
     batch_size: int = 0
     draft_error: str | None = None
     uncompressed_reason: NotCompressed | None = None
+    reused_spans: int = 0
+    draft_document_cached_tokens: int = 0
+    draft_documents_cached: int = 0
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class Script:
         self.text: str | None = None
         self.params: list[GenerationParams] = []
 
-    def agenerate(self, prompt: Any, params: GenerationParams) -> AsyncGenerator[int, None]:
+    def agenerate(self, prompt: Any, params: GenerationParams, report: Any = None) -> AsyncGenerator[int, None]:
         self.params.append(params)
         return self.real(prompt, params) if self.text is None else self._scripted(self.text)
 

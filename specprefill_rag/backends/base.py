@@ -49,6 +49,18 @@ class SparsePrompt:
         return cls.full(token_ids[kept])
 
 
+@dataclass
+class PrefillReport:
+    """What a backend tells about one request's prefill, filled in by the time its generator ends.
+
+    Attributes:
+        cached_tokens: leading prompt tokens (of the ``K`` prefilled) whose KV the main model's prefix cache
+            served, so they were not computed again; None when the backend does not report it.
+    """
+
+    cached_tokens: int | None = None
+
+
 class MainBackend(Protocol):
     """Runs the main model: sparse prefill, then decoding from position ``prompt_length``."""
 
@@ -66,13 +78,18 @@ class MainBackend(Protocol):
         """
         ...
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
+    def generate(
+        self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
+    ) -> Generator[int, None, None]:
         """Yield generated token ids, the first right after prefill; stop at end-of-sequence
-        (not yielded) or after ``params.max_new_tokens``.
+        (not yielded) or after ``params.max_new_tokens``. ``report``, when given, is filled in by the
+        time the generator ends (closed early included).
         """
         ...
 
-    def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
+    def agenerate(
+        self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
+    ) -> AsyncGenerator[int, None]:
         """:meth:`generate` for an event loop: the same tokens, without blocking the loop. Closing the
         generator early (``aclose``) releases the request. In-process backends run :meth:`generate`
         in a worker thread (:func:`specprefill_rag.aio.iterate_in_thread`).

@@ -31,7 +31,7 @@ from ..config import GenerationParams, OutputFormat
 from ..decode.constraints import validate_format
 from ..errors import InvalidRequestError, SpecPrefillError, TokenizerMismatchError
 from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
-from .base import SparsePrompt
+from .base import PrefillReport, SparsePrompt
 from .vllm_wire import (
     VLLMServerError,
     VLLMServerTimeout,
@@ -119,7 +119,9 @@ class VLLMOfflineBackend:
     def check_output_format(self, output_format: OutputFormat) -> None:
         structured_outputs(output_format)
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
+    def generate(
+        self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
+    ) -> Generator[int, None, None]:
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -139,9 +141,11 @@ class VLLMOfflineBackend:
         output = self.llm.generate([fields], sampling, use_tqdm=False)[0]
         yield from _without_eos(list(output.outputs[0].token_ids), self.eos_ids)
 
-    def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
+    def agenerate(
+        self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
+    ) -> AsyncGenerator[int, None]:
         """:meth:`generate` in a worker thread (``vllm.LLM`` has no async interface)."""
-        return iterate_in_thread(lambda: self.generate(prompt, params))
+        return iterate_in_thread(lambda: self.generate(prompt, params, report))
 
 
 class VLLMServerBackend:
@@ -273,7 +277,9 @@ class VLLMServerBackend:
         if _is_sparse(prompt) and not self.supports_sparse_prefill:
             raise InvalidRequestError("this server has no specprefill plugin; send the full prompt")
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
+    def generate(
+        self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
+    ) -> Generator[int, None, None]:
         self._check_prompt(prompt)
         received, done = 0, False
         with self._open("POST", "/v1/completions", self._body(prompt, params)) as response:
@@ -290,7 +296,9 @@ class VLLMServerBackend:
         if not done:
             raise cut_short(self.base_url, received)
 
-    async def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
+    async def agenerate(
+        self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
+    ) -> AsyncGenerator[int, None]:
         """:meth:`generate` on the event loop (``httpx``): same request, tokens, errors and early close;
         closing this generator closes the HTTP response.
         """

@@ -27,6 +27,7 @@ from ..results import (
     StreamChunk,
     ToolCall,
 )
+from ..backends.base import PrefillReport
 from .detokenize import IncrementalText
 from .tool_calls import StreamedPart, ToolCallStream, marker_tokens, new_call_id
 
@@ -42,6 +43,7 @@ class Decoding:
         started: ``time.perf_counter()`` when the request arrived (for ``ttft_ms``).
         draft_path: which draft path scored the prompt (None: no draft ran).
 
+    :attr:`report` is handed to the backend, which fills it in (``main_cached_tokens``).
     Create it right before asking the backend for tokens: that instant is the start of the main prefill.
     """
 
@@ -58,6 +60,7 @@ class Decoding:
         self.draft_path = draft_path
         self.params = params
         self.selection = selection
+        self.report = PrefillReport()
         self.kept = selection.kept
         self.started = started
         self.text = IncrementalText(tokenizer, params.stop, marker_tokens(tokenizer, params.tool_format))
@@ -107,6 +110,7 @@ class Decoding:
             ttft_ms=(first_token_at - self.started) * 1000.0,
             completion_tokens=len(tokens),
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
+            main_cached_tokens=self.report.cached_tokens,
         )
 
 
@@ -172,6 +176,9 @@ def selected(layout: PromptLayout, selection: Selection, draft_path: DraftPath |
         "draft_path": draft_path,
         "draft_cached_tokens": selection.draft_cached_tokens,
         "keep_policy": selection.keep_policy,
+        "reused_spans": selection.reused_spans,
+        "draft_document_cached_tokens": selection.draft_document_cached_tokens,
+        "draft_documents_cached": selection.draft_documents_cached,
         "uncompressed_reason": selection.uncompressed_reason,
     }
 

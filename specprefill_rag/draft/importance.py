@@ -95,7 +95,11 @@ class DraftScore:
     Attributes:
         importance: ``[L]`` float32 importance of each prompt token.
         cached_tokens: leading prompt tokens whose draft KV came from the prefix cache (0 on a miss).
+        document_cached_tokens: prompt tokens whose draft KV came from the per-document cache.
+        documents_cached: documents whose draft KV came from it.
     """
 
     importance: torch.Tensor
     cached_tokens: int = 0
+    document_cached_tokens: int = 0
+    documents_cached: int = 0

@@ -102,6 +102,8 @@ HEADER_FIELDS = (
     "draft_ms",
     "draft_path",
     "draft_cached_tokens",
+    "draft_document_cached_tokens",
+    "reused_spans",
     "queue_ms",
     "draft_batch_size",
     "document_source",

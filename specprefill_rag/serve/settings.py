@@ -8,7 +8,9 @@ from typing import Literal
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from ..config import (
+    DEFAULT_DOCUMENT_CACHE_MB,
     DEFAULT_DRAFT_CACHE_MB,
+    DEFAULT_MAIN_CACHE_MB,
     DEFAULT_MODEL,
     DRAFT_DESCRIPTION,
     CompressionSettings,
@@ -80,6 +82,17 @@ class GatewaySettings(CompressionSettings):
         DEFAULT_DRAFT_CACHE_MB,
         ge=0,
         description="Draft prefix KV cache, MiB (0 = off); budget it in the host's memory.",
+    )
+    document_cache_mb: int = Field(
+        DEFAULT_DOCUMENT_CACHE_MB,
+        ge=0,
+        description="Per-document draft KV cache, MiB (0 = off), for requests with draft_document_cache.",
+    )
+    main_cache_mb: int = Field(
+        DEFAULT_MAIN_CACHE_MB,
+        ge=0,
+        description="In-process main model only: prefix KV cache of sparse prompts, MiB (0 = off). A vLLM main uses "
+        "its own prefix cache (the plugin keys its blocks by positions).",
     )
     queue_size: int = Field(256, ge=1, description="Requests waiting for the draft at most; more get 429.")
     draft_batch_size: int | None = Field(
@@ -218,6 +231,8 @@ class GatewaySettings(CompressionSettings):
             draft=self.draft,
             max_draft_tokens=self.max_draft_tokens,
             draft_cache_mb=self.draft_cache_mb,
+            document_cache_mb=self.document_cache_mb,
+            main_cache_mb=self.main_cache_mb,
             device=self.resolved_device(),
             **self.compression(),
         )
