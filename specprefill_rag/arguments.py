@@ -70,6 +70,11 @@ def check_flag(value: Any, name: str) -> bool:
     return value
 
 
+def check_optional_flag(value: Any, name: str) -> bool | None:
+    """None (the engine's setting) or a real ``bool``."""
+    return None if value is None else check_flag(value, name)
+
+
 def check_number(value: Any, name: str, fix: str) -> float:
     """A finite real number (int, float, NumPy scalars; not a bool, not a string)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

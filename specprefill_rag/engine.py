@@ -20,9 +20,9 @@ from typing import Any, Literal
 import torch
 from pydantic import ValidationError
 
-from .arguments import check_flag, check_keep_rate, check_params, generation_params
+from .arguments import check_flag, check_keep_rate, check_optional_flag, check_params, generation_params
 from .backends.base import MainBackend, SparsePrompt
-from .backends.hf import HFBackend, eos_token_ids
+from .backends.hf import MAIN_MIN_REUSE_SHARE, HFBackend, eos_token_ids
 from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decode.stream import Decoding, alast_result, last_result
 from .decode.tool_choice import tool_decoding
@@ -33,7 +33,7 @@ from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring
 from .draft.prefix_cache import DraftPrefixCache, shared_prefix_cache
 from .errors import ContextLengthError, InvalidRequestError
 from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_model
-from .pipeline import Pipeline
+from .pipeline import Budget, DraftCost, Pipeline
 from .prompt.chat import ChatLayout, ChatMessage, chat_layout
 from .prompt.layout import DocumentLike, PromptLayout, check_layout
 from .prompt.render import build_rag_layout, build_text_layout
@@ -135,7 +135,9 @@ class SpecPrefillEngine:
             )
             share = parameter_count(drafting.model) / parameter_count(main.model)
         floor = _prompt_floor(config, share, config.effective_look_ahead, main.context_length)
-        backend = HFBackend(main.model, eos, model_lock(main.model), main.tokenizer)
+        device = next(main.model.parameters()).device
+        main_cache = shared_prefix_cache(device, config.main_cache_mb * 2**20, MAIN_MIN_REUSE_SHARE)
+        backend = HFBackend(main.model, eos, model_lock(main.model), main.tokenizer, main_cache)
         self._assemble(config, main.tokenizer, backend, scoring, main, floor)
 
     def _assemble(
@@ -249,20 +251,44 @@ class SpecPrefillEngine:
         return self.pipeline.keep_budget(keep_rate)
 
     def select(
-        self, layout: PromptLayout, keep_rate: RequestKeepRate = None, prepared: DraftInput | None = None
+        self,
+        layout: PromptLayout,
+        keep_rate: RequestKeepRate = None,
+        prepared: DraftInput | None = None,
+        reselect: bool | None = None,
     ) -> Selection:
         """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed), the
         prompt tokens the draft took from its prefix cache and the keep policy asked for. ``prepared``:
         ``draft_scoring.prepare(layout)`` when the caller already ran it, so the prompt is rendered once.
+        Spans compressed by an earlier request keep their tokens unless ``reselect`` (default
+        ``config.reselect``); when every span did, no draft runs.
         """
-        checked = check_keep_rate(keep_rate)
-        rate = self.config.keep_rate if checked is None else checked
-        budget = self.pipeline.budget(layout, rate, self.config.max_document_tokens)
+        budget = self._budget(layout, keep_rate)
         if not budget.compressed:
             return self.pipeline.whole(layout, budget)
+        recalled = self.pipeline.recall(layout, budget, check_optional_flag(reselect, "reselect"))
+        if recalled is not None and recalled.complete:
+            return self.pipeline.select(layout, budget, None, recalled=recalled)
         started = time.perf_counter()
         scored = self.draft_scoring.score(layout, prepared)
-        return self.pipeline.select(layout, budget, scored.importance, _milliseconds(started), scored.cached_tokens)
+        cost = DraftCost(
+            _milliseconds(started),
+            scored.cached_tokens,
+            document_cached_tokens=scored.document_cached_tokens,
+            documents_cached=scored.documents_cached,
+        )
+        return self.pipeline.select(layout, budget, scored.importance, cost, recalled)
+
+    def _budget(self, layout: PromptLayout, keep_rate: RequestKeepRate) -> Budget:
+        checked = check_keep_rate(keep_rate)
+        rate = self.config.keep_rate if checked is None else checked
+        return self.pipeline.budget(layout, rate, self.config.max_document_tokens)
+
+    def _needs_draft(self, layout: PromptLayout, keep_rate: RequestKeepRate, reselect: bool | None) -> bool:
+        """Whether :meth:`select` will run the draft: compressed, and some span is not recalled."""
+        budget = self._budget(layout, keep_rate)
+        recalled = self.pipeline.recall(layout, budget, reselect)
+        return budget.compressed and (recalled is None or not recalled.complete)
 
     def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor) -> SparsePrompt:
         """What the main model prefills (:meth:`Pipeline.sparse_prompt`)."""
@@ -278,15 +304,26 @@ class SpecPrefillEngine:
     # -- generation ------------------------------------------------------------------------------
 
     def stream_layout(
-        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: RequestKeepRate = None
+        self,
+        layout: PromptLayout,
+        params: GenerationParams | None = None,
+        keep_rate: RequestKeepRate = None,
+        reselect: bool | None = None,
     ) -> Iterator[StreamChunk]:
-        """Stream the answer to a prepared layout; the last chunk carries the stats and full result."""
-        return self._stream(layout, check_params(params) or GenerationParams(), keep_rate, time.perf_counter())
+        """Stream the answer to a prepared layout; the last chunk carries the stats and full result.
+        ``reselect``: score spans compressed by an earlier request again (default ``config.reselect``).
+        """
+        params = check_params(params) or GenerationParams()
+        return self._stream(layout, params, keep_rate, time.perf_counter(), reselect)
 
     def generate_layout(
-        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: RequestKeepRate = None
+        self,
+        layout: PromptLayout,
+        params: GenerationParams | None = None,
+        keep_rate: RequestKeepRate = None,
+        reselect: bool | None = None,
     ) -> GenerationResult:
-        return last_result(self.stream_layout(layout, params, keep_rate))
+        return last_result(self.stream_layout(layout, params, keep_rate, reselect))
 
     def stream(
         self,
@@ -321,16 +358,18 @@ class SpecPrefillEngine:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool = True,
         keep_rate: RequestKeepRate = None,
+        reselect: bool | None = None,
         **params: Any,
     ) -> Iterator[StreamChunk]:
         """Stream the answer to a chat; chunks carry the model's tool calls as they complete (``tool_choice``:
-        ``auto``, ``none``, ``required`` or a tool's name, :mod:`specprefill_rag.decode.tool_choice`).
+        ``auto``, ``none``, ``required`` or a tool's name, :mod:`specprefill_rag.decode.tool_choice`). Documents
+        and tool results compressed in an earlier turn keep their tokens unless ``reselect`` (docs: Conversations).
         """
         started = time.perf_counter()
         check_flag(parallel_tool_calls, "parallel_tool_calls")
         chat = self.chat_layout(messages, documents, tools)
         decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls)
-        return self._stream(chat.layout, generation_params({**params, **decoding}), keep_rate, started)
+        return self._stream(chat.layout, generation_params({**params, **decoding}), keep_rate, started, reselect)
 
     def chat(
         self,
@@ -340,10 +379,13 @@ class SpecPrefillEngine:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool = True,
         keep_rate: RequestKeepRate = None,
+        reselect: bool | None = None,
         **params: Any,
     ) -> GenerationResult:
         """Answer a chat (:meth:`stream_chat`); ``result.tool_calls`` holds the calls the model made."""
-        chunks = self.stream_chat(messages, documents, tools, tool_choice, parallel_tool_calls, keep_rate, **params)
+        chunks = self.stream_chat(
+            messages, documents, tools, tool_choice, parallel_tool_calls, keep_rate, reselect, **params
+        )
         return last_result(chunks)
 
     def generate_text(
@@ -375,25 +417,31 @@ class SpecPrefillEngine:
             self.backend.check_output_format(params.output_format)
 
     def _check_request(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate
+        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, reselect: bool | None
     ) -> DraftInput | None:
         """Refuse a request before any model runs: bad layout or keep rate, too long for the main model's
         context, or for the draft (its context, ``max_draft_tokens``). Returns what the draft will read
         (None when no draft runs), for :meth:`select`.
         """
         check_layout(layout, len(self.tokenizer))
-        rate = check_keep_rate(keep_rate)
+        check_keep_rate(keep_rate)
+        check_optional_flag(reselect, "reselect")
         self.check_length(len(layout), params.max_new_tokens)
         self.check_output(params)
-        if self.compresses(layout, self.config.keep_rate if rate is None else rate, self.config.max_document_tokens):
+        if self._needs_draft(layout, keep_rate, reselect):
             return self.draft_scoring.prepare(layout)  # raises DraftContextLengthError or DraftLimitError
         return None
 
     def _stream(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
+        self,
+        layout: PromptLayout,
+        params: GenerationParams,
+        keep_rate: RequestKeepRate,
+        started: float,
+        reselect: bool | None = None,
     ) -> Iterator[StreamChunk]:
-        prepared = self._check_request(layout, params, keep_rate)
-        return self._decode(layout, params, keep_rate, started, prepared)
+        prepared = self._check_request(layout, params, keep_rate, reselect)
+        return self._decode(layout, params, keep_rate, started, prepared, reselect)
 
     def _decoding(self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float) -> Decoding:
         return Decoding(self.tokenizer, layout, params, chosen, started, self.ran(chosen))
@@ -405,8 +453,9 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate,
         started: float,
         prepared: DraftInput | None,
+        reselect: bool | None,
     ) -> Iterator[StreamChunk]:
-        chosen = self.select(layout, keep_rate, prepared)
+        chosen = self.select(layout, keep_rate, prepared, reselect)
         decoding = self._decoding(layout, params, chosen, started)
         generated = self.backend.generate(self.sparse_prompt(layout, chosen.kept), params, decoding.report)
         try:
@@ -422,18 +471,27 @@ class SpecPrefillEngine:
     # -- async generation (native on the event loop; see :mod:`specprefill_rag.aio`) ----------
 
     def astream_layout(
-        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: RequestKeepRate = None
+        self,
+        layout: PromptLayout,
+        params: GenerationParams | None = None,
+        keep_rate: RequestKeepRate = None,
+        reselect: bool | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from
         the backend's async interface (over HTTP for a vLLM server: no thread per request). Close the
         generator (``aclose``) to stop early; that ends the main model's request.
         """
-        return self._astream(layout, check_params(params) or GenerationParams(), keep_rate, time.perf_counter())
+        params = check_params(params) or GenerationParams()
+        return self._astream(layout, params, keep_rate, time.perf_counter(), reselect)
 
     async def agenerate_layout(
-        self, layout: PromptLayout, params: GenerationParams | None = None, keep_rate: RequestKeepRate = None
+        self,
+        layout: PromptLayout,
+        params: GenerationParams | None = None,
+        keep_rate: RequestKeepRate = None,
+        reselect: bool | None = None,
     ) -> GenerationResult:
-        return await alast_result(self.astream_layout(layout, params, keep_rate))
+        return await alast_result(self.astream_layout(layout, params, keep_rate, reselect))
 
     def astream(
         self,
@@ -460,10 +518,15 @@ class SpecPrefillEngine:
         return await alast_result(self.astream(question, documents, instructions, keep_rate, **params))
 
     def _astream(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, started: float
+        self,
+        layout: PromptLayout,
+        params: GenerationParams,
+        keep_rate: RequestKeepRate,
+        started: float,
+        reselect: bool | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
-        prepared = self._check_request(layout, params, keep_rate)
-        return self._adecode(layout, params, keep_rate, started, prepared)
+        prepared = self._check_request(layout, params, keep_rate, reselect)
+        return self._adecode(layout, params, keep_rate, started, prepared, reselect)
 
     async def _adecode(
         self,
@@ -472,8 +535,9 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate,
         started: float,
         prepared: DraftInput | None,
+        reselect: bool | None,
     ) -> AsyncGenerator[StreamChunk, None]:
-        chosen = await asyncio.to_thread(self.select, layout, keep_rate, prepared)
+        chosen = await asyncio.to_thread(self.select, layout, keep_rate, prepared, reselect)
         async with aclosing(self._astream_kept(layout, params, chosen, started)) as chunks:
             async for chunk in chunks:
                 yield chunk

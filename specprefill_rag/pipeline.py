@@ -20,6 +20,7 @@ from .config import AUTO, SpecPrefillConfig
 from .prompt.layout import PromptLayout
 from .results import KeepPolicy, NotCompressed, Selection
 from .selection import FixedRate, ImportanceMass, KeepBudget, select_kept
+from .selection.memo import RecalledSpans, SelectionMemo
 
 KeepRate = float | Literal["auto"]
 log = logging.getLogger("specprefill_rag")
@@ -39,6 +40,27 @@ FIXES: dict[NotCompressed, str] = {
     "{chunk_size} tokens, or keep_rate='auto' found the importance spread over all of them); lower keep_rate, "
     "auto_keep_ceiling or chunk_size to drop some",
 }
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """What scoring one prompt cost (all 0 when no draft ran).
+
+    Attributes:
+        draft_ms: draft scoring time.
+        cached_tokens: leading draft tokens served by the draft prefix cache.
+        queue_ms: time waiting for the gateway's draft queue.
+        batch_size: prompts in the draft batch it was scored in.
+        document_cached_tokens: draft tokens served by the per-document draft cache.
+        documents_cached: documents served by it.
+    """
+
+    draft_ms: float = 0.0
+    cached_tokens: int = 0
+    queue_ms: float = 0.0
+    batch_size: int = 0
+    document_cached_tokens: int = 0
+    documents_cached: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,7 @@ class Pipeline:
         self.config = config
         self.sparse_prefill = sparse_prefill
         self.min_prompt_tokens = min_prompt_tokens
+        self.memo = SelectionMemo()
         self._noticed: set[NotCompressed] = set()
         self._notice_lock = threading.Lock()
 
@@ -119,29 +142,63 @@ class Pipeline:
             torch.arange(len(layout)), keep_policy=budget.policy, draft_error=draft_error, uncompressed_reason=reason
         )
 
+    def recall(self, layout: PromptLayout, budget: Budget, reselect: bool | None = None) -> RecalledSpans | None:
+        """The spans of a compressed request whose kept tokens an earlier request of this engine chose (stable
+        selection); None when it is not compressed or asks to ``reselect`` (default: ``config.reselect``).
+        """
+        if not budget.compressed or (self.config.reselect if reselect is None else reselect):
+            return None
+        return self.memo.recall(layout.input_ids, layout.document_index, self._selection_settings(budget))
+
+    def _selection_settings(self, budget: Budget) -> str:
+        """Everything besides the prompt that decides which tokens a span keeps."""
+        config = self.config
+        auto = (config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling)
+        return f"{budget.keep_rate}|{budget.max_document_tokens}|{config.chunk_size}|{auto}|{config.positions}"
+
     def select(
         self,
         layout: PromptLayout,
         budget: Budget,
-        importance: torch.Tensor,
-        draft_ms: float,
-        draft_cached_tokens: int = 0,
-        queue_ms: float = 0.0,
-        batch_size: int = 0,
+        importance: torch.Tensor | None,
+        cost: DraftCost | None = None,
+        recalled: RecalledSpans | None = None,
     ) -> Selection:
         """The kept tokens for ``[L]`` importance (document chunks by the budget, everything else whole) and
-        what scoring it cost.
+        what scoring it cost. Spans ``recalled`` keep their earlier tokens; the budget (rate and cap) applies
+        to the others, whose choice is remembered. ``importance`` may be None when every span was recalled.
         """
+        candidates, cap = layout.document_index, budget.max_document_tokens
+        if recalled is not None and recalled.reused:
+            frozen = recalled.frozen_mask(len(layout))
+            candidates = candidates.masked_fill(frozen.to(candidates.device), -1)
+            if cap is not None:
+                cap = max(cap - recalled.frozen_kept().numel(), 0)
         kept = select_kept(
-            importance,
-            layout.document_index,
+            importance if importance is not None else torch.zeros(len(layout)),
+            candidates,
             keep_rate=self.keep_budget(budget.keep_rate),
             chunk_size=self.config.chunk_size,
-            max_document_tokens=budget.max_document_tokens,
+            max_document_tokens=cap,
         )
+        if recalled is not None:
+            kept = _with_recalled(kept, recalled, len(layout))
+            self.memo.remember(recalled, kept)
         all_kept: NotCompressed | None = "all_kept" if kept.numel() == len(layout) else None
         self._notice(all_kept, len(layout))
-        return Selection(kept, draft_ms, draft_cached_tokens, budget.policy, queue_ms, batch_size, None, all_kept)
+        cost = cost or DraftCost()
+        return Selection(
+            kept,
+            draft_ms=cost.draft_ms,
+            draft_cached_tokens=cost.cached_tokens,
+            keep_policy=budget.policy,
+            queue_ms=cost.queue_ms,
+            batch_size=cost.batch_size,
+            uncompressed_reason=all_kept,
+            reused_spans=recalled.reused if recalled is not None else 0,
+            draft_document_cached_tokens=cost.document_cached_tokens,
+            draft_documents_cached=cost.documents_cached,
+        )
 
     def _notice(self, reason: NotCompressed | None, prompt_tokens: int) -> None:
         """Log the fix for ``reason`` the first time a request of this engine goes whole for it."""
@@ -163,3 +220,15 @@ class Pipeline:
         if self.config.positions == "contiguous":
             return SparsePrompt.renumbered(layout.input_ids, kept)
         return SparsePrompt.kept(layout.input_ids, kept)
+
+
+def _with_recalled(kept: torch.Tensor, recalled: RecalledSpans, length: int) -> torch.Tensor:
+    """``[K]`` kept indices with the recalled spans' tokens replaced by those kept before."""
+    if not recalled.reused:
+        return kept
+    keep = torch.zeros(length, dtype=torch.bool)
+    keep[kept.cpu()] = True
+    keep[recalled.frozen_mask(length)] = False
+    keep[recalled.frozen_kept()] = True
+    keep[-1] = True
+    return torch.nonzero(keep).flatten().to(kept.device)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specprefill_rag.config import SpecPrefillConfig
-from specprefill_rag.pipeline import Pipeline
+from specprefill_rag.pipeline import DraftCost, Pipeline
 from specprefill_rag.prompt.layout import PromptLayout, Role
 
 # 8 instruction tokens, a 64-token document, 8 question tokens
@@ -58,10 +58,12 @@ def test_auto_or_a_cap_always_may_compress_and_a_failed_draft_says_so():
 
 def test_a_draft_that_keeps_everything_says_so():
     budget = pipeline().budget(layout(), 0.99, None)
-    chosen = pipeline().select(layout(), budget, torch.ones(80), draft_ms=1.0)
+    chosen = pipeline().select(layout(), budget, torch.ones(80), DraftCost(draft_ms=1.0))
     assert chosen.kept.numel() == 80 and chosen.uncompressed_reason == "all_kept"
     assert (
-        pipeline().select(layout(), pipeline().budget(layout(), 0.25, None), torch.ones(80), 1.0).uncompressed_reason
+        pipeline()
+        .select(layout(), pipeline().budget(layout(), 0.25, None), torch.ones(80), DraftCost(1.0))
+        .uncompressed_reason
         is None
     )
 
@@ -95,7 +97,7 @@ def test_selection_keeps_the_best_chunks_and_everything_outside_documents():
     importance[40:56] = 1.0  # the document's third chunk of 16
     budget = pipeline().budget(layout(), 0.25, None)
     chosen = pipeline().select(
-        layout(), budget, importance, draft_ms=5.0, draft_cached_tokens=3, queue_ms=2.0, batch_size=4
+        layout(), budget, importance, DraftCost(draft_ms=5.0, cached_tokens=3, queue_ms=2.0, batch_size=4)
     )
     assert chosen.kept.tolist() == list(range(8)) + list(range(40, 56)) + list(range(72, 80))
     assert (chosen.draft_ms, chosen.draft_cached_tokens, chosen.queue_ms, chosen.batch_size) == (5.0, 3, 2.0, 4)

@@ -3,6 +3,12 @@
 Prefill passes ``position_ids`` explicitly and a fresh cache, so transformers neither re-derives
 positions nor mistakes non-contiguous positions for packed sequences. The KV cache holds only the
 ``K`` kept tokens; decode step ``t`` writes cache slot ``K + t`` at RoPE position ``L + t``.
+
+With a prefix cache, the KV of every request's forwarded tokens (its sparse prompt and the tokens it
+generated) is kept, keyed by (token id, position) pairs: a token's KV depends on the ids and positions
+of the tokens before it, so a later request whose leading pairs agree (the next turn of a conversation,
+whose stable selection extends this one's sparse prompt; another question over the same instructions)
+starts from that KV and prefills only the rest. Same ids at other positions never match.
 """
 
 from __future__ import annotations
@@ -18,8 +24,19 @@ from ..aio import iterate_in_thread
 from ..config import GenerationParams, OutputFormat
 from ..decode.constraints import ConstraintCompiler
 from ..decode.sampling import apply_penalties, next_token
+from ..draft.prefix_cache import DraftPrefixCache, PrefixReuse
 from ..errors import InvalidRequestError
-from .base import SparsePrompt
+from .base import PrefillReport, SparsePrompt
+
+# Any reuse pays on the main model: a cached token skips every layer's MLP, the bulk of its cost.
+MAIN_MIN_REUSE_SHARE = 0.0
+# A position shifted past a token id's bits: (id, position) pairs compare as one int64 each.
+_POSITION_BITS = 32
+
+
+def position_keyed(token_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """``[n]`` ids and ``[n]`` positions -> ``[n]`` int64 keys, equal exactly where both agree."""
+    return (token_ids.long().cpu() << _POSITION_BITS) | position_ids.long().cpu()
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -38,14 +55,22 @@ class HFBackend:
         lock: serialises forward passes when several requests share the model.
         tokenizer: the model's tokenizer, for output constrained by ``params.output_format``
             (:mod:`specprefill_rag.decode.constraints`); None: such requests are refused.
+        prefix_cache: where the KV of sparse prompts is kept for later requests (keyed by ids and positions);
+            None: every request prefills all its tokens.
     """
 
     supports_sparse_prefill = True
 
     def __init__(
-        self, model: Any, eos_ids: frozenset[int], lock: threading.RLock | None = None, tokenizer: Any = None
+        self,
+        model: Any,
+        eos_ids: frozenset[int],
+        lock: threading.RLock | None = None,
+        tokenizer: Any = None,
+        prefix_cache: DraftPrefixCache | None = None,
     ) -> None:
         self.model = model
+        self.prefix_cache = prefix_cache
         self.eos_ids = eos_ids
         self._lock = lock or nullcontext()
         self._tokenizer = tokenizer
@@ -89,37 +114,49 @@ class HFBackend:
                 self._compiler = ConstraintCompiler(self._tokenizer, width, stop_token_ids=sorted(self.eos_ids))
             return self._compiler
 
-    def generate(self, prompt: SparsePrompt, params: GenerationParams) -> Generator[int, None, None]:
+    def generate(
+        self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
+    ) -> Generator[int, None, None]:
         """Yield generated token ids; with ``params.output_format`` only tokens its grammar allows, ending when
-        the grammar is complete.
+        the grammar is complete. ``report.cached_tokens``: prompt tokens the prefix cache served.
         """
-        from transformers import DynamicCache
-
         constraint = self._constraints().constraint(params.output_format) if params.output_format else None
-        cache = DynamicCache(config=self.model.config)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         kept = prompt.token_ids.numel()
-        logits = self._forward(prompt.token_ids, prompt.position_ids, 0, cache)
+        keys = position_keyed(prompt.token_ids, prompt.position_ids)
+        layers = int(self.model.config.num_hidden_layers)
+        reuse = PrefixReuse.begin(self.prefix_cache, self.model, layers, keys, kept - 1, needs_past=True)
+        cache, start = reuse.past, reuse.cached_tokens
+        if report is not None:
+            report.cached_tokens = start
+        logits = self._forward(prompt.token_ids[start:], prompt.position_ids[start:], start, cache)
+        forwarded = [keys]  # what the cache holds: the prompt, then each generated token fed back
         counts = torch.zeros(logits.numel(), device=logits.device)  # generated tokens, for the penalties
-        for step in range(params.max_new_tokens):
-            logits = apply_penalties(logits, counts, params.presence_penalty, params.frequency_penalty)
-            if constraint is not None:
-                constraint.mask_(logits)
-            token = next_token(logits, params.temperature, params.top_p, generator)
-            if token in self.eos_ids:
-                return
-            counts[token] += 1
-            if constraint is not None:
-                constraint.accept(token)
-            yield token
-            if constraint is not None and constraint.finished:
-                return
-            if step + 1 < params.max_new_tokens:
-                position = torch.tensor([prompt.prompt_length + step])
-                logits = self._forward(torch.tensor([token]), position, kept + step, cache)
+        try:
+            for step in range(params.max_new_tokens):
+                logits = apply_penalties(logits, counts, params.presence_penalty, params.frequency_penalty)
+                if constraint is not None:
+                    constraint.mask_(logits)
+                token = next_token(logits, params.temperature, params.top_p, generator)
+                if token in self.eos_ids:
+                    return
+                counts[token] += 1
+                if constraint is not None:
+                    constraint.accept(token)
+                yield token
+                if constraint is not None and constraint.finished:
+                    return
+                if step + 1 < params.max_new_tokens:
+                    position = torch.tensor([prompt.prompt_length + step])
+                    logits = self._forward(torch.tensor([token]), position, kept + step, cache)
+                    forwarded.append(position_keyed(torch.tensor([token]), position))
+        finally:
+            reuse.remember(torch.cat(forwarded))
 
-    def agenerate(self, prompt: SparsePrompt, params: GenerationParams) -> AsyncGenerator[int, None]:
+    def agenerate(
+        self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
+    ) -> AsyncGenerator[int, None]:
         """:meth:`generate` in a worker thread, its tokens yielded on the event loop."""
-        return iterate_in_thread(lambda: self.generate(prompt, params))
+        return iterate_in_thread(lambda: self.generate(prompt, params, report))

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..backends.base import PrefillReport
 from ..config import GenerationParams
 from ..prompt.layout import PromptLayout
 from ..results import (
@@ -27,7 +28,6 @@ from ..results import (
     StreamChunk,
     ToolCall,
 )
-from ..backends.base import PrefillReport
 from .detokenize import IncrementalText
 from .tool_calls import StreamedPart, ToolCallStream, marker_tokens, new_call_id
 

@@ -205,22 +205,25 @@ class DraftPrefixCache:
             self._watched.discard(model_id)
 
 
-_shared: dict[tuple[str, int], DraftPrefixCache] = {}
+_shared: dict[tuple[str, int, float], DraftPrefixCache] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_prefix_cache(device: torch.device | str, max_bytes: int) -> DraftPrefixCache | None:
-    """The process's cache for drafts on ``device`` with budget ``max_bytes``; ``None`` when ``max_bytes`` is 0.
+def shared_prefix_cache(
+    device: torch.device | str, max_bytes: int, min_reuse_share: float = MIN_REUSE_SHARE
+) -> DraftPrefixCache | None:
+    """The process's cache for models on ``device`` with budget ``max_bytes``; ``None`` when ``max_bytes`` is 0.
 
-    Engines with the same settings share one cache (and its budget); entries are keyed by draft, so
-    sharing never mixes two drafts' KV.
+    Engines with the same settings share one cache (and its budget); entries are keyed by model, so
+    sharing never mixes two models' KV. The main model's cache (:mod:`specprefill_rag.backends.hf`) is
+    another instance: it reuses any hit (``min_reuse_share=0``).
     """
     if max_bytes <= 0:
         return None
-    key = (str(torch.device(device)), max_bytes)
+    key = (str(torch.device(device)), max_bytes, min_reuse_share)
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = DraftPrefixCache(max_bytes)
+            _shared[key] = DraftPrefixCache(max_bytes, min_reuse_share)
         return _shared[key]
 
 

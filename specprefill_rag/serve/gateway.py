@@ -22,7 +22,7 @@ from ..decode.stream import selected
 from ..draft.importance import DraftScore
 from ..engine import SpecPrefillEngine
 from ..models.loading import model_lock
-from ..pipeline import Budget
+from ..pipeline import Budget, DraftCost
 from ..prompt.chat import ChatLayout
 from ..prompt.layout import PromptLayout
 from ..results import DraftPath, Selection, StreamChunk
@@ -120,6 +120,9 @@ class Gateway:
         budget = pipeline.budget(layout, rate, cap, options.enabled)
         if not budget.compressed:
             return pipeline.whole(layout, budget)
+        recalled = pipeline.recall(layout, budget, options.reselect)
+        if recalled is not None and recalled.complete:  # every span kept its tokens from an earlier turn
+            return pipeline.select(layout, budget, None, recalled=recalled)
         queued = time.perf_counter()
         scoring = self.engine.draft_scoring  # direct: the layout's ids; mapped: its rendering for the draft
         try:
@@ -131,9 +134,8 @@ class Gateway:
         except Exception as error:  # the draft failed on this prompt: too long for it, out of memory, non-finite...
             return self._after_draft_error(layout, budget, error)
         queue_ms = max((time.perf_counter() - queued) * 1000.0 - scored.draft_ms, 0.0)
-        return pipeline.select(
-            layout, budget, importance, scored.draft_ms, scored.cached_tokens, queue_ms, scored.batch_size
-        )
+        cost = DraftCost(scored.draft_ms, scored.cached_tokens, queue_ms, scored.batch_size)
+        return pipeline.select(layout, budget, importance, cost, recalled)
 
     def _after_draft_error(self, layout: PromptLayout, budget: Budget, error: Exception) -> Selection:
         on_error = self.settings.on_draft_error

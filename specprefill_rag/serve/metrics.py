@@ -8,6 +8,7 @@ from typing import Any
 from .errors import OUTCOMES
 
 _MS_BUCKETS = (1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
+_TOKEN_KINDS = ("kept", "main_cached", "draft_cached", "draft_document_cached")
 _SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 
@@ -52,6 +53,20 @@ class GatewayMetrics:
             ["error", "policy"],
             registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            "specprefill_prompt_tokens",
+            "Prompt tokens of answered requests, by what became of them: 'kept' (prefilled by the main model, "
+            "its prefix cache included), 'main_cached' (kept tokens the main model's prefix cache served, where "
+            "the backend reports it), 'draft_cached' (draft tokens the draft prefix cache served), "
+            "'draft_document_cached' (draft tokens the per-document cache served).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.reused_spans = Counter(
+            "specprefill_reused_spans",
+            "Compressed spans that kept the tokens chosen for them by an earlier turn (stable selection).",
+            registry=self.registry,
+        )
         cache_bytes = Gauge(
             "specprefill_draft_cache_bytes", "Bytes held by the draft prefix cache.", registry=self.registry
         )
@@ -63,6 +78,8 @@ class GatewayMetrics:
         for endpoint in ("chat", "completions"):
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)  # every series exists from the start (0)
+        for kind in _TOKEN_KINDS:
+            self.prompt_tokens.labels(kind)
 
     def batch(self, size: int, seconds: float) -> None:
         self.draft_batch.observe(size)
@@ -75,6 +92,20 @@ class GatewayMetrics:
             self.ttft_ms.observe(stats.ttft_ms)
             if stats.document_tokens:
                 self.kept_share.observe(stats.keep_rate)
+            self._count_tokens(stats)
+
+    def _count_tokens(self, stats: Any) -> None:
+        counts = {
+            "kept": stats.kept_tokens,
+            "main_cached": stats.main_cached_tokens or 0,
+            "draft_cached": stats.draft_cached_tokens,
+            "draft_document_cached": stats.draft_document_cached_tokens,
+        }
+        for kind, count in counts.items():
+            if count:
+                self.prompt_tokens.labels(kind).inc(count)
+        if stats.reused_spans:
+            self.reused_spans.inc(stats.reused_spans)
 
     def exposition(self) -> tuple[bytes, str]:
         """The text exposition format and its content type."""

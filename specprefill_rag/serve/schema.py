@@ -75,6 +75,12 @@ class SpecPrefillOptions(_Strict):
     compress_tool_results: bool = Field(
         True, description="False: every tool result ('tool' message) stays whole; by default each is a document."
     )
+    reselect: bool | None = Field(
+        None,
+        description="True: score every document and tool result again against this question. By default a span "
+        "compressed by an earlier request of the conversation keeps the tokens chosen then, so the main model's "
+        "prefix cache serves the history (None: the gateway's --reselect).",
+    )
     keep_tools_whole: list[str] = Field(
         default_factory=list,
         description="Names of tools whose results stay whole (the others' results are documents); each must be "

@@ -94,10 +94,16 @@ class LocalSession:
         """The call's keep rate, else the constructor's (also for an engine given with ``from_engine``)."""
         return options.get("keep_rate", self.settings.keep_rate)
 
+    def _reselect(self, options: dict[str, Any]) -> Any:
+        """The call's ``reselect``, else the constructor's."""
+        return options.get("reselect", self.settings.reselect)
+
     def stream(self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]) -> Iterator[Reply]:
         layout, source = self._layout(messages, options)
         params = self._params(layout, params, options)
-        for chunk in self.settings.engine.stream_layout(layout.layout, params, self._keep_rate(options)):
+        keep_rate, reselect = self._keep_rate(options), self._reselect(options)
+        chunks = self.settings.engine.stream_layout(layout.layout, params, keep_rate, reselect)
+        for chunk in chunks:
             yield chunk, {"document_source": source}
 
     async def astream(
@@ -105,7 +111,9 @@ class LocalSession:
     ) -> AsyncGenerator[Reply, None]:
         layout, source = self._layout(messages, options)
         params = self._params(layout, params, options)
-        chunks = self.settings.engine.astream_layout(layout.layout, params, self._keep_rate(options))
+        chunks = self.settings.engine.astream_layout(
+            layout.layout, params, self._keep_rate(options), self._reselect(options)
+        )
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk, {"document_source": source}
@@ -156,6 +164,7 @@ class GatewaySession:
             "insert_documents": False if retrieved else None,
             "compress_tool_results": False if options.get("compress_tool_results") is False else None,
             "keep_tools_whole": keep or None,
+            "reselect": options.get("reselect", _given(self.settings, "reselect")),
         }
         return self.client.body(openai, spec_prefill, params, _tool_fields(options)), bool(retrieved)
 
@@ -180,3 +189,8 @@ class GatewaySession:
 
     def token_ids(self, text: str) -> list[int]:
         return self.client.token_ids(text)
+
+
+def _given(settings: Any, name: str) -> Any:
+    """A setting the user gave the constructor, else None (the gateway's own default applies)."""
+    return getattr(settings, name) if name in settings.model_fields_set else None

@@ -56,6 +56,7 @@ class Request:
     insert_missing: bool
     keep_rate: Any  # a fraction or "auto": the call's, else the LLM's (the engine checks it)
     params: GenerationParams
+    reselect: Any = None  # the call's, else the LLM's when given; None: the engine's (or gateway's) own
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
@@ -100,13 +101,14 @@ class LocalSession:
     def stream(self, request: Request) -> Iterator[Reply]:
         layout = self._layout(request)
         params = self._params(request, layout)
-        for chunk in self.llm.engine.stream_layout(layout.layout, params, request.keep_rate):
+        for chunk in self.llm.engine.stream_layout(layout.layout, params, request.keep_rate, request.reselect):
             yield chunk, self._extras(layout)
 
     async def astream(self, request: Request) -> AsyncGenerator[Reply, None]:
         layout = self._layout(request)
         params = self._params(request, layout)
-        async with aclosing(self.llm.engine.astream_layout(layout.layout, params, request.keep_rate)) as chunks:
+        chunks = self.llm.engine.astream_layout(layout.layout, params, request.keep_rate, request.reselect)
+        async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk, self._extras(layout)
 
@@ -147,6 +149,7 @@ class GatewaySession:
             "question": request.question,
             "insert_documents": request.insert_missing,
             "keep_tools_whole": _tools_kept_whole(request.messages) or None,
+            "reselect": request.reselect,
         }
         messages = [_json_message(m) for m in request.messages]
         return self.client.body(messages, options, request.params, _tool_fields(request))

@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from specprefill_rag import SpecPrefillEngine
 
 _CAPTURE_KEY = "specprefill_template_args"
-CALL_OPTIONS = ("documents", "query", "keep_rate", "formatted")
+CALL_OPTIONS = ("documents", "query", "keep_rate", "reselect", "formatted")
 TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
 """Chat-only call options (``_prepare_chat_with_tools`` fills them)."""
 
@@ -296,6 +296,7 @@ class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings):
             tools=None if tools is None else tool_schemas(tools),
             tool_choice=tool_choice_name(kwargs.get("tool_choice")),
             parallel_tool_calls=check_flag(kwargs.get("parallel_tool_calls", True), "parallel_tool_calls"),
+            reselect=kwargs.get("reselect", self.reselect if "reselect" in self.model_fields_set else None),
         )
 
     def _params(self) -> GenerationParams:
