@@ -1,14 +1,23 @@
-"""Kept positions on the wire: run-length codec, validation, prefix-cache salt and the position map.
+"""Kept positions on the wire: run-length codec, validation, the position map, prefix-cache block keys and salt.
 
 A compressed request sends the ``K`` kept token ids as an ordinary prompt plus, in
 ``SamplingParams.extra_args``, the original prompt length ``L`` and the kept positions as runs
 ``[start0, length0, start1, length1, ...]``. The server maps the compact index ``p`` of a token to
 ``kept[p]`` for ``p < K`` (prompt) and ``p + (L - K)`` after (generated tokens). Pure Python/torch: no
 vLLM import here, so clients and tests use it without vLLM installed.
+
+Prefix caching: vLLM hashes each KV block from its token ids, the previous block's hash and per-block
+extra keys. The plugin adds :meth:`BlockPositions.key` to those extra keys, so two requests share a
+block only where ids and original positions agree, and a compressed request shares its leading blocks
+that kept every token (positions equal to the indices) with ordinary requests. A server advertises
+this with :data:`POSITION_KEYED_BLOCKS` in its probe answer; for a server without it, clients send
+:func:`cache_salt` (a digest of all the positions: no sharing across requests at other positions, nor
+across turns).
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Sequence
 
@@ -20,6 +29,9 @@ PROMPT_LENGTH_KEY = "specprefill_prompt_length"
 RUNS_KEY = "specprefill_runs"
 PROBE_KEY = "specprefill_probe"
 PROBE_MARKER = "specprefill-plugin-present"  # the plugin's refusal of a probe request says this
+# ... and, from a plugin whose prefix-cache block hashes cover the positions (so no cache_salt is needed), this
+POSITION_KEYED_BLOCKS = "position-keyed-blocks"
+BLOCK_KEY_TAG = "specprefill_positions"  # tags the plugin's entry in vLLM's per-block extra keys
 
 
 def encode_runs(kept: torch.Tensor | Sequence[int]) -> list[int]:
@@ -89,8 +101,9 @@ def validate(
 
 
 def cache_salt(prompt_length: int, runs: Sequence[int]) -> str:
-    """Prefix-cache salt derived from the positions: the same compact tokens at other positions
-    must never share KV blocks (vLLM hashes tokens, not positions).
+    """Prefix-cache salt derived from all the positions, for servers whose plugin does not key blocks
+    by position (no :data:`POSITION_KEYED_BLOCKS` in the probe answer): the same compact tokens at other
+    positions must never share KV blocks there (vLLM hashes tokens, not positions).
     """
     digest = hashlib.sha256(f"specprefill:{prompt_length}:{','.join(map(str, runs))}".encode()).hexdigest()
     return digest[:64]
@@ -111,3 +124,56 @@ def original_positions(compact: torch.Tensor, kept: torch.Tensor, prompt_length:
     inside = compact < n_kept
     mapped = kept[compact.clamp(max=max(n_kept - 1, 0))] if n_kept else compact
     return torch.where(inside, mapped, compact + (prompt_length - n_kept))
+
+
+class BlockPositions:
+    """The position map of one compressed request, parsed once, keyed per prefix-cache block.
+
+    The map ``p -> kept[p]`` (``p < K``), ``p + (L - K)`` (after) is piecewise ``p + offset``: one
+    piece per run of kept positions (adjacent runs with the same offset merged) and one for the
+    generated tokens. :meth:`key` describes the original positions of a block's tokens with the
+    pieces it overlaps, in O(log R + pieces in the block), so a block hash covering it covers them.
+
+    Raises:
+        InvalidRequestError: malformed runs (:func:`check_runs`).
+    """
+
+    __slots__ = ("_offsets", "_starts")
+
+    def __init__(self, prompt_length: int, runs: Sequence[int]) -> None:
+        starts: list[int] = []  # compact index where each piece begins
+        offsets: list[int] = []  # original position - compact index inside the piece
+        compact = 0
+        for start, length in check_runs(runs).tolist():
+            if not offsets or offsets[-1] != start - compact:
+                starts.append(compact)
+                offsets.append(start - compact)
+            compact += length
+        if not offsets or offsets[-1] != prompt_length - compact:  # generated tokens: p + (L - K)
+            starts.append(compact)
+            offsets.append(prompt_length - compact)
+        self._starts, self._offsets = starts, offsets
+
+    @property
+    def identity_end(self) -> int | None:
+        """Compact index of the first token whose position differs from its index (None: none does)."""
+        if self._offsets[0] != 0:
+            return 0
+        return self._starts[1] if len(self._starts) > 1 else None
+
+    def key(self, start: int, end: int) -> tuple[int, ...] | None:
+        """The original positions of compact indices ``start..end-1``: None where they are those indices
+        (the block then hashes as an ordinary request's), else flat ``(i0, q0, i1, q1, ...)``: from block
+        offset ``i_j`` on, tokens sit at consecutive original positions from ``q_j``. Equal positions give
+        equal keys (the pieces are canonical).
+        """
+        first = max(bisect.bisect_right(self._starts, start) - 1, 0)
+        last = bisect.bisect_left(self._starts, end, lo=first)
+        pieces = range(first, last)
+        if all(self._offsets[j] == 0 for j in pieces):
+            return None
+        key: list[int] = []
+        for j in pieces:
+            begin = max(self._starts[j], start)
+            key += (begin - start, begin + self._offsets[j])
+        return tuple(key)

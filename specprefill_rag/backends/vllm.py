@@ -1,10 +1,17 @@
 """Main model on vLLM: in-process (``vllm.LLM``) or behind an OpenAI-compatible server.
 
 Either way the server side needs this package installed (its ``vllm.general_plugins`` entry point
-remaps positions). A compressed request sends the kept token ids as a token-id prompt, the original
-length and run-length-encoded kept positions in ``extra_args`` (``vllm_xargs`` over HTTP), and a
-``cache_salt`` derived from the positions so prefix caching never reuses KV computed at other
-positions. The draft runs on the client side.
+remaps positions). A compressed request sends the kept token ids as a token-id prompt, and the original
+length and run-length-encoded kept positions in ``extra_args`` (``vllm_xargs`` over HTTP). The plugin
+keys vLLM's prefix-cache blocks by token ids AND positions, so KV computed at other positions is never
+reused while earlier turns of a conversation (and ordinary requests' leading blocks) are. Only for a
+plugin that does not say so (no :data:`~specprefill_rag.positions.POSITION_KEYED_BLOCKS` in its probe
+answer; in process: not installed here) does the request also carry a ``cache_salt`` derived from all
+its positions, which rules out that reuse but keeps KV correct. The draft runs on the client side.
+
+Prefill report: prompt tokens served by vLLM's prefix cache (``RequestOutput.num_cached_tokens``
+in process; over HTTP ``usage.prompt_tokens_details.cached_tokens`` of the stream's last event, sent by
+a server started with ``--enable-prompt-tokens-details``, else None).
 
 The server client streams over HTTP with the standard library (:meth:`VLLMServerBackend.generate`)
 or natively on an event loop with ``httpx`` (:meth:`VLLMServerBackend.agenerate`); both share the
@@ -30,7 +37,15 @@ from ..arguments import check_number, shown
 from ..config import GenerationParams, OutputFormat
 from ..decode.constraints import validate_format
 from ..errors import InvalidRequestError, SpecPrefillError, TokenizerMismatchError
-from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, cache_salt, encode_runs
+from ..positions import (
+    POSITION_KEYED_BLOCKS,
+    PROBE_KEY,
+    PROBE_MARKER,
+    PROMPT_LENGTH_KEY,
+    RUNS_KEY,
+    cache_salt,
+    encode_runs,
+)
 from .base import PrefillReport, SparsePrompt
 from .vllm_wire import (
     VLLMServerError,
@@ -58,14 +73,28 @@ def _is_sparse(prompt: SparsePrompt) -> bool:
     return prompt.token_ids.numel() != prompt.prompt_length
 
 
-def request_fields(prompt: SparsePrompt) -> dict[str, Any]:
-    """Token ids plus, for a compressed prompt, the SpecPrefill arguments and the cache salt."""
+def request_fields(prompt: SparsePrompt, salt: bool = True) -> dict[str, Any]:
+    """Token ids plus, for a compressed prompt, the SpecPrefill arguments and, with ``salt`` (a server
+    whose block hashes do not cover positions), the cache salt of all its positions.
+    """
     fields: dict[str, Any] = {"prompt_token_ids": prompt.token_ids.tolist()}
     if _is_sparse(prompt):
         runs = encode_runs(prompt.position_ids)
         fields["extra_args"] = {PROMPT_LENGTH_KEY: prompt.prompt_length, RUNS_KEY: runs}
-        fields["cache_salt"] = cache_salt(prompt.prompt_length, runs)
+        if salt:
+            fields["cache_salt"] = cache_salt(prompt.prompt_length, runs)
     return fields
+
+
+def keys_blocks_in_process() -> bool:
+    """Whether this process's vLLM hashes prefix-cache blocks with their positions (the plugin's
+    :mod:`~specprefill_rag.vllm_plugin.block_keys` installed, as ``register()`` does when vLLM loads it).
+    """
+    try:
+        from ..vllm_plugin.block_keys import position_keyed_blocks_installed
+    except ImportError:  # pragma: no cover - the plugin's modules need vLLM
+        return False
+    return position_keyed_blocks_installed()
 
 
 def structured_outputs(output_format: OutputFormat) -> dict[str, Any]:
@@ -122,10 +151,13 @@ class VLLMOfflineBackend:
     def generate(
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
     ) -> Generator[int, None, None]:
+        """Generate the whole answer, then yield it; ``report.cached_tokens`` from the request's
+        ``num_cached_tokens`` (prompt tokens vLLM's prefix cache served).
+        """
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
-        fields = request_fields(prompt)
+        fields = request_fields(prompt, salt=not keys_blocks_in_process())
         constrained = params.output_format and StructuredOutputsParams(**structured_outputs(params.output_format))
         sampling = SamplingParams(
             max_tokens=params.max_new_tokens,
@@ -139,6 +171,9 @@ class VLLMOfflineBackend:
             structured_outputs=constrained or None,
         )
         output = self.llm.generate([fields], sampling, use_tqdm=False)[0]
+        if report is not None:
+            cached = getattr(output, "num_cached_tokens", None)
+            report.cached_tokens = int(cached) if cached is not None else None
         yield from _without_eos(list(output.outputs[0].token_ids), self.eos_ids)
 
     def agenerate(
@@ -146,6 +181,33 @@ class VLLMOfflineBackend:
     ) -> AsyncGenerator[int, None]:
         """:meth:`generate` in a worker thread (``vllm.LLM`` has no async interface)."""
         return iterate_in_thread(lambda: self.generate(prompt, params, report))
+
+
+class _Stream:
+    """Reading one streamed completion, for the blocking and the async client alike: tokens counted
+    against ``max_tokens``, the usage event into ``report``. Read on to the end of the body after
+    ``[DONE]`` (the connection stays usable); after an end-of-sequence token only the usage event and
+    ``[DONE]`` are still worth reading (stop at once without a report, or if the server generates on).
+    """
+
+    def __init__(self, backend: VLLMServerBackend, params: GenerationParams, report: PrefillReport | None) -> None:
+        self.backend, self.params, self.report = backend, params, report
+        self.received, self.done, self.eos = 0, False, False
+
+    @property
+    def complete(self) -> bool:
+        """The answer ended: ``[DONE]`` or an end-of-sequence token (else the stream was cut short)."""
+        return self.done or self.eos
+
+    def feed(self, line: str | bytes) -> tuple[list[int], bool]:
+        """The tokens of one line to yield, and whether to stop reading."""
+        event = sse_tokens(line, self.backend.eos_ids, self.report)
+        self.done = self.done or event.end == "done"
+        if self.eos:
+            return [], bool(event.tokens) or event.end == "eos"
+        self.received = self.backend._count(self.received, event.tokens, self.params)
+        self.eos = event.end == "eos"
+        return event.tokens, self.eos and self.report is None
 
 
 class VLLMServerBackend:
@@ -158,6 +220,11 @@ class VLLMServerBackend:
         timeout: seconds for connecting and for each read.
         on_missing_plugin: ``"error"`` (raise at construction) or ``"full_prompt"`` (send whole prompts;
             the engine then reports ``compressed=False``).
+
+    Attributes:
+        supports_sparse_prefill: the probe found the plugin.
+        position_keyed_blocks: its probe answer says prefix-cache blocks are keyed by position; otherwise
+            compressed requests carry a ``cache_salt`` of all their positions.
     """
 
     def __init__(
@@ -177,7 +244,7 @@ class VLLMServerBackend:
         card = self._model_card()
         self.model = model or card["id"]
         self._context_length = int(card.get("max_model_len") or 0)
-        self.supports_sparse_prefill = self._probe()
+        self.supports_sparse_prefill, self.position_keyed_blocks = self._probe()
         if not self.supports_sparse_prefill and on_missing_plugin == "error":
             raise VLLMServerError(
                 f"the vLLM server at {self.base_url} does not have the specprefill-rag plugin; install "
@@ -227,20 +294,23 @@ class VLLMServerBackend:
                     "check that the URL is a vLLM OpenAI-compatible server"
                 ) from None
 
-    def _probe(self) -> bool:
-        """True when the server refuses a probe request with the plugin's marker."""
+    def _probe(self) -> tuple[bool, bool]:
+        """Whether the server refuses a probe request with the plugin's marker, and whether the refusal
+        also says its prefix-cache blocks are keyed by position (otherwise requests carry a cache salt).
+        """
         body = {"model": self.model, "prompt": [0], "max_tokens": 1, "vllm_xargs": {PROBE_KEY: 1}}
         try:
             self._request("POST", "/v1/completions", body)
         except InvalidRequestError as error:
-            return PROBE_MARKER in str(error)
-        return False
+            present = PROBE_MARKER in str(error)
+            return present, present and POSITION_KEYED_BLOCKS in str(error)
+        return False, False
 
     def check_output_format(self, output_format: OutputFormat) -> None:
         structured_outputs(output_format)
 
     def _body(self, prompt: SparsePrompt, params: GenerationParams) -> dict[str, Any]:
-        fields = request_fields(prompt)
+        fields = request_fields(prompt, salt=not self.position_keyed_blocks)
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": fields["prompt_token_ids"],
@@ -248,6 +318,7 @@ class VLLMServerBackend:
             "temperature": params.temperature,
             "top_p": params.top_p,
             "stream": True,
+            "stream_options": {"include_usage": True},  # the last event's usage: prefix-cache hits (report)
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
@@ -259,6 +330,7 @@ class VLLMServerBackend:
             body["structured_outputs"] = structured_outputs(params.output_format)
         if "extra_args" in fields:
             body["vllm_xargs"] = fields["extra_args"]
+        if "cache_salt" in fields:
             body["cache_salt"] = fields["cache_salt"]
         return body
 
@@ -280,21 +352,24 @@ class VLLMServerBackend:
     def generate(
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
     ) -> Generator[int, None, None]:
+        """Stream the answer; ``report.cached_tokens`` from the usage event (None when the server sends
+        no ``prompt_tokens_details``, or the generator is closed before the stream ends).
+        """
         self._check_prompt(prompt)
-        received, done = 0, False
+        stream = _Stream(self, params, report)
         with self._open("POST", "/v1/completions", self._body(prompt, params)) as response:
             try:
                 for line in response:
-                    tokens, end = sse_tokens(line, self.eos_ids)
-                    received = self._count(received, tokens, params)
+                    tokens, stop = stream.feed(line)
                     yield from tokens
-                    if end == "eos":
+                    if stop:
                         return
-                    done = done or end == "done"  # read on to the end of the body: the connection stays usable
             except (OSError, http.client.HTTPException) as error:  # a read timed out or the connection dropped
-                raise interrupted(self.base_url, self.timeout, received, error) from None
-        if not done:
-            raise cut_short(self.base_url, received)
+                if stream.eos:  # only the usage event was still to come: the answer is complete
+                    return
+                raise interrupted(self.base_url, self.timeout, stream.received, error) from None
+        if not stream.complete:
+            raise cut_short(self.base_url, stream.received)
 
     async def agenerate(
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
@@ -304,7 +379,7 @@ class VLLMServerBackend:
         """
         self._check_prompt(prompt)
         url = self.base_url + "/v1/completions"
-        received, answered, done = 0, False, False
+        stream, answered = _Stream(self, params, report), False
         try:
             async with self._async_client().stream("POST", url, json=self._body(prompt, params)) as response:
                 answered = True
@@ -312,19 +387,19 @@ class VLLMServerBackend:
                     detail = (await response.aread()).decode(errors="replace")
                     raise refused(response.status_code, detail)
                 async for line in response.aiter_lines():
-                    tokens, end = sse_tokens(line, self.eos_ids)
-                    received = self._count(received, tokens, params)
+                    tokens, stop = stream.feed(line)
                     for token in tokens:
                         yield token
-                    if end == "eos":
+                    if stop:
                         return
-                    done = done or end == "done"  # read on to the end of the body: the connection is reused
         except httpx.RequestError as error:  # connect or read timed out, refused, dropped mid-stream
+            if stream.eos:  # only the usage event was still to come: the answer is complete
+                return
             if answered:
-                raise interrupted(self.base_url, self.timeout, received, error) from None
+                raise interrupted(self.base_url, self.timeout, stream.received, error) from None
             raise unreachable(self.base_url, self.timeout, error) from None
-        if not done:
-            raise cut_short(self.base_url, received)
+        if not stream.complete:
+            raise cut_short(self.base_url, stream.received)
 
     def _async_client(self) -> httpx.AsyncClient:
         """One pooled client per event loop: requests on a loop reuse its connections (no new TCP or TLS

@@ -3,7 +3,10 @@
 Shared by the blocking (urllib) and the async (httpx) client. A stream ends with ``data: [DONE]`` or an
 end-of-sequence token; one that stops before (the server was killed or restarted) is an error, never
 a shorter answer. Events that are not vLLM's, and reads that fail, are :class:`VLLMServerError`;
-refusals (HTTP 4xx, or an ``error`` event) are :class:`InvalidRequestError`.
+refusals (HTTP 4xx, or an ``error`` event) are :class:`InvalidRequestError`. With
+``stream_options.include_usage`` the last event before ``[DONE]`` has no choices and the request's
+``usage``; its ``prompt_tokens_details.cached_tokens`` (a server started with
+``--enable-prompt-tokens-details``) are the prompt tokens vLLM's prefix cache served.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import httpx
 
 from ..arguments import check_text
 from ..errors import InvalidRequestError, SpecPrefillError
+from .base import PrefillReport
 
 
 class VLLMServerError(SpecPrefillError):
@@ -44,12 +48,13 @@ class StreamEvent(NamedTuple):
     end: Literal["eos", "done"] | None = None
 
 
-def sse_tokens(line: str | bytes, eos_ids: frozenset[int]) -> StreamEvent:
+def sse_tokens(line: str | bytes, eos_ids: frozenset[int], report: PrefillReport | None = None) -> StreamEvent:
     """The tokens of one server-sent-events line of a streamed completion.
 
     A streamed request that vLLM refuses still gets status 200; the refusal comes as an ``error``
     event, raised here as for a non-streamed one (4xx: :class:`InvalidRequestError`). An event that is
-    not vLLM's is a :class:`VLLMServerError`.
+    not vLLM's is a :class:`VLLMServerError`. The usage event (no choices) has no tokens; when it
+    counts cached prompt tokens, they go to ``report.cached_tokens``.
     """
     try:
         text = (line.decode() if isinstance(line, bytes) else line).strip()
@@ -65,7 +70,11 @@ def sse_tokens(line: str | bytes, eos_ids: frozenset[int]) -> StreamEvent:
             error = event["error"]
             code = error.get("code") if isinstance(error, dict) else None
             raise refused(code if isinstance(code, int) else 500, json.dumps(event))
-        ids = [choice.get("token_ids") or [] for choice in event["choices"]]
+        usage = event.get("usage")
+        choices = event["choices"] if usage is None or "choices" in event else []
+        ids = [choice.get("token_ids") or [] for choice in choices]
+        if usage is not None and report is not None:
+            report.cached_tokens = _cached_tokens(usage, report.cached_tokens)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise malformed(text, f"{type(error).__name__}: {error}") from None
     tokens: list[int] = []
@@ -76,6 +85,13 @@ def sse_tokens(line: str | bytes, eos_ids: frozenset[int]) -> StreamEvent:
             return StreamEvent(tokens, "eos")
         tokens.append(token)
     return StreamEvent(tokens)
+
+
+def _cached_tokens(usage: dict[str, object], known: int | None) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` when the server sent it, else ``known``."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else known
 
 
 def malformed(event: str | bytes, problem: str) -> VLLMServerError:

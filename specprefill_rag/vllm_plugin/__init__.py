@@ -6,7 +6,11 @@ SpecPrefill arguments runs exactly as before. A request carrying ``extra_args``
 ``specprefill_prompt_length`` and ``specprefill_runs`` (the kept positions, run-length encoded; see
 :mod:`specprefill_rag.positions`) gets RoPE position ``kept[p]`` for its compact prompt index ``p``
 and ``p + (L - K)`` for generated tokens. KV cache, slot mapping and attention stay in compact
-coordinates, so chunked prefill and prefix caching (with the client's ``cache_salt``) keep working.
+coordinates, so chunked prefill and prefix caching keep working: the prefix cache's block hashes
+cover the original positions of their tokens (:mod:`.block_keys`), so requests share KV blocks exactly
+where token ids and positions agree (across the turns of a conversation, and with ordinary requests
+in leading blocks that kept every token). The probe answer advertises it, so clients send no
+whole-request ``cache_salt`` (they do for a plugin without it).
 
 Two model runners, one map:
 
@@ -51,14 +55,15 @@ def check_vllm_version(version: str) -> None:
 
 
 def register() -> None:
-    """Entry point: register the architectures, the V1 position remap and the admission checks
-    (``L + max_tokens <= max_model_len``, one kept position per prompt token: :mod:`.admission`);
-    idempotent.
+    """Entry point: register the architectures, the V1 position remap, the admission checks
+    (``L + max_tokens <= max_model_len``, one kept position per prompt token: :mod:`.admission`) and
+    the position-keyed prefix-cache blocks (:mod:`.block_keys`); idempotent.
     """
     import vllm
     from vllm import ModelRegistry
 
     from .admission import install_admission_checks
+    from .block_keys import install_position_keyed_blocks
     from .runner_v1 import install_position_remap
 
     check_vllm_version(vllm.__version__)
@@ -66,4 +71,5 @@ def register() -> None:
         ModelRegistry.register_model(architecture, target)
     install_position_remap()
     install_admission_checks()
+    install_position_keyed_blocks()
     logger.debug("specprefill-rag vLLM plugin registered %s", sorted(ARCHITECTURES))

@@ -4,7 +4,9 @@ vLLM runs ``validate_params`` of installed logits-processor plugins when a reque
 ``ValueError`` there becomes an HTTP 400 for that request only, so a malformed request never reaches
 the model runner and the engine keeps serving the others. The processor itself changes no logits.
 A request carrying ``specprefill_probe`` is always refused with a marker message: that is how a
-client detects that a server has the plugin.
+client detects that a server has the plugin. The message also names
+:data:`~specprefill_rag.positions.POSITION_KEYED_BLOCKS` when this process keys prefix-cache blocks by
+position (:mod:`.block_keys`); a client then sends no whole-request ``cache_salt``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ..errors import InvalidRequestError
-from ..positions import PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, check_runs
+from ..positions import POSITION_KEYED_BLOCKS, PROBE_KEY, PROBE_MARKER, PROMPT_LENGTH_KEY, RUNS_KEY, check_runs
+from .block_keys import position_keyed_blocks_installed
+
+
+def probe_answer() -> str:
+    """The refusal a probe gets: the plugin's marker, and its capabilities."""
+    capabilities = f"; capabilities: {POSITION_KEYED_BLOCKS}" if position_keyed_blocks_installed() else ""
+    return f"{PROBE_MARKER}: probe request refused on purpose{capabilities}"
 
 
 def check_arguments(extra_args: dict[str, Any] | None) -> None:
@@ -25,7 +34,7 @@ def check_arguments(extra_args: dict[str, Any] | None) -> None:
     if not isinstance(args, Mapping):
         raise ValueError(f"extra_args must be a mapping of names to values, got {type(args).__name__}")
     if PROBE_KEY in args:
-        raise ValueError(f"{PROBE_MARKER}: probe request refused on purpose")
+        raise ValueError(probe_answer())
     if RUNS_KEY not in args and PROMPT_LENGTH_KEY not in args:
         return
     if RUNS_KEY not in args or PROMPT_LENGTH_KEY not in args:

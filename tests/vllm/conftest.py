@@ -51,7 +51,8 @@ def tiny_folder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llm(tiny_folder):
     """An in-process vLLM engine on the tiny model: chunked prefill forced with 16-token steps, prefix
-    caching on (shared by the end-to-end tests and the plugin's bad-input rows)."""
+    caching on (128-token blocks, the CPU default), stats on for vLLM's prefix-cache counters (shared by
+    the end-to-end tests, the prefix-reuse tests and the plugin's bad-input rows)."""
     from vllm import LLM
 
     engine = LLM(
@@ -62,6 +63,7 @@ def llm(tiny_folder):
         enable_prefix_caching=True,
         enforce_eager=True,
         gpu_memory_utilization=0.2,
+        disable_log_stats=False,
     )
     yield engine
     del engine

@@ -56,9 +56,18 @@ def wait_until_serving(process: subprocess.Popen, url: str, limit_s: float = 600
 
 @contextmanager
 def openai_server(model_folder: Path, start_timeout_s: float = 600) -> Iterator[str]:
-    """Serve ``model_folder`` (16-token prefill chunks, 1,024-token context); yields the base URL."""
+    """Serve ``model_folder`` (16-token prefill chunks, 1,024-token context, prefix caching on by default,
+    cached prompt tokens in the usage); yields the base URL."""
     port = free_port()
-    command = server_command(model_folder, port, "--max-model-len", "1024", "--max-num-batched-tokens", "16")
+    command = server_command(
+        model_folder,
+        port,
+        "--max-model-len",
+        "1024",
+        "--max-num-batched-tokens",
+        "16",
+        "--enable-prompt-tokens-details",
+    )
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

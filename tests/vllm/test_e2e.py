@@ -257,3 +257,35 @@ def test_a_forced_tool_call_is_refused_with_a_vllm_main(llm):
     forced = OutputFormat("tool_call", tools=({"type": "function", "function": {"name": "f"}},), tool_format="hermes")
     with pytest.raises(InvalidRequestError, match="not supported with a vLLM main"):
         VLLMOfflineBackend(llm, frozenset()).check_output_format(forced)
+
+
+def test_server_keys_blocks_by_position_and_reports_cached_tokens(server):
+    """The probe answer advertises position-keyed blocks, so no cache_salt goes out, and turn 2 of a
+    conversation hits turn 1's blocks (usage.prompt_tokens_details.cached_tokens, blocking and async)."""
+    from specprefill_rag.backends.base import PrefillReport
+    from specprefill_rag.backends.vllm import VLLMServerBackend
+
+    backend = VLLMServerBackend(server, frozenset())
+    assert backend.supports_sparse_prefill and backend.position_keyed_blocks
+    full1 = torch.randint(3, 400, (400,), generator=torch.Generator().manual_seed(21))
+    kept1 = torch.tensor([*range(200), *range(250, 300), *range(350, 400)])  # K1 = 300: 2 full blocks of 128
+    turn1 = SparsePrompt.kept(full1, kept1)
+    body = backend._body(turn1, GREEDY)
+    assert "cache_salt" not in body and body["stream_options"] == {"include_usage": True}
+    report1 = PrefillReport()
+    answer = list(backend.generate(turn1, GREEDY, report1))
+    assert report1.cached_tokens == 0 and answer
+    new = torch.randint(3, 400, (200,), generator=torch.Generator().manual_seed(22))
+    full2 = torch.cat([full1, torch.tensor(answer), new])
+    n = len(answer)
+    kept2 = torch.cat([kept1, torch.arange(400, 400 + n), torch.arange(450 + n, 600 + n)])  # K2 = 450 + n
+    turn2 = SparsePrompt.kept(full2, kept2)
+
+    async def tokens(report):
+        return [token async for token in backend.agenerate(turn2, GREEDY, report)]
+
+    report2, report3 = PrefillReport(), PrefillReport()
+    first = asyncio.run(tokens(report2))
+    assert report2.cached_tokens == 2 * 128  # turn 1's blocks
+    assert list(backend.generate(turn2, GREEDY, report3)) == first
+    assert report3.cached_tokens == 3 * 128  # now also turn 2's own third block (K2 - 1 < 512)
