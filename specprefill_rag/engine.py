@@ -27,6 +27,7 @@ from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefil
 from .decode.stream import Decoding, alast_result, last_result
 from .decode.tool_choice import tool_decoding
 from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, parameter_count, pays_from
+from .draft.document_cache import DocumentKVCache, shared_document_cache
 from .draft.hooks import decoder_layers
 from .draft.model import LayerPrefixDraft, ModelDraft
 from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring
@@ -129,7 +130,14 @@ class SpecPrefillEngine:
             drafting = draft if draft is not None else main
             draft_eos = eos_token_ids(drafting.model, drafting.tokenizer)
             cache = _prefix_cache(config, drafting.model)
-            scorer = ModelDraft(drafting.model, config.look_ahead, config.pool_kernel, draft_eos, cache)
+            scorer = ModelDraft(
+                drafting.model,
+                config.look_ahead,
+                config.pool_kernel,
+                draft_eos,
+                cache,
+                _document_cache(config, drafting.model),
+            )
             scoring = draft_scoring(
                 scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens
             )
@@ -199,7 +207,8 @@ class SpecPrefillEngine:
         backend.adopt_tokenizer(tokenizer, main_eos)
         engine = cls.__new__(cls)
         cache = _prefix_cache(config, draft.model)
-        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache)
+        documents = _document_cache(config, draft.model)
+        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache, documents)
         scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead, config.max_draft_tokens)
         floor = REMOTE_MAIN_MIN_PROMPT_TOKENS if config.min_prompt_tokens == AUTO else config.min_prompt_tokens
         engine._assemble(config, tokenizer, backend, scoring, None, floor)
@@ -270,7 +279,7 @@ class SpecPrefillEngine:
         if recalled is not None and recalled.complete:
             return self.pipeline.select(layout, budget, None, recalled=recalled)
         started = time.perf_counter()
-        scored = self.draft_scoring.score(layout, prepared)
+        scored = self.draft_scoring.score(layout, prepared, self.config.draft_document_cache)
         cost = DraftCost(
             _milliseconds(started),
             scored.cached_tokens,
@@ -569,6 +578,11 @@ class SpecPrefillEngine:
 def _prefix_cache(config: SpecPrefillConfig, draft_model: Any) -> DraftPrefixCache | None:
     """The shared draft prefix cache for ``draft_model``'s device, or ``None`` when ``config`` turns it off."""
     return shared_prefix_cache(next(draft_model.parameters()).device, config.draft_cache_mb * 2**20)
+
+
+def _document_cache(config: SpecPrefillConfig, draft_model: Any) -> DocumentKVCache | None:
+    """The shared per-document draft cache for ``draft_model``'s device, or ``None`` when ``config`` turns it off."""
+    return shared_document_cache(next(draft_model.parameters()).device, config.document_cache_mb * 2**20)
 
 
 def _with_default_draft(config: SpecPrefillConfig) -> SpecPrefillConfig:

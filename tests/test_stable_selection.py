@@ -10,8 +10,9 @@ from specprefill_rag.config import GenerationParams
 from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.prompt.chat import ChatMessage
+from specprefill_rag.prompt.layout import document_runs
 from specprefill_rag.results import ToolCall
-from specprefill_rag.selection.memo import SelectionMemo, document_runs
+from specprefill_rag.selection.memo import SelectionMemo
 from specprefill_rag.testing import random_documents
 
 PARAMS = {"max_new_tokens": 6}

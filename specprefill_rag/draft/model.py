@@ -16,6 +16,7 @@ import torch
 
 from ..errors import DraftScoringError
 from .batch import score_model_batch
+from .document_cache import DocumentStore, assemble_prompt_kv
 from .hooks import (
     StopForward,
     capture_attention,
@@ -44,21 +45,46 @@ class ModelDraft:
     pool_kernel: int = 13
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     prefix_cache: DraftPrefixCache | None = None
+    document_cache: DocumentStore | None = None
+    recompute_first: int = 0  # of each cached document, the first tokens computed in context (EPIC's repair)
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
         return self.score_prompt(input_ids).importance
 
     @torch.inference_mode()
-    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
-        """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied."""
+    def score_prompt(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
+        """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied.
+
+        ``documents``: ``[S, 2]`` spans of the prompt's documents, to take their KV from the per-document
+        cache (``document_cache``; an approximation, see :mod:`.document_cache`); None: drafted jointly.
+        """
+        if documents is not None and self.document_cache is not None and documents.numel():
+            return self._score_with_documents(input_ids, documents, self.document_cache)
         prompt_length = input_ids.numel()
-        accumulator = ImportanceAccumulator(prompt_length, self.look_ahead, input_ids.device)
         layers = self.model.config.num_hidden_layers
         reuse = PrefixReuse.begin(
             self.prefix_cache, self.model, layers, input_ids, prompt_length - 1, needs_past=self.look_ahead > 1
         )
-        cache, start = reuse.past, reuse.cached_tokens
+        importance = self._score_from(input_ids, reuse.past, reuse.cached_tokens)
+        reuse.remember(input_ids)
+        return DraftScore(importance, reuse.cached_tokens)
+
+    def _score_with_documents(
+        self, input_ids: torch.Tensor, documents: torch.Tensor, store: DocumentStore
+    ) -> DraftScore:
+        """Score from KV assembled out of the per-document cache; never stored in the (exact) prefix cache."""
+        draft = DraftIdentity.of(self.model, self.model.config.num_hidden_layers)
+        assembled = assemble_prompt_kv(self.model, draft, input_ids, documents, store, self.recompute_first)
+        importance = self._score_from(input_ids, assembled.past, input_ids.numel() - 1)
+        return DraftScore(importance, 0, assembled.cached_tokens, assembled.documents_cached)
+
+    def _score_from(self, input_ids: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
+        """``[L]`` importance: the prompt from token ``start`` on (``cache`` holds the KV before it), then the
+        look-ahead, every query scored over all prompt keys.
+        """
+        prompt_length = input_ids.numel()
+        accumulator = ImportanceAccumulator(prompt_length, self.look_ahead, input_ids.device)
         with capture_attention(self.model, accumulator, self.pool_kernel):
             inputs = _step_inputs(input_ids[start:], start)
             output = self.model(**inputs, past_key_values=cache, use_cache=cache is not None, logits_to_keep=1)
@@ -69,9 +95,7 @@ class ModelDraft:
                 accumulator.step = step
                 inputs = _step_inputs(token.view(1), prompt_length + step - 1)
                 output = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        importance = accumulator.result()
-        reuse.remember(input_ids)
-        return DraftScore(importance, start)
+        return accumulator.result()
 
     def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
         """Several ``[L_i]`` prompts in one batched forward (:mod:`specprefill_rag.draft.batch`); per prompt
@@ -119,8 +143,10 @@ class LayerPrefixDraft:
         return self.score_prompt(input_ids).importance
 
     @torch.inference_mode()
-    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
-        """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied."""
+    def score_prompt(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
+        """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied.
+        ``documents`` is ignored: a layer-prefix draft has no per-document cache yet (always drafted jointly).
+        """
         window = min(self.query_window, input_ids.numel())
         accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
         reuse = PrefixReuse.begin(

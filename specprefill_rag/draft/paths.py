@@ -14,14 +14,14 @@ rather than scoring it with positions the draft was never trained on, and one lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 
 from ..errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
 from ..models.loading import model_lock, same_vocabulary
-from ..prompt.layout import PromptLayout, PromptSource
+from ..prompt.layout import PromptLayout, PromptSource, document_runs
 from ..results import DraftPath
 from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
 from .importance import DraftScore
@@ -45,8 +45,10 @@ class TokenScorer(Protocol):
         """``[L]`` long ids -> ``[L]`` float32 importance."""
         ...
 
-    def score_prompt(self, input_ids: torch.Tensor) -> DraftScore:
-        """``[L]`` long ids -> importance and the leading tokens the draft's prefix cache supplied."""
+    def score_prompt(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
+        """``[L]`` long ids -> importance and the leading tokens the draft's prefix cache supplied; with
+        ``documents`` (``[S, 2]`` spans), their KV from the per-document cache where the draft has one.
+        """
         ...
 
     def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
@@ -59,23 +61,29 @@ def score_tokens(draft: TokenScorer, input_ids: torch.Tensor) -> torch.Tensor:
     return draft_score(draft, input_ids).importance
 
 
-def draft_score(draft: TokenScorer, input_ids: torch.Tensor) -> DraftScore:
-    """:func:`score_tokens`, with the tokens the draft's prefix cache supplied."""
+def draft_score(draft: TokenScorer, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
+    """:func:`score_tokens`, with the tokens the draft's caches supplied (``documents``: ``[S, 2]`` spans to
+    take from the per-document cache).
+    """
     device = next(draft.model.parameters()).device
     with model_lock(draft.model):
-        scored = score_or_out_of_memory(draft, input_ids.to(device))
-    return DraftScore(scored.importance.cpu(), scored.cached_tokens)
+        scored = score_or_out_of_memory(draft, input_ids.to(device), documents)
+    return replace(scored, importance=scored.importance.cpu())
 
 
 def score_layout(
-    scoring: DirectScoring | MappedScoring, layout: PromptLayout, prepared: DraftInput | None = None
+    scoring: DirectScoring | MappedScoring,
+    layout: PromptLayout,
+    prepared: DraftInput | None = None,
+    documents: bool = False,
 ) -> DraftScore:
     """Prepare what the draft reads (unless ``prepared``, from ``scoring.prepare(layout)``, is given), score
-    it under the draft's lock, and carry it onto ``layout``.
+    it under the draft's lock, and carry it onto ``layout``. ``documents``: use the per-document draft cache.
     """
     prepared = prepared or scoring.prepare(layout)
-    scored = draft_score(scoring.draft, prepared.token_ids)
-    return DraftScore(scoring.finish(prepared, scored.importance), scored.cached_tokens)
+    spans = document_runs(prepared.draft_layout.document_index) if documents else None
+    scored = draft_score(scoring.draft, prepared.token_ids, spans)
+    return replace(scored, importance=scoring.finish(prepared, scored.importance))
 
 
 def check_draft_context(
@@ -128,11 +136,12 @@ class _LayoutScoring:
         """``[L]`` float32 importance of the layout's tokens (0 outside documents on the mapped path)."""
         return self.score(layout).importance
 
-    def score(self, layout: PromptLayout, prepared: DraftInput | None = None) -> DraftScore:
+    def score(self, layout: PromptLayout, prepared: DraftInput | None = None, documents: bool = False) -> DraftScore:
         """:meth:`importance`, with the leading draft tokens its prefix cache supplied; ``prepared``: this
-        layout's :meth:`prepare`, when the caller already has it (the mapped path renders the prompt there).
+        layout's :meth:`prepare`, when the caller already has it (the mapped path renders the prompt there);
+        ``documents``: take the documents' draft KV from the per-document cache.
         """
-        return score_layout(self, layout, prepared)  # type: ignore[arg-type]
+        return score_layout(self, layout, prepared, documents)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

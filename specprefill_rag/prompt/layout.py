@@ -87,6 +87,18 @@ class PromptLayout:
         return int((self.document_index >= 0).sum())
 
 
+def document_runs(document_index: torch.Tensor) -> torch.Tensor:
+    """``[L]`` document ids (``-1`` outside documents) -> ``[S, 2]`` long ``(start, end)`` of each run of
+    one document's consecutive tokens, in prompt order.
+    """
+    previous = torch.cat([document_index.new_full((1,), -1), document_index[:-1]])
+    following = torch.cat([document_index[1:], document_index.new_full((1,), -1)])
+    inside = document_index >= 0
+    starts = torch.nonzero(inside & (document_index != previous)).flatten()
+    ends = torch.nonzero(inside & (document_index != following)).flatten() + 1
+    return torch.stack([starts, ends], dim=1)
+
+
 @dataclass(frozen=True)
 class Turn:
     """One chat message: a role name understood by chat templates and its content as segments.

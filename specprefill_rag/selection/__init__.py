@@ -11,7 +11,7 @@ from .chunks import (
     document_chunks,
     select_kept,
 )
-from .memo import RecalledSpans, SelectionMemo, document_runs
+from .memo import RecalledSpans, SelectionMemo
 
 __all__ = [
     "FixedRate",
@@ -22,6 +22,5 @@ __all__ = [
     "chunk_means",
     "chunks_to_take",
     "document_chunks",
-    "document_runs",
     "select_kept",
 ]

@@ -24,24 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from ..draft.prefix_index import PrefixIndex, block_hashes
+from ..prompt.layout import document_runs
 
 # What a memo may hold: 64 MiB is ~5M prompt tokens of history (8 bytes an id, 4 a kept offset).
 DEFAULT_MEMO_BYTES = 64 * 2**20
 _ENTRY_OVERHEAD = 200  # bytes of Python objects per span besides its offsets
 
 Span = tuple[int, int]
-
-
-def document_runs(document_index: torch.Tensor) -> torch.Tensor:
-    """``[L]`` document ids (``-1`` outside documents) -> ``[S, 2]`` long ``(start, end)`` of each run of
-    one document's consecutive tokens, in prompt order.
-    """
-    previous = torch.cat([document_index.new_full((1,), -1), document_index[:-1]])
-    following = torch.cat([document_index[1:], document_index.new_full((1,), -1)])
-    inside = document_index >= 0
-    starts = torch.nonzero(inside & (document_index != previous)).flatten()
-    ends = torch.nonzero(inside & (document_index != following)).flatten() + 1
-    return torch.stack([starts, ends], dim=1)
 
 
 @dataclass(frozen=True)
