@@ -152,6 +152,8 @@ def _option_kind(annotation: Any) -> dict[str, Any]:
         return {"choices": literals}
     if plain[0] is tuple:
         return {"action": "append"}
+    if plain[0] is bool:  # --reselect / --no-reselect (type=bool would read "false" as True)
+        return {"action": argparse.BooleanOptionalAction}
     kind = str if plain[0] is SecretStr else plain[0]
     return {"type": _or_literal(kind, literals) if literals else kind}
 

@@ -234,3 +234,14 @@ def test_generated_serve_options_parse_into_the_settings():
         parser().parse_args(["serve", "--keep-rate", "lots"])
     with pytest.raises(SystemExit):
         parser().parse_args(["serve", "--dtype", "int8"])
+
+
+def test_boolean_serve_options_are_switches():
+    from specprefill_rag.cli import parser, serve_settings
+
+    assert serve_settings(parser().parse_args(["serve"])).reselect is True
+    assert serve_settings(parser().parse_args(["serve", "--no-reselect"])).reselect is False
+    settings = serve_settings(parser().parse_args(["serve", "--draft-document-cache", "--reselect"]))
+    assert settings.draft_document_cache is True and settings.reselect is True
+    with pytest.raises(SystemExit):
+        parser().parse_args(["serve", "--reselect", "false"])  # a switch takes no value ("false" would be truthy)

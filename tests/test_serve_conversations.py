@@ -1,5 +1,5 @@
 """The gateway's conversations: a later turn keeps the first turn's selection (stable selection), its stats
-reach headers, body and /metrics, and spec_prefill.reselect opts out."""
+reach headers, body and /metrics, with spec_prefill.reselect false (the default reselects)."""
 
 import httpx
 
@@ -24,15 +24,15 @@ def test_second_turn_reuses_the_selection_and_says_so(gateway):
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "\n\n".join(documents) + "\n\nWhen did the bridge open?"},
     ]
-    first = post(gateway, turn_1, documents)
+    first = post(gateway, turn_1, documents, reselect=False)
     assert first.status_code == 200, first.text
     answer = first.json()["choices"][0]["message"]["content"]
     turn_2 = [*turn_1, {"role": "assistant", "content": answer}, {"role": "user", "content": "Who built it?"}]
-    second = post(gateway, turn_2, documents)
+    second = post(gateway, turn_2, documents, reselect=False)
     stats = second.json()["spec_prefill"]
     assert stats["reused_spans"] == 2 and stats["draft_ms"] == 0 and stats["main_cached_tokens"] > 0
     assert second.headers["x-specprefill-reused-spans"] == "2"
-    again = post(gateway, turn_2, documents, reselect=True).json()["spec_prefill"]
+    again = post(gateway, turn_2, documents).json()["spec_prefill"]  # the default: reselect
     assert again["reused_spans"] == 0 and again["draft_ms"] > 0
     metrics = httpx.get(gateway + "/metrics", timeout=10).text
     assert "specprefill_reused_spans_total 2.0" in metrics

@@ -91,7 +91,7 @@ def test_memo_keeps_the_first_choice_under_concurrent_stores():
 @pytest.fixture
 def engine(tiny_model, tiny_draft, tokenizer):
     return SpecPrefillEngine.from_models(
-        tiny_model, tokenizer, tiny_draft, keep_rate=0.3, min_prompt_tokens=0, look_ahead=2
+        tiny_model, tokenizer, tiny_draft, keep_rate=0.3, min_prompt_tokens=0, look_ahead=2, reselect=False
     )
 
 

@@ -77,9 +77,9 @@ class SpecPrefillOptions(_Strict):
     )
     reselect: bool | None = Field(
         None,
-        description="True: score every document and tool result again against this question. By default a span "
-        "compressed by an earlier request of the conversation keeps the tokens chosen then, so the main model's "
-        "prefix cache serves the history (None: the gateway's --reselect).",
+        description="False (stable selection): a document or tool result compressed by an earlier request of the "
+        "conversation keeps the tokens chosen then, so the main model's prefix cache serves the history; True: "
+        "score every span again against this question. None: the gateway's --reselect (default true).",
     )
     keep_tools_whole: list[str] = Field(
         default_factory=list,

@@ -1,4 +1,5 @@
-"""A conversation's later turn keeps the documents' tokens chosen in turn 1 (stable selection), unless reselect."""
+"""With reselect=False a conversation's later turn keeps the documents' tokens chosen in turn 1 (stable
+selection); a call can still reselect."""
 
 from llama_index.core.llms import ChatMessage
 from llama_index.llms.specprefill import SpecPrefillLLM
@@ -14,7 +15,7 @@ def history(documents):
 
 
 def test_second_turn_reuses_the_first_turns_selection(tiny_engine):
-    llm = SpecPrefillLLM.from_engine(tiny_engine, keep_rate=0.3, max_new_tokens=4)
+    llm = SpecPrefillLLM.from_engine(tiny_engine, keep_rate=0.3, max_new_tokens=4, reselect=False)
     documents = random_documents(2, 70, seed=31)
     turn_1 = history(documents)
     first = llm.chat(turn_1, documents=documents)

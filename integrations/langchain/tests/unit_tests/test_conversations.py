@@ -1,4 +1,5 @@
-"""A conversation's later turn keeps the documents' tokens chosen in turn 1 (stable selection), unless reselect."""
+"""With reselect=False a conversation's later turn keeps the documents' tokens chosen in turn 1 (stable
+selection); by default every turn reselects."""
 
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
@@ -14,7 +15,7 @@ def history(documents):
 
 
 def test_second_turn_reuses_the_first_turns_selection(tiny_engine):
-    chat = ChatSpecPrefill.from_engine(tiny_engine, keep_rate=0.3, max_tokens=4)
+    chat = ChatSpecPrefill.from_engine(tiny_engine, keep_rate=0.3, max_tokens=4, reselect=False)
     documents = random_documents(2, 70, seed=21)
     turn_1 = history(documents)
     first = chat.invoke(turn_1, documents=documents)
@@ -27,8 +28,8 @@ def test_second_turn_reuses_the_first_turns_selection(tiny_engine):
     assert again.response_metadata["spec_prefill"]["reused_spans"] == 0
 
 
-def test_reselect_as_a_constructor_setting(tiny_engine):
-    chat = ChatSpecPrefill.from_engine(tiny_engine, keep_rate=0.3, max_tokens=4, reselect=True)
+def test_reselect_is_the_default(tiny_engine):
+    chat = ChatSpecPrefill.from_engine(tiny_engine, keep_rate=0.3, max_tokens=4)
     documents = random_documents(2, 70, seed=22)
     first = chat.invoke(history(documents), documents=documents)
     turn_2 = [*history(documents), AIMessage(first.content), HumanMessage("Who built it?")]
