@@ -77,6 +77,19 @@ STUDIES: dict[str, Study] = {
         "2-core AMD EPYC, one torch thread, shared with other sessions (load 4-6); both libraries interleaved",
         "contended",
     ),
+    "conversation": Study(
+        "multi-turn chats over the same documents (issue #27): TTFT per turn of full prefill, reselecting "
+        "SpecPrefill and stable selection with the main prefix cache; frozen against reselected answers",
+        "docs/benchmarks/conversation.md",
+        "2-core Intel Xeon (AVX512-BF16, no AMX), float32, two torch threads, shared with other jobs' tests "
+        "(load 2-6): paired ratios",
+        "contended",
+        runs={
+            "speed-4k": "SQuAD paragraph among others, ~4k document tokens, 4 turns, keep 0.1, 3 conversations",
+            "quality-squad-keep-0.3": "SQuAD, 5 passages, 3 questions per conversation, keep 0.3",
+            "quality-squad-keep-0.1": "the same conversations at keep 0.1, stopped after 8 of 20",
+        },
+    ),
     "crossover": Study(
         "the prompt length from which SpecPrefill lowers TTFT (`min_prompt_tokens`), per draft/main pair, keep 0.3",
         "docs/benchmarks/crossover.md",
