@@ -30,7 +30,7 @@ from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, parameter_count, pays_fro
 from .draft.document_cache import DocumentKVCache, shared_document_cache
 from .draft.hooks import decoder_layers
 from .draft.model import LayerPrefixDraft, ModelDraft
-from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring
+from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring, warm_layout
 from .draft.prefix_cache import DraftPrefixCache, shared_prefix_cache
 from .errors import ContextLengthError, InvalidRequestError
 from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_model
@@ -121,7 +121,8 @@ class SpecPrefillEngine:
                     f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})"
                 )
             window, cache = config.self_draft_window, _prefix_cache(config, main.model)
-            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, window, cache)
+            documents = _document_cache(config, main.model)
+            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, window, cache, documents)
             scoring: DirectScoring | MappedScoring = DirectScoring(
                 scorer, main.context_length, 1, config.max_draft_tokens, path="self"
             )
@@ -573,6 +574,32 @@ class SpecPrefillEngine:
                 if decoding.stopped:
                     break
         yield decoding.finish()
+
+    # -- per-document draft cache ----------------------------------------------------------------
+
+    def warm_documents(self, documents: Sequence[DocumentLike], instructions: str | None = None) -> int:
+        """Draft each document once into the per-document draft cache, after the prefix :meth:`layout` renders
+        for ``instructions``, so later requests with ``draft_document_cache`` take their KV from it.
+
+        Stops before the cache would have to drop entries; returns the documents drafted and held
+        (0 when ``document_cache_mb`` is 0).
+        """
+        store = getattr(self.draft, "document_cache", None)
+        if store is None:
+            return 0
+        warmed, bytes_per_token = 0, 0.0
+        for document in documents:
+            layout = self.layout(_WARM_QUESTION, [document], instructions)
+            tokens, free = max(layout.n_document_tokens, 1), store.free_bytes()
+            if bytes_per_token * tokens > free:
+                break
+            held = warm_layout(self.draft_scoring, layout)
+            bytes_per_token = max(bytes_per_token, (free - store.free_bytes()) / tokens)
+            warmed += held
+        return warmed
+
+
+_WARM_QUESTION = "?"  # the question comes after the documents: it never changes what is warmed
 
 
 def _prefix_cache(config: SpecPrefillConfig, draft_model: Any) -> DraftPrefixCache | None:

@@ -1,5 +1,7 @@
 """Per-document draft KV (issue #28): documents drafted once, their keys rotated to where they sit now."""
 
+import asyncio
+import gc
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -7,14 +9,18 @@ import torch
 from transformers import DynamicCache
 
 from specprefill_rag.config import GenerationParams
-from specprefill_rag.draft.document_cache import DocumentKVCache, assemble_prompt_kv
-from specprefill_rag.draft.model import ModelDraft
+from specprefill_rag.draft.assembly import assemble_prompt_kv
+from specprefill_rag.draft.document_cache import DocumentKVCache
+from specprefill_rag.draft.importance import DraftScore
+from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
 from specprefill_rag.draft.paths import draft_score
 from specprefill_rag.draft.prefix_cache import DraftIdentity
+from specprefill_rag.draft.repair import BLEND, EPIC, NAIVE, DocumentRepair
 from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.prompt.layout import document_runs
-from specprefill_rag.testing import build_model, random_documents
+from specprefill_rag.serve.queue import DraftQueue
+from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
 
 @pytest.fixture(scope="module")
@@ -42,36 +48,46 @@ def engine(tiny_model, tokenizer, sharp_draft):
     return SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=3)
 
 
-def test_one_document_assembles_the_joint_kv(engine, sharp_draft):
+REPAIRS = [NAIVE, EPIC, BLEND]
+
+
+@pytest.mark.parametrize("repair", REPAIRS, ids=lambda r: r.kind)
+def test_one_document_assembles_the_joint_kv(engine, sharp_draft, repair):
     layout = layout_of(engine, random_documents(1, 60, seed=1))
     ids, spans = layout.input_ids, document_runs(layout.document_index)
-    assembled = assemble_prompt_kv(sharp_draft, identity(sharp_draft), ids, spans, DocumentKVCache(2**24))
+    store = DocumentKVCache(2**24)
+    cold = assemble_prompt_kv(sharp_draft, identity(sharp_draft), ids, spans, store, repair)
+    assert cold.documents_cached == 0 and cold.cached_tokens == 0 and len(store) == 2  # the prefix and the document
+    assembled = assemble_prompt_kv(sharp_draft, identity(sharp_draft), ids, spans, store, repair)
     joint = joint_kv(sharp_draft, ids[:-1])
-    assert assembled.documents_cached == 0 and assembled.cached_tokens == int(spans[0, 1] - spans[0, 0])
+    recomputed = {"naive": 0, "epic": 16, "blend": -(-int(spans[0, 1] - spans[0, 0]) * 15 // 100)}[repair.kind]
+    assert assembled.documents_cached == 1
+    assert assembled.cached_tokens == int(spans[0, 1] - spans[0, 0]) - recomputed
     for mine, theirs in zip(assembled.past.layers, joint.layers):
         torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
 
 
-def test_scores_with_the_cache_equal_joint_scores_for_one_document(engine, sharp_draft, tokenizer):
+@pytest.mark.parametrize("repair", REPAIRS, ids=lambda r: r.kind)
+def test_scores_with_the_cache_equal_joint_scores_for_one_document(engine, sharp_draft, repair):
     layout = layout_of(engine, random_documents(1, 80, seed=2))
     store = DocumentKVCache(2**24)
-    draft = ModelDraft(sharp_draft, 3, 13, frozenset(), document_cache=store)
+    draft = ModelDraft(sharp_draft, 3, 13, frozenset(), document_cache=store, repair=repair)
     spans = document_runs(layout.document_index)
     joint = draft.score_prompt(layout.input_ids)
     for _ in range(2):  # a miss (encoded now), then a hit
         cached = draft.score_prompt(layout.input_ids, spans)
         torch.testing.assert_close(cached.importance, joint.importance, atol=1e-5, rtol=1e-4)
-    assert cached.documents_cached == 1 and cached.document_cached_tokens == int(spans[0, 1] - spans[0, 0])
+    assert cached.documents_cached == 1 and 0 < cached.document_cached_tokens <= int(spans[0, 1] - spans[0, 0])
 
 
 def test_documents_in_another_order_come_from_the_cache(engine, sharp_draft):
     documents = random_documents(3, 50, seed=3)
     store = DocumentKVCache(2**24)
-    draft = ModelDraft(sharp_draft, 3, 13, frozenset(), document_cache=store)
+    draft = ModelDraft(sharp_draft, 3, 13, frozenset(), document_cache=store, repair=NAIVE)
     first = layout_of(engine, documents)
     cold = draft.score_prompt(first.input_ids, document_runs(first.document_index))
-    assert cold.documents_cached == 0 and len(store) == 3
+    assert cold.documents_cached == 0 and len(store) == 1 + 3
     swapped = layout_of(engine, [documents[2], documents[0]], question="Who built it?")
     warm = draft.score_prompt(swapped.input_ids, document_runs(swapped.document_index))
     assert warm.documents_cached == 2 and warm.document_cached_tokens == swapped.n_document_tokens
@@ -87,7 +103,7 @@ def test_the_cache_stays_within_its_bytes_and_drops_the_oldest(engine, sharp_dra
         layout = layout_of(engine, [document])
         draft.score_prompt(layout.input_ids, document_runs(layout.document_index))
         assert store.nbytes <= store.max_bytes
-    assert 1 <= len(store) < len(documents)
+    assert 2 <= len(store) < 1 + len(documents)
     store.clear()
     assert len(store) == 0 and store.nbytes == 0
 
@@ -112,7 +128,7 @@ def test_the_engine_setting_reports_what_the_cache_served(tiny_model, tokenizer,
     engine.generate_layout(layout_of(engine, documents), params)
     swapped = layout_of(engine, documents[::-1], question="Why?")
     stats = engine.generate_layout(swapped, params).stats
-    assert stats.draft_documents_cached == 2 and stats.draft_document_cached_tokens == swapped.n_document_tokens
+    assert stats.draft_documents_cached == 2 and 0 < stats.draft_document_cached_tokens <= swapped.n_document_tokens
     off = SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2)
     assert off.generate_layout(swapped, params).stats.draft_documents_cached == 0
 
@@ -131,3 +147,168 @@ def test_concurrent_scoring_equals_sequential(engine, sharp_draft):
         results = list(pool.map(score, layouts, timeout=120))
     for got, want in zip(results, expected):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_a_layer_prefix_draft_caches_its_layers(engine, sharp_draft, window):
+    """``self:<n>``: the first layers of the main model, their KV cached per document; one document is exact."""
+    layout = layout_of(engine, random_documents(1, 70, seed=7))
+    spans = document_runs(layout.document_index)
+    store = DocumentKVCache(2**24)
+    cached = LayerPrefixDraft(sharp_draft, 1, 13, window, document_cache=store)
+    joint = LayerPrefixDraft(sharp_draft, 1, 13, window).score_prompt(layout.input_ids)
+    for _ in range(2):
+        scored = cached.score_prompt(layout.input_ids, spans)
+        torch.testing.assert_close(scored.importance, joint.importance, atol=1e-5, rtol=1e-4)
+    assert scored.documents_cached == 1
+    (key, entry), *_ = store._entries.items()
+    assert key[0].layers == 1 and len(entry.layers) == 1  # only the layers the draft runs
+
+
+def test_two_documents_moved_stay_close_to_joint_with_blend(engine, sharp_draft):
+    """Not exact (documents do not see each other), but the repair closes most of the gap to joint scores."""
+    documents = random_documents(2, 60, seed=8)
+    layout = layout_of(engine, documents)
+    spans = document_runs(layout.document_index)
+    joint = ModelDraft(sharp_draft, 2, 13, frozenset()).score_prompt(layout.input_ids).importance
+    errors = {}
+    for repair in (NAIVE, DocumentRepair("blend", share=1.0)):
+        draft = ModelDraft(sharp_draft, 2, 13, frozenset(), document_cache=DocumentKVCache(2**24), repair=repair)
+        reversed_layout = layout_of(engine, documents[::-1])
+        draft.warm(reversed_layout.input_ids, document_runs(reversed_layout.document_index))
+        scored = draft.score_prompt(layout.input_ids, spans)
+        assert scored.documents_cached == 2
+        errors[repair.kind] = float((scored.importance - joint).abs().max())
+    assert errors["blend"] < 1e-5 < errors["naive"]  # every token recomputed in context: the joint KV again
+
+
+def test_warm_documents_fills_the_cache_for_later_requests(tiny_model, tokenizer, sharp_draft):
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2, draft_document_cache=True
+    )
+    documents = random_documents(3, 50, seed=9)
+    assert engine.warm_documents(documents, instructions="Answer briefly.") == 3
+    layout = engine.layout("Which one?", documents[::-1], instructions="Answer briefly.")
+    stats = engine.generate_layout(layout, GenerationParams(max_new_tokens=1)).stats
+    assert stats.draft_documents_cached == 3
+
+
+def test_warm_documents_stops_at_the_cache_size(tiny_model, tokenizer, sharp_draft):
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2)
+    engine.draft.document_cache = DocumentKVCache(2 * 2 * 2 * 16 * 4 * 200)  # about 200 tokens of KV
+    warmed = engine.warm_documents(random_documents(6, 50, seed=10))
+    assert 1 <= warmed < 6 and len(engine.draft.document_cache) == 1 + warmed
+    assert engine.draft.document_cache.nbytes <= engine.draft.document_cache.max_bytes
+
+
+def test_without_a_cache_nothing_is_warmed(tiny_model, tokenizer, sharp_draft):
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2, document_cache_mb=0
+    )
+    assert engine.warm_documents(random_documents(2, 20)) == 0
+
+
+def test_a_model_collected_frees_its_entries(tokenizer, engine):
+    model = build_model(tokenizer, layers=1, seed=11)
+    store = DocumentKVCache(2**24)
+    layout = layout_of(engine, random_documents(2, 30, seed=11))
+    ModelDraft(model, 2, 13, frozenset(), document_cache=store).warm(
+        layout.input_ids, document_runs(layout.document_index)
+    )
+    assert len(store) == 3
+    del model
+    gc.collect()
+    assert len(store) == 0 and store.nbytes == 0
+
+
+@pytest.mark.parametrize(
+    "repair", [{"kind": "other"}, {"share": 1.5}, {"first_tokens": -1}, {"probe_layers": 0}], ids=str
+)
+def test_bad_repairs_are_refused(repair):
+    with pytest.raises(InvalidRequestError, match="repair"):
+        DocumentRepair(**repair)
+
+
+def test_float_spans_are_refused(engine, sharp_draft):
+    layout = layout_of(engine, random_documents(1, 30))
+    with pytest.raises(InvalidRequestError, match="integer"):
+        assemble_prompt_kv(
+            sharp_draft, identity(sharp_draft), layout.input_ids, torch.tensor([[3.0, 9.0]]), DocumentKVCache(2**20)
+        )
+
+
+def test_the_gateway_queue_carries_document_spans(engine, sharp_draft):
+    draft = ModelDraft(sharp_draft, 2, 13, frozenset(), document_cache=DocumentKVCache(2**24))
+    layouts = [layout_of(engine, random_documents(2, 40, seed=s)) for s in (12, 13)]
+    calls = []
+
+    def score_batch(prompts, documents=None):
+        calls.append(documents)
+        return draft.score_batch(prompts, documents)
+
+    async def run():
+        queue = DraftQueue(score_batch, capacity=8, batch_size=4, batch_tokens=10_000, window_s=0.01)
+        try:
+            with_spans = queue.score(layouts[0].input_ids, document_runs(layouts[0].document_index))
+            return await asyncio.gather(with_spans, queue.score(layouts[1].input_ids))
+        finally:
+            await queue.stop()
+
+    served, joint = asyncio.run(run())
+    assert calls[-1] is not None and calls[-1][1] is None  # spans went through, per prompt
+    assert served.documents_cached == 0 and served.batch_size == 2 and joint.document_cached_tokens == 0
+    again = asyncio.run(_score_alone(score_batch, layouts[0]))
+    assert again.documents_cached == 2 and again.document_cached_tokens > 0
+    assert calls[0] is not None
+
+
+async def _score_alone(score_batch, layout):
+    queue = DraftQueue(score_batch, capacity=8, batch_size=4, batch_tokens=10_000, window_s=0.0)
+    try:
+        return await queue.score(layout.input_ids, document_runs(layout.document_index))
+    finally:
+        await queue.stop()
+
+
+def test_a_one_argument_batch_function_still_works(engine):
+    def score_batch(prompts):
+        return [DraftScore(torch.ones(p.numel())) for p in prompts]
+
+    async def run():
+        queue = DraftQueue(score_batch, capacity=8, batch_size=4, batch_tokens=10_000, window_s=0.0)
+        try:
+            return await queue.score(torch.arange(5))
+        finally:
+            await queue.stop()
+
+    assert asyncio.run(run()).importance.shape == (5,)
+
+
+def test_the_mapped_path_caches_the_documents_as_the_draft_reads_them(tiny_model, tokenizer):
+    """A draft of another vocabulary: the spans are those of its own rendering of the prompt."""
+    draft_tokenizer = build_tokenizer(vocab_size=300)
+    other = build_model(draft_tokenizer, layers=1, max_positions=4096, seed=1)
+    engine = SpecPrefillEngine.from_models(
+        tiny_model,
+        tokenizer,
+        other,
+        draft_tokenizer=draft_tokenizer,
+        min_prompt_tokens=0,
+        look_ahead=2,
+        draft_document_cache=True,
+    )
+    assert engine.draft_path == "mapped"
+    documents = random_documents(2, 50, seed=14)
+    assert engine.warm_documents(documents) == 2
+    stats = engine.generate_layout(layout_of(engine, documents[::-1]), GenerationParams(max_new_tokens=1)).stats
+    assert stats.draft_documents_cached == 2
+
+
+def test_a_self_draft_engine_caches_its_first_layers(tiny_model, tokenizer):
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, None, draft="self:1", min_prompt_tokens=0, draft_document_cache=True
+    )
+    documents = random_documents(2, 50, seed=15)
+    assert engine.draft_path == "self" and engine.warm_documents(documents) == 2
+    stats = engine.generate_layout(layout_of(engine, documents[::-1]), GenerationParams(max_new_tokens=1)).stats
+    assert stats.draft_documents_cached == 2

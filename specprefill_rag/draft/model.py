@@ -5,6 +5,9 @@ With a :class:`~specprefill_rag.draft.prefix_cache.DraftPrefixCache`, a prompt t
 scored before starts from that prefix's cached keys and values: the draft prefills only the remainder,
 whose queries still attend over every prompt key
 (:func:`~specprefill_rag.draft.hooks.attention_after_cached_keys`), so the scores are those of a cold run.
+With a per-document store (:mod:`.document_cache`) and the prompt's document spans, the prompt's KV is
+instead assembled from documents drafted once each (:mod:`.assembly`): an approximation, repaired by
+:mod:`.repair`.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import Any
 import torch
 
 from ..errors import DraftScoringError
+from .assembly import assemble_prompt_kv, check_spans, encode_documents, held_documents
 from .batch import score_model_batch
-from .document_cache import DocumentStore, assemble_prompt_kv
+from .document_cache import DocumentStore
 from .hooks import (
     StopForward,
     capture_attention,
@@ -24,6 +28,7 @@ from .hooks import (
 )
 from .importance import DraftScore, ImportanceAccumulator
 from .prefix_cache import DraftIdentity, DraftPrefixCache, PrefixReuse
+from .repair import DEFAULT_REPAIR, DocumentRepair
 
 
 def _step_inputs(token_ids: torch.Tensor, first_position: int) -> dict[str, torch.Tensor]:
@@ -37,7 +42,8 @@ class ModelDraft:
 
     Queries are the last prompt token plus ``look_ahead - 1`` greedily decoded draft tokens; decoding
     stops early at an end-of-sequence token. With a ``prefix_cache``, a prompt that starts like one
-    scored before prefills only its remainder (at least the last token, whose query is scored).
+    scored before prefills only its remainder (at least the last token, whose query is scored). With a
+    ``document_cache``, prompts scored with their document spans take the documents' KV from it.
     """
 
     model: Any  # a transformers PreTrainedModel (nn.Module's attribute types hide its config)
@@ -46,7 +52,7 @@ class ModelDraft:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     prefix_cache: DraftPrefixCache | None = None
     document_cache: DocumentStore | None = None
-    recompute_first: int = 0  # of each cached document, the first tokens computed in context (EPIC's repair)
+    repair: DocumentRepair = DEFAULT_REPAIR  # what of the cached documents is computed again in context
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
@@ -57,7 +63,8 @@ class ModelDraft:
         """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied.
 
         ``documents``: ``[S, 2]`` spans of the prompt's documents, to take their KV from the per-document
-        cache (``document_cache``; an approximation, see :mod:`.document_cache`); None: drafted jointly.
+        cache (``document_cache``; an approximation, repaired by ``repair``: see :mod:`.assembly`); None:
+        drafted jointly.
         """
         if documents is not None and self.document_cache is not None and documents.numel():
             return self._score_with_documents(input_ids, documents, self.document_cache)
@@ -75,7 +82,7 @@ class ModelDraft:
     ) -> DraftScore:
         """Score from KV assembled out of the per-document cache; never stored in the (exact) prefix cache."""
         draft = DraftIdentity.of(self.model, self.model.config.num_hidden_layers)
-        assembled = assemble_prompt_kv(self.model, draft, input_ids, documents, store, self.recompute_first)
+        assembled = assemble_prompt_kv(self.model, draft, input_ids, documents, store, self.repair)
         importance = self._score_from(input_ids, assembled.past, input_ids.numel() - 1)
         return DraftScore(importance, 0, assembled.cached_tokens, assembled.documents_cached)
 
@@ -97,14 +104,20 @@ class ModelDraft:
                 output = self.model(**inputs, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return accumulator.result()
 
-    def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
+    def score_batch(
+        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None] | None = None
+    ) -> list[DraftScore | DraftScoringError]:
         """Several ``[L_i]`` prompts in one batched forward (:mod:`specprefill_rag.draft.batch`); per prompt
         its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error.
 
-        Prompts the prefix cache can serve are scored alone (only their remainder is computed, which is
-        cheaper than a padded row); the rest share one forward.
+        Prompts the prefix cache can serve, and those with ``documents`` spans (``[S_i, 2]``, from the
+        per-document cache), are scored alone (only what is not cached is computed, which is cheaper than a
+        padded row); the rest share one forward.
         """
-        alone = [len(prompts) == 1 or self._has_cached_prefix(p) for p in prompts]
+        spans = documents if documents is not None else [None] * len(prompts)
+        alone = [
+            len(prompts) == 1 or self._has_cached_prefix(p) or self._uses_documents(s) for p, s in zip(prompts, spans)
+        ]
         batched = [p for p, single in zip(prompts, alone) if not single]
         together = iter(
             score_model_batch(self, batched)
@@ -112,8 +125,18 @@ class ModelDraft:
             else [_score_or_error(self.score_prompt, p) for p in batched]
         )
         return [
-            _score_or_error(self.score_prompt, p) if single else next(together) for p, single in zip(prompts, alone)
+            _score_or_error(self.score_prompt, p, s) if single else next(together)
+            for p, s, single in zip(prompts, spans, alone)
         ]
+
+    def warm(self, input_ids: torch.Tensor, documents: torch.Tensor) -> int:
+        """Encode the ``[S, 2]`` spans' documents of the ``[L]`` prompt into the per-document cache (after its
+        prefix), without scoring; returns how many documents it holds for this prompt (0 without a cache).
+        """
+        return _warm(self.model, self.model.config.num_hidden_layers, self.document_cache, input_ids, documents)
+
+    def _uses_documents(self, documents: torch.Tensor | None) -> bool:
+        return documents is not None and self.document_cache is not None and documents.numel() > 0
 
     def _has_cached_prefix(self, input_ids: torch.Tensor) -> bool:
         if self.prefix_cache is None:
@@ -137,6 +160,8 @@ class LayerPrefixDraft:
     pool_kernel: int = 13
     query_window: int = 1
     prefix_cache: DraftPrefixCache | None = None
+    document_cache: DocumentStore | None = None
+    repair: DocumentRepair = DEFAULT_REPAIR  # what of the cached documents is computed again in context
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long prompt ids -> ``[L]`` float32 importance."""
@@ -145,14 +170,26 @@ class LayerPrefixDraft:
     @torch.inference_mode()
     def score_prompt(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
         """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied.
-        ``documents`` is ignored: a layer-prefix draft has no per-document cache yet (always drafted jointly).
+
+        ``documents``: ``[S, 2]`` spans whose KV (the first ``n_layers`` layers) comes from the per-document
+        cache (``document_cache``; documents reaching into the query window are computed); None: jointly.
         """
         window = min(self.query_window, input_ids.numel())
         accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
-        reuse = PrefixReuse.begin(
-            self.prefix_cache, self.model, self.n_layers, input_ids, input_ids.numel() - window, needs_past=False
-        )
-        cache, start = reuse.past, reuse.cached_tokens
+        if documents is not None and self.document_cache is not None and documents.numel():
+            draft = DraftIdentity.of(self.model, self.n_layers)
+            until = input_ids.numel() - window
+            assembled = assemble_prompt_kv(
+                self.model, draft, input_ids, documents, self.document_cache, self.repair, until
+            )
+            reuse = PrefixReuse(assembled.past)
+            cache, start = assembled.past, until
+        else:
+            assembled = None
+            reuse = PrefixReuse.begin(
+                self.prefix_cache, self.model, self.n_layers, input_ids, input_ids.numel() - window, needs_past=False
+            )
+            cache, start = reuse.past, reuse.cached_tokens
         capture = capture_attention(self.model, accumulator, self.pool_kernel, window)
         with capture, stop_after_layers(self.model, self.n_layers):
             try:
@@ -161,16 +198,42 @@ class LayerPrefixDraft:
             except StopForward:
                 pass
         importance = accumulator.result()
+        if assembled is not None:
+            return DraftScore(importance, 0, assembled.cached_tokens, assembled.documents_cached)
         reuse.remember(input_ids)
         return DraftScore(importance, start)
 
-    def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
-        """One prompt after another (a layer-prefix draft is not batched); each its score or its error."""
-        return [_score_or_error(self.score_prompt, prompt) for prompt in prompts]
+    def warm(self, input_ids: torch.Tensor, documents: torch.Tensor) -> int:
+        """Encode the ``[S, 2]`` spans' documents of the ``[L]`` prompt into the per-document cache (its first
+        ``n_layers`` layers), without scoring; returns how many documents it holds for this prompt.
+        """
+        return _warm(self.model, self.n_layers, self.document_cache, input_ids, documents)
+
+    def score_batch(
+        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None] | None = None
+    ) -> list[DraftScore | DraftScoringError]:
+        """One prompt after another (a layer-prefix draft is not batched); each its score or its error;
+        ``documents``: per prompt its ``[S_i, 2]`` spans for the per-document cache, or None.
+        """
+        spans = documents if documents is not None else [None] * len(prompts)
+        return [_score_or_error(self.score_prompt, prompt, s) for prompt, s in zip(prompts, spans)]
 
 
-def _score_or_error(score: Any, input_ids: torch.Tensor) -> DraftScore | DraftScoringError:
+@torch.inference_mode()
+def _warm(
+    model: Any, layers: int, store: DocumentStore | None, input_ids: torch.Tensor, documents: torch.Tensor
+) -> int:
+    if store is None:
+        return 0
+    spans, draft = check_spans(documents, input_ids.numel()), DraftIdentity.of(model, layers)
+    encode_documents(model, draft, input_ids, int(spans[0, 0]), spans, store)
+    return held_documents(draft, input_ids, int(spans[0, 0]), spans, store)
+
+
+def _score_or_error(
+    score: Any, input_ids: torch.Tensor, documents: torch.Tensor | None = None
+) -> DraftScore | DraftScoringError:
     try:
-        return score(input_ids)
+        return score(input_ids) if documents is None else score(input_ids, documents)
     except DraftScoringError as error:
         return error

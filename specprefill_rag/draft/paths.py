@@ -51,8 +51,16 @@ class TokenScorer(Protocol):
         """
         ...
 
-    def score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | DraftScoringError]:
-        """Several ``[L_i]`` prompts in one forward (the gateway's batches); each its result or its own error."""
+    def score_batch(
+        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None] | None = None
+    ) -> list[DraftScore | DraftScoringError]:
+        """Several ``[L_i]`` prompts in one forward (the gateway's batches); each its result or its own error;
+        ``documents``: per prompt its ``[S_i, 2]`` spans for the per-document cache, or None.
+        """
+        ...
+
+    def warm(self, input_ids: torch.Tensor, documents: torch.Tensor) -> int:
+        """Encode the ``[S, 2]`` spans' documents of ``[L]`` ids into the per-document cache; how many it holds."""
         ...
 
 
@@ -81,9 +89,27 @@ def score_layout(
     it under the draft's lock, and carry it onto ``layout``. ``documents``: use the per-document draft cache.
     """
     prepared = prepared or scoring.prepare(layout)
-    spans = document_runs(prepared.draft_layout.document_index) if documents else None
+    spans = document_spans(prepared) if documents else None
     scored = draft_score(scoring.draft, prepared.token_ids, spans)
     return replace(scored, importance=scoring.finish(prepared, scored.importance))
+
+
+def document_spans(prepared: DraftInput) -> torch.Tensor:
+    """``[S, 2]`` long spans of the documents in the draft's own prompt (``prepared.draft_layout``)."""
+    return document_runs(prepared.draft_layout.document_index)
+
+
+def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) -> int:
+    """Encode ``layout``'s documents as the draft reads them into its per-document cache, under the draft's
+    lock; returns how many documents it holds (0 when the draft has no such cache or the layout no documents).
+    """
+    prepared = scoring.prepare(layout)
+    spans = document_spans(prepared)
+    if not spans.numel() or getattr(scoring.draft, "document_cache", None) is None:
+        return 0
+    device = next(scoring.draft.model.parameters()).device
+    with model_lock(scoring.draft.model):
+        return scoring.draft.warm(prepared.token_ids.to(device), spans)
 
 
 def check_draft_context(

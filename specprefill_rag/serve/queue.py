@@ -4,7 +4,9 @@ One worker task takes the waiting prompts (up to ``batch_size`` rows and ``batch
 tokens, oldest first) and scores them in a worker thread with one batched draft forward. A request
 whose caller went away (client disconnect, deadline) leaves the queue at once and is skipped. A batch
 that fails as a whole (e.g. out of memory) is retried one prompt at a time, so each request gets its
-own result or its own error.
+own result or its own error. A prompt sent with its document spans (``[S, 2]``, in the draft's own
+prompt) is scored from the per-document draft cache; the batch function then gets each prompt's spans
+(or None) as a second argument, and only then, so a ``score_batch(prompts)`` of one argument still works.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from ..draft.importance import DraftScore
 
-ScoreBatch = Callable[[list[torch.Tensor]], list["DraftScore | Exception"]]
+ScoreBatch = Callable[..., list["DraftScore | Exception"]]  # (prompts[, per-prompt spans or None]) -> results
 
 
 class QueueFull(Exception):
@@ -35,19 +37,23 @@ class QueueFull(Exception):
 @dataclass(frozen=True)
 class Scored:
     """One prompt's draft result: ``[L]`` importance, the batch it was scored in and that batch's time,
-    and the leading tokens the draft's prefix cache supplied.
+    the leading tokens the draft's prefix cache supplied, and the document tokens (in how many documents)
+    the per-document cache supplied.
     """
 
     importance: torch.Tensor
     batch_size: int
     draft_ms: float
     cached_tokens: int = 0
+    document_cached_tokens: int = 0
+    documents_cached: int = 0
 
 
 @dataclass(eq=False)  # identity: a job is found in the queue by itself, never by comparing tensors
 class _Job:
     input_ids: torch.Tensor
     future: asyncio.Future[Scored]
+    documents: torch.Tensor | None = None  # [S, 2] spans for the per-document draft cache
 
 
 class DraftQueue:
@@ -87,14 +93,15 @@ class DraftQueue:
             await asyncio.gather(self._worker, return_exceptions=True)
             self._worker = None
 
-    async def score(self, input_ids: torch.Tensor) -> Scored:
+    async def score(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> Scored:
         """Wait for this ``[L]`` prompt's importance. Raises :class:`QueueFull`, or the draft's own error
-        for this prompt. Cancelling the caller takes the prompt out of the queue.
+        for this prompt. Cancelling the caller takes the prompt out of the queue. ``documents``: ``[S, 2]``
+        spans of its documents, to take their draft KV from the per-document cache (None: drafted jointly).
         """
         if self.depth >= self.capacity:
             raise QueueFull(self.depth, self._retry_after_s())
         self.start()
-        job = _Job(input_ids, asyncio.get_running_loop().create_future())
+        job = _Job(input_ids, asyncio.get_running_loop().create_future(), documents)
         self._waiting.append(job)
         self._arrived.set()
         try:
@@ -143,7 +150,9 @@ class DraftQueue:
     async def _score(self, batch: list[_Job]) -> None:
         started = self._batch_started = time.perf_counter()
         try:
-            results = await asyncio.to_thread(self._score_all, [job.input_ids for job in batch])
+            results = await asyncio.to_thread(
+                self._score_all, [job.input_ids for job in batch], [job.documents for job in batch]
+            )
         finally:
             self._batch_started = None
         seconds = time.perf_counter() - started
@@ -155,19 +164,36 @@ class DraftQueue:
             if isinstance(result, Exception):
                 job.future.set_exception(result)
             else:
-                job.future.set_result(Scored(result.importance, len(batch), seconds * 1000.0, result.cached_tokens))
+                job.future.set_result(
+                    Scored(
+                        result.importance,
+                        len(batch),
+                        seconds * 1000.0,
+                        result.cached_tokens,
+                        result.document_cached_tokens,
+                        result.documents_cached,
+                    )
+                )
 
-    def _score_all(self, prompts: list[torch.Tensor]) -> list[DraftScore | Exception]:
+    def _score_all(
+        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None]
+    ) -> list[DraftScore | Exception]:
         """Score in one batch; when the batch fails as a whole, one prompt at a time (each its own outcome)."""
         try:
-            return self._score_batch(prompts)
+            return self._call(prompts, documents)
         except Exception as error:  # e.g. out of memory for the batch; a single prompt may still fit
             if len(prompts) == 1:
                 return [error]
-        return [self._score_one(prompt) for prompt in prompts]
+        return [self._score_one(prompt, spans) for prompt, spans in zip(prompts, documents)]
 
-    def _score_one(self, prompt: torch.Tensor) -> DraftScore | Exception:
+    def _score_one(self, prompt: torch.Tensor, documents: torch.Tensor | None) -> DraftScore | Exception:
         try:
-            return self._score_batch([prompt])[0]
+            return self._call([prompt], [documents])[0]
         except Exception as error:
             return error
+
+    def _call(self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None]) -> list[DraftScore | Exception]:
+        """``score_batch(prompts)``, with ``documents`` as well when any prompt carries spans."""
+        if all(spans is None for spans in documents):
+            return self._score_batch(prompts)
+        return self._score_batch(prompts, documents)

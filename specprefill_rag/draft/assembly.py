@@ -1,0 +1,293 @@
+"""A prompt's draft KV assembled from per-document KV (:mod:`.document_cache`), before the scored queries run.
+
+For a prompt ``[L]`` with document spans ``[S, 2]``, the KV of its first ``until`` tokens (``L - 1`` for a
+model draft, ``L - W`` for a layer-prefix draft's query window) is put together from:
+
+- the prefix (the tokens before the first document), from the store or computed and stored;
+- each document's KV as encoded right after that prefix (from the store, or encoded and stored), its keys
+  rotated from positions ``P ..`` to the span's own (:mod:`.rotation`);
+- fresh KV, computed in context by one forward pass, for every other token before ``until`` (separators,
+  headers, the question) and for the document tokens the repair recomputes (:mod:`.repair`). Those tokens
+  attend to every key before their position, cached or fresh, through an explicit mask (their cache slots
+  come after the cached ones), and their KV is then written back into position order.
+
+The result is a ``DynamicCache`` whose slot ``i`` holds position ``i``, exactly what a cold prefill of the
+first ``until`` tokens leaves, up to the approximation that cached documents did not see each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import InvalidRequestError
+from .document_cache import DocumentKey, DocumentStore
+from .hooks import StopForward, attention_dispatch, stop_after_layers
+from .prefix_cache import DraftIdentity, KVLayers
+from .repair import NAIVE, DocumentRepair, first_tokens_of, kv_deviation, most_deviating
+from .rotation import rotary_inv_freq, rotate_keys
+
+PREFIX_ENTRY = b"prefix"  # the store's third key part for a prefix's own KV
+
+
+@dataclass(frozen=True)
+class AssembledKV:
+    """A prompt's draft KV for its first ``until`` tokens.
+
+    Attributes:
+        past: a ``DynamicCache`` whose first ``layers`` layers hold ``[1, H_kv, until, d]``, slot ``i`` holding
+            position ``i``.
+        cached_tokens: document tokens whose KV the store served (rotated), not recomputed.
+        documents_cached: documents the store served.
+    """
+
+    past: Any
+    cached_tokens: int
+    documents_cached: int
+
+
+def check_spans(spans: torch.Tensor, length: int) -> torch.Tensor:
+    """``[S, 2]`` long document ``(start, end)`` spans, sorted, apart, after at least one prefix token and
+    before the last prompt token (always scored fresh); raises :class:`InvalidRequestError` otherwise.
+    """
+    spans = torch.as_tensor(spans).reshape(-1, 2)
+    if spans.is_floating_point() or spans.is_complex():
+        raise InvalidRequestError(f"document spans must be integer token offsets, not {spans.dtype}")
+    spans = spans.long().cpu()
+    starts, ends = spans[:, 0], spans[:, 1]
+    ordered = bool((starts[1:] >= ends[:-1]).all()) and bool((ends > starts).all())
+    if not spans.numel() or not ordered or int(starts[0]) < 1 or int(ends[-1]) > length - 1:
+        raise InvalidRequestError(
+            f"document spans {spans.tolist()} must be sorted, non-empty and apart, within tokens 1..{length - 2} "
+            "of the draft's prompt (a prefix before them, the last token after)"
+        )
+    return spans
+
+
+def _digest(token_ids: torch.Tensor) -> bytes:
+    return hashlib.blake2b(token_ids.cpu().numpy().tobytes(), digest_size=16).digest()
+
+
+def _forward(model: Any, layers: int, token_ids: torch.Tensor, positions: torch.Tensor, past: Any) -> None:
+    """Append to ``past``'s first ``layers`` layers the KV of ``[n]`` ids at ``[n]`` long ``positions``
+    (cache slots follow those already held).
+    """
+    held = past.get_seq_length()
+    slots = torch.arange(held, held + token_ids.numel(), device=token_ids.device)
+    with stop_after_layers(model, layers):
+        try:
+            model(
+                input_ids=token_ids.view(1, -1),
+                position_ids=positions.to(token_ids.device).view(1, -1),
+                cache_position=slots,
+                past_key_values=past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        except StopForward:
+            pass
+
+
+def _kv_of(past: Any, layers: int, start: int, end: int) -> KVLayers:
+    return tuple((layer.keys[:, :, start:end], layer.values[:, :, start:end]) for layer in past.layers[:layers])
+
+
+def _start_from(past: Any, layers: KVLayers) -> None:
+    """Make ``past``'s first layers hold ``layers`` (per layer keys, values ``[1, H_kv, T, d]``)."""
+    for layer, (keys, values) in zip(past.layers, layers):
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+
+
+def _new_cache(model: Any) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _encoded(
+    model: Any, draft: DraftIdentity, key: DocumentKey, token_ids: torch.Tensor, store: DocumentStore, before: KVLayers
+) -> tuple[KVLayers, bool]:
+    """The KV of ``[T]`` ``token_ids`` encoded right after ``before`` (``[1, H_kv, P, d]`` per layer; P may be 0),
+    from ``store`` when it holds them (True), else computed and stored (False).
+    """
+    layers = store.lookup(key, token_ids.cpu())
+    if layers is not None:
+        return tuple((k.to(token_ids.device), v.to(token_ids.device)) for k, v in layers), True
+    past = _new_cache(model)
+    held = before[0][0].shape[2] if before else 0
+    if held:
+        _start_from(past, before)
+    positions = torch.arange(held, held + token_ids.numel(), device=token_ids.device)
+    _forward(model, draft.layers, token_ids, positions, past)
+    layers = _kv_of(past, draft.layers, held, held + token_ids.numel())
+    store.store(model, key, token_ids.cpu(), layers)
+    return layers, False
+
+
+def encode_documents(
+    model: Any,
+    draft: DraftIdentity,
+    input_ids: torch.Tensor,
+    prefix_length: int,
+    spans: torch.Tensor,
+    store: DocumentStore,
+) -> tuple[KVLayers, list[tuple[KVLayers, bool]]]:
+    """The KV of the prefix ``input_ids[:prefix_length]`` and of each ``[S, 2]`` span's document (encoded right
+    after the prefix, positions ``P ..``), each from ``store`` or computed and stored there, with whether the
+    store held it.
+    """
+    prefix_ids = input_ids[:prefix_length]
+    digest = _digest(prefix_ids)
+    prefix, _ = _encoded(model, draft, (draft, digest, PREFIX_ENTRY), prefix_ids, store, ())
+    documents = [
+        _encoded(model, draft, (draft, digest, _digest(input_ids[start:end])), input_ids[start:end], store, prefix)
+        for start, end in spans.tolist()
+    ]
+    return prefix, documents
+
+
+def held_documents(
+    draft: DraftIdentity, input_ids: torch.Tensor, prefix_length: int, spans: torch.Tensor, store: DocumentStore
+) -> int:
+    """How many of the ``[S, 2]`` spans' documents ``store`` holds after the prefix ``input_ids[:prefix_length]``."""
+    digest = _digest(input_ids[:prefix_length])
+    keys = [(draft, digest, _digest(input_ids[start:end])) for start, end in spans.tolist()]
+    return sum(
+        store.lookup(key, input_ids[start:end].cpu()) is not None for key, (start, end) in zip(keys, spans.tolist())
+    )
+
+
+def _masked_attention(key_positions: torch.Tensor, query_positions: torch.Tensor) -> Any:
+    """An SDPA attention whose ``[F]`` queries at ``query_positions`` see the keys at ``key_positions``
+    ``[C + F]`` (cache slot order) up to their own position; transformers' mask is ignored.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    mask = (key_positions[None, :] <= query_positions[:, None])[None, None]  # [1, 1, F, C + F]
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+
+    return attention
+
+
+def _probe(model: Any, input_ids: torch.Tensor, layers: int) -> KVLayers:
+    """Joint KV ``[1, H_kv, n, d]`` of the ``[n]`` ids through the first ``layers`` layers (a causal prefill)."""
+    past = _new_cache(model)
+    _forward(model, layers, input_ids, torch.arange(input_ids.numel(), device=input_ids.device), past)
+    return _kv_of(past, layers, 0, input_ids.numel())
+
+
+@torch.inference_mode()
+def assemble_prompt_kv(
+    model: Any,
+    draft: DraftIdentity,
+    input_ids: torch.Tensor,
+    spans: torch.Tensor,
+    store: DocumentStore,
+    repair: DocumentRepair = NAIVE,
+    until: int | None = None,
+) -> AssembledKV:
+    """The draft KV of ``input_ids[:until]`` (``[L]`` prompt; default ``until = L - 1``) with the documents at
+    ``[S, 2]`` ``spans`` taken from ``store`` (see the module). Documents reaching past ``until`` are computed
+    fresh. Raises :class:`InvalidRequestError` for bad spans, ``DraftScoringError`` for a draft whose keys
+    cannot be moved.
+    """
+    length = input_ids.numel()
+    until = length - 1 if until is None else until
+    spans = check_spans(spans, length)
+    inv_freq = rotary_inv_freq(model)
+    served = spans[spans[:, 1] <= until]
+    prefix_length = int(spans[0, 0])
+    if prefix_length > until:
+        raise InvalidRequestError(f"the prefix ({prefix_length} tokens) reaches past the assembled {until} tokens")
+    prefix, documents = encode_documents(model, draft, input_ids, prefix_length, served, store)
+    full, cached = _placed(prefix, served, [layers for layers, _ in documents], until, inv_freq)
+    cached[_recomputed(model, input_ids[:until], served, full, repair)] = False
+    hits = [hit for _, hit in documents]
+    hit_tokens = sum(int(cached[start:end].sum()) for (start, end), hit in zip(served.tolist(), hits) if hit)
+    return AssembledKV(_with_fresh(model, draft.layers, input_ids, full, cached), hit_tokens, sum(hits))
+
+
+def _placed(
+    prefix: KVLayers, spans: torch.Tensor, documents: list[KVLayers], until: int, inv_freq: torch.Tensor
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Per layer keys and values ``[1, H_kv, until, d]`` in position order: the prefix's, and each ``[S, 2]``
+    span's document KV with its keys moved from positions ``P ..`` to the span's (zeros elsewhere); and the
+    ``[until]`` bool mask of the positions so filled.
+    """
+    prefix_length = prefix[0][0].shape[2]
+    full = [
+        (
+            keys.new_zeros(*keys.shape[:2], until, keys.shape[3]),
+            values.new_zeros(*values.shape[:2], until, values.shape[3]),
+        )
+        for keys, values in prefix
+    ]
+    cached = torch.zeros(until, dtype=torch.bool)
+    cached[:prefix_length] = True
+    for (keys, values), (prefix_keys, prefix_values) in zip(full, prefix):
+        keys[:, :, :prefix_length], values[:, :, :prefix_length] = prefix_keys, prefix_values
+    for (start, end), layers in zip(spans.tolist(), documents):
+        cached[start:end] = True
+        for (keys, values), (document_keys, document_values) in zip(full, layers):
+            keys[:, :, start:end] = rotate_keys(document_keys, start - prefix_length, inv_freq)
+            values[:, :, start:end] = document_values
+    return full, cached
+
+
+def _with_fresh(
+    model: Any,
+    layers: int,
+    input_ids: torch.Tensor,
+    full: list[tuple[torch.Tensor, torch.Tensor]],
+    cached: torch.Tensor,
+) -> Any:
+    """A ``DynamicCache`` of ``full`` (per layer ``[1, H_kv, until, d]``), the positions not ``cached`` (``[until]``
+    bool) computed in context by one forward pass: their cache slots follow the cached ones while it runs, an
+    explicit mask shows each of them the keys before its position, and their KV is then written into ``full``.
+    """
+    past = _new_cache(model)
+    kept = torch.nonzero(cached).flatten().to(input_ids.device)
+    fresh = torch.nonzero(~cached).flatten().to(input_ids.device)
+    _start_from(past, tuple((keys[:, :, kept], values[:, :, kept]) for keys, values in full))
+    if fresh.numel():
+        with attention_dispatch(model, _masked_attention(torch.cat([kept, fresh]), fresh)):
+            _forward(model, layers, input_ids[fresh], fresh, past)
+        for layer, (keys, values) in zip(past.layers[:layers], full):
+            keys[:, :, fresh] = layer.keys[:, :, kept.numel() :]
+            values[:, :, fresh] = layer.values[:, :, kept.numel() :]
+    for layer, (keys, values) in zip(past.layers[:layers], full):
+        layer.keys, layer.values = keys, values
+    return past
+
+
+def _recomputed(
+    model: Any,
+    input_ids: torch.Tensor,
+    spans: torch.Tensor,
+    full: list[tuple[torch.Tensor, torch.Tensor]],
+    repair: DocumentRepair,
+) -> torch.Tensor:
+    """``[R]`` long positions of document tokens to compute in context; for ``blend``, also overwrites the first
+    ``probe_layers`` layers of ``full`` (per layer ``[1, H_kv, n, d]``, position order) with the joint KV.
+    """
+    if repair.kind == "naive" or not spans.numel():
+        return torch.zeros(0, dtype=torch.long)
+    if repair.kind == "epic":
+        return first_tokens_of(spans, repair.first_tokens)
+    probe_layers = min(repair.probe_layers, len(full))
+    joint = _probe(model, input_ids, probe_layers)
+    positions = torch.cat([torch.arange(start, end) for start, end in spans.tolist()])
+    index = positions.to(input_ids.device)
+    last = probe_layers - 1
+    cached_layer = (full[last][0][:, :, index], full[last][1][:, :, index])
+    deviation = kv_deviation(cached_layer, (joint[last][0][:, :, index], joint[last][1][:, :, index]))
+    for (keys, values), (joint_keys, joint_values) in zip(full, joint):
+        keys.copy_(joint_keys)
+        values.copy_(joint_values)
+    return most_deviating(positions, deviation.cpu(), repair.share)

@@ -1,0 +1,87 @@
+"""Which cached document tokens to compute again in context, so per-document draft KV scores like joint KV.
+
+A document's cached KV was computed after the prefix alone: it never attended to the documents before it
+in this prompt. Three choices, by measurement (benchmarks/results/document_cache/README.md):
+
+``naive``  every document token from the cache.
+``epic``   each document's first ``first_tokens`` tokens computed in context (EPIC, Hu et al. 2024: the
+           tokens right after a boundary carry most of the attention sink a lone encoding gives them).
+``blend``  the ``share`` of document tokens whose cached KV deviates most from their KV in context,
+           judged on the first ``probe_layers`` layers run jointly over the prompt (CacheBlend, Yao et al.
+           2025: KV deviation at an early layer predicts it at later ones); those layers' joint KV is then
+           used whole, and the chosen tokens are computed in context through every layer.
+
+Pure tensor code: spans and deviations in, sorted positions out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..errors import InvalidRequestError
+
+RepairKind = Literal["naive", "epic", "blend"]
+
+
+@dataclass(frozen=True)
+class DocumentRepair:
+    """How much of each cached document the draft computes again in context.
+
+    Attributes:
+        kind: ``naive``, ``epic`` or ``blend`` (see the module).
+        first_tokens: ``epic``: tokens at the start of each document computed in context.
+        share: ``blend``: share of the prompt's cached document tokens computed in context.
+        probe_layers: ``blend``: leading layers run jointly over the prompt to find the deviating tokens.
+    """
+
+    kind: RepairKind = "blend"
+    first_tokens: int = 16
+    share: float = 0.15
+    probe_layers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("naive", "epic", "blend"):
+            raise InvalidRequestError(f"document repair must be 'naive', 'epic' or 'blend', not {self.kind!r}")
+        if self.first_tokens < 0 or not 0.0 <= self.share <= 1.0 or self.probe_layers < 1:
+            raise InvalidRequestError(
+                "document repair needs first_tokens >= 0, 0 <= share <= 1 and probe_layers >= 1, not "
+                f"{self.first_tokens}, {self.share}, {self.probe_layers}"
+            )
+
+
+NAIVE = DocumentRepair("naive")
+EPIC = DocumentRepair("epic")
+BLEND = DocumentRepair("blend")
+DEFAULT_REPAIR = BLEND  # chosen by measurement: benchmarks/results/document_cache/README.md
+
+
+def first_tokens_of(spans: torch.Tensor, count: int) -> torch.Tensor:
+    """``[R]`` sorted positions: the first ``count`` tokens of each ``[S, 2]`` document span."""
+    pieces = [torch.arange(start, min(start + count, end)) for start, end in spans.tolist()]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def most_deviating(positions: torch.Tensor, deviation: torch.Tensor, share: float) -> torch.Tensor:
+    """``[R]`` sorted: the ``ceil(share * T)`` of the ``[T]`` cached ``positions`` with the largest ``[T]``
+    deviation.
+    """
+    count = min(math.ceil(share * positions.numel() - 1e-9), positions.numel())
+    if count == 0:
+        return torch.zeros(0, dtype=torch.long)
+    chosen = torch.topk(deviation.float(), count).indices
+    return positions[chosen].sort().values
+
+
+def kv_deviation(cached: tuple[torch.Tensor, torch.Tensor], joint: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``[T]`` float32 squared distance between cached and joint keys and values of one layer, per token.
+
+    Args:
+        cached, joint: keys and values ``[1, H_kv, T, d]`` (the cached keys already moved to their positions).
+    """
+    keys = (cached[0].float() - joint[0].float()).pow(2).sum(dim=(0, 1, 3))
+    values = (cached[1].float() - joint[1].float()).pow(2).sum(dim=(0, 1, 3))
+    return keys + values
