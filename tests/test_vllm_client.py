@@ -9,7 +9,7 @@ import socket
 import threading
 import time
 import weakref
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
@@ -21,10 +21,12 @@ from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.positions import cache_salt, decode_runs
 from specprefill_rag.testing import random_documents
 
+from .stand_in import StandInHandler
+
 MAX_TOKENS_ALLOWED = 500  # the stand-in refuses longer requests with a 400, as vLLM refuses bad ones
 
 
-class StandIn(BaseHTTPRequestHandler):
+class StandIn(StandInHandler):
     """Answers like vLLM's OpenAI server: models, completions (SSE with token_ids), no /tokenize.
 
     Class attributes (a fixture makes a subclass per test): ``tokens`` streamed per request, ``delay``
@@ -38,20 +40,6 @@ class StandIn(BaseHTTPRequestHandler):
     barrier: threading.Barrier | None = None
     refuse_in_stream = False
     disconnected: threading.Event
-
-    def log_message(self, *args):
-        pass
-
-    def _json(self, code, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self._json(200, {"data": [{"id": "stand-in", "max_model_len": 1024}]})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

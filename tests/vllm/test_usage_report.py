@@ -4,7 +4,7 @@ and after an end-of-sequence token the client reads on only to that event."""
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
@@ -14,6 +14,8 @@ from specprefill_rag.backends.vllm import VLLMServerBackend, sse_tokens
 from specprefill_rag.backends.vllm_wire import VLLMServerError
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.positions import POSITION_KEYED_BLOCKS, PROBE_MARKER
+
+from ..stand_in import StandInHandler
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
@@ -26,24 +28,10 @@ def token(t: int) -> bytes:
     return event({"choices": [{"index": 0, "text": "", "token_ids": [t]}]})
 
 
-class StandIn(BaseHTTPRequestHandler):
+class StandIn(StandInHandler):
     lines: list[bytes] = []
     probe_answer = PROBE_MARKER
     bodies: list = []
-
-    def log_message(self, *args):
-        pass
-
-    def _json(self, code, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):
-        self._json(200, {"data": [{"id": "stand-in", "max_model_len": 1024}]})
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
