@@ -6,9 +6,9 @@ change and the sparse prompt of turn ``t`` would not be a prefix of turn ``t + 1
 of the main model could serve it. A :class:`SelectionMemo` remembers each compressed prompt with the tokens
 kept of each of its spans; a later, longer prompt that starts with the whole of an earlier one (its next
 turn, the next agent step, a retried turn after the same history), selected under the same keep settings,
-keeps those spans' tokens. Only
-new spans are drafted and selected. Another question over the same documents does not extend the earlier
-prompt (its question differs), so it is selected afresh, as RAG needs.
+keeps those spans' tokens. Only new spans are drafted and selected. Another question over the same
+documents does not extend the earlier prompt (its question differs), so it is selected afresh, as RAG
+needs.
 
 Earlier prompts are found by chained block hashes of their ids (:mod:`specprefill_rag.draft.prefix_index`)
 and verified id by id. The memo is bounded in bytes, least recently used first out, and thread-safe.
