@@ -96,6 +96,18 @@ STUDIES: dict[str, Study] = {
         f"{XEON}, bfloat16, one torch thread; one or two soaks ran beside the Qwen rows (cells move about 0.15x)",
         "contended",
     ),
+    "document_cache": Study(
+        "per-document draft KV (issue #28) against joint draft scoring: kept-chunk overlap, gold and answer "
+        "tokens kept, draft time; repairs naive, EPIC and CacheBlend-style; the real 0.5B draft only",
+        "docs/guide/document-cache.md",
+        f"{XEON}, bfloat16, shared with other jobs (load 2-6): draft times are noisy, read ratios within a sample",
+        "contended",
+        runs={
+            "hotpotqa": "12 samples, 10 paragraphs, keep 0.1 and 0.3",
+            "squad": "12 samples, the answer paragraph among 10",
+            "hotpotqa-blend30": "the same 12 HotpotQA samples, blend recomputing 30%",
+        },
+    ),
     "draft-cache": Study(
         "draft prefix cache: warm against cold questions of a 5-question chat at 2k and 4k tokens",
         "docs/benchmarks/prefix-cache.md",
