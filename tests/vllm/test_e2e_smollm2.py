@@ -54,15 +54,17 @@ def test_compressed_request_matches_transformers(llm, smollm2):
 
 
 def test_a_conversations_second_turn_reuses_the_first_turns_kv_on_vllm(llm):
-    """The product path: turn 2 keeps turn 1's tokens (stable selection), so its sparse prompt extends turn 1's
-    and vLLM's prefix cache serves turn 1's blocks; the tokens are those of the same request with the cache
-    not read."""
+    """The product path: turn 2 keeps turn 1's tokens (stable selection, opted into with reselect=False since
+    the default reselects), so its sparse prompt extends turn 1's and vLLM's prefix cache serves turn 1's
+    blocks; the tokens are those of the same request with the cache not read."""
     from vllm import SamplingParams
 
     from specprefill_rag.backends.vllm import request_fields
     from specprefill_rag.prompt.chat import ChatMessage
 
-    engine = SpecPrefillEngine.for_vllm(llm, draft="smollm2-135m", keep_rate=0.3, min_prompt_tokens=0, dtype="float32")
+    engine = SpecPrefillEngine.for_vllm(
+        llm, draft="smollm2-135m", keep_rate=0.3, min_prompt_tokens=0, dtype="float32", reselect=False
+    )
     documents = [DOCUMENT, DOCUMENT.upper()]
     turn_1 = [
         ChatMessage("system", ["Answer from the documents."]),
