@@ -4,12 +4,20 @@ Text is released only when it can no longer change: an incomplete UTF-8 characte
 a suffix that could still grow into a stop string, is held back. The final text ends right before
 the first stop string. Special tokens are left out of the text, except ``visible`` ones (a tool-call
 marker such as Mistral's ``[TOOL_CALLS]``, which the tool-call parser reads).
+
+Each token costs a decode of a short window, not of the whole answer: the tokens since the last complete
+character, with the tokens decoded the step before as context (so a tokenizer that decodes a token
+differently after another, a leading space, say, is read as in the whole text). The text so far is
+then the whole answer decoded at once, apart from the visible markers, whose neighbours are decoded
+on their own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+_INCOMPLETE = "\ufffd"  # what a decoder writes for the bytes of a character still to come
 
 
 class IncrementalText:
@@ -20,21 +28,30 @@ class IncrementalText:
         self.stop = stop
         self.visible = dict(visible or {})
         self.token_ids: list[int] = []
+        self.text = ""  # the answer decoded so far, released or held back
         self.emitted = ""
         self.stopped = False
+        self._context = 0  # token index where the decoding window starts (context before new tokens)
+        self._read = 0  # token index of the first token not yet in ``text``
 
-    def _decoded(self) -> str:
-        if not self.visible:
-            return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        pieces: list[str] = []
-        run: list[int] = []
-        for token in self.token_ids:
-            if token in self.visible:
-                pieces += [self.tokenizer.decode(run, skip_special_tokens=True), self.visible[token]]
-                run = []
-            else:
-                run.append(token)
-        return "".join([*pieces, self.tokenizer.decode(run, skip_special_tokens=True)])
+    def _window(self) -> tuple[str, bool]:
+        """The text of the tokens not yet in ``text``, and whether it ends on a complete character."""
+        decode = self.tokenizer.decode
+        before = decode(self.token_ids[self._context : self._read], skip_special_tokens=True)
+        after = decode(self.token_ids[self._context :], skip_special_tokens=True)
+        if not after.startswith(before):  # the context decodes otherwise next to the new tokens: drop it
+            after = decode(self.token_ids[self._read :], skip_special_tokens=True)
+            return after, not after.endswith(_INCOMPLETE)
+        return after[len(before) :], not after.endswith(_INCOMPLETE)
+
+    def _advance(self, new: str) -> None:
+        self.text += new
+        self._context, self._read = self._read, len(self.token_ids)
+
+    def _first_stop(self, text: str, searched: int) -> int:
+        """Where the first stop string in ``text`` starts (-1: none); ``text[:searched]`` held none."""
+        found = (text.find(stop, max(searched - len(stop) + 1, 0)) for stop in self.stop)
+        return min((index for index in found if index >= 0), default=-1)
 
     def _held_back(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
@@ -48,24 +65,33 @@ class IncrementalText:
 
     def push(self, token_id: int) -> str:
         """Add one token; return the new text that is now certain (possibly empty)."""
-        self.token_ids.append(token_id)
-        text = self._decoded()
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if token_id in self.visible:  # the marker, after whatever was pending (decoded as it stands)
+            new, complete = self._window()[0] + self.visible[token_id], True
+            self.token_ids.append(token_id)
+        else:
+            self.token_ids.append(token_id)
+            new, complete = self._window()
+        text = self.text + new
+        cut = self._first_stop(text, len(self.text))
         if cut >= 0:
             self.stopped = True
             return self._release(text[:cut])
-        if text.endswith("\ufffd"):
+        if not complete:
             return ""
+        self._advance(new)
+        if token_id in self.visible:  # text after a marker is decoded on its own, with no context
+            self._context = self._read
         return self._release(text[: len(text) - self._held_back(text)])
 
     def finish(self) -> str:
         """Release everything still held back (the stream ended without a stop string)."""
         if self.stopped:
             return ""
-        return self._release(self._decoded())
+        self._advance(self._window()[0])
+        return self._release(self.text)
 
     def _release(self, text: str) -> str:
-        if not text.startswith(self.emitted) or len(text) <= len(self.emitted):
+        if len(text) <= len(self.emitted):
             return ""
         delta = text[len(self.emitted) :]
         self.emitted = text
