@@ -10,6 +10,8 @@ Tasks (benchmarks/tasks.py, data read in place from ../shared/data):
 Methods (all share one prompt layout and one main model):
   specprefill      draft = SmolLM2-135M (the paper's algorithm), look-ahead 8
   specprefill-la1  the same draft, look-ahead 1
+  specprefill-documents  the same draft from the per-document draft cache (issue #28): each document encoded
+                   alone after the prompt's prefix first, then the prompt scored with every document a hit
   specprefill-auto the same draft's importance, budget chosen per sample by keep_rate="auto"
                    (ImportanceMass): its rows' "keep" is the mass share (--auto-shares), "kept share"
                    the average share it chose; with several --auto-floors/--auto-ceilings, one method
@@ -56,7 +58,7 @@ from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.decode.detokenize import IncrementalText
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft.paths import draft_scoring
+from specprefill_rag.draft.paths import draft_scoring, score_layout, warm_layout
 from specprefill_rag.models.loading import shared_model
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 from specprefill_rag.prompt.layout import PromptLayout
@@ -163,6 +165,18 @@ def extra_draft(engine: SpecPrefillEngine, spec: str, look_ahead: int = 8) -> Ca
     return draft_scoring(scorer, draft.tokenizer, engine.tokenizer, look_ahead).importance
 
 
+def document_cache_draft(engine: SpecPrefillEngine) -> Callable[[PromptLayout], torch.Tensor]:
+    """Importance from the per-document draft cache (``draft_document_cache``, issue #28): the layout's documents
+    are encoded first, each alone after the prompt's prefix (as a corpus warmed at ingestion), then the prompt is
+    scored with every document a cache hit, its keys moved to its position, with the engine's repair."""
+
+    def importance(layout: PromptLayout) -> torch.Tensor:
+        warm_layout(engine.draft_scoring, layout)
+        return score_layout(engine.draft_scoring, layout, documents=True).importance
+
+    return importance
+
+
 def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[str, Callable]:
     """The methods named in ``args.methods``; each call takes (sample, layout, keep_rate)."""
     model = engine.main.model
@@ -174,6 +188,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     drafts = {
         "specprefill": lambda: engine.draft_scoring.importance,  # direct or mapped, as the engine chose
         "specprefill-la1": lambda: replace(engine.draft_scoring, draft=one_step, look_ahead=1).importance,
+        "specprefill-documents": lambda: document_cache_draft(engine),
         "self": lambda: token_scorer(LayerPrefixDraft(model, default_self_layers(model), 13, 16)),
         **{
             self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, 13, w)))
