@@ -35,6 +35,10 @@ DEFAULT_DRAFT_CACHE_MB = 2048
 DEFAULT_MAIN_CACHE_MB = 1024
 # Per-document draft KV: as much as the prefix cache, since it replaces it for the documents.
 DEFAULT_DOCUMENT_CACHE_MB = 2048
+# Documents one call of a gateway's warm-up endpoint drafts at most (each takes a turn of the draft's lock, the call
+# one request slot): a corpus goes in several calls, each bounded in time. GatewayClient splits longer lists.
+MAX_WARM_DOCUMENTS = 64
+WARM_DOCUMENTS_PATH = "/v1/spec_prefill/documents/warm"  # that endpoint
 AUTO: Literal["auto"] = "auto"
 # keep_rate="auto" (ImportanceMass): tuned on the SQuAD --seed 1 split, SmolLM2-135M as draft and main
 # (BENCHMARKS.md, "keep_rate='auto' (issue #17)").
@@ -147,6 +151,15 @@ def check_self_draft_look_ahead(settings: CompressionSettings, draft: str | None
             f"draft {draft!r} scores with part of the main model and cannot decode look-ahead tokens; leave "
             "look_ahead unset or set it to 1, or name a draft model (with no draft named, an in-process main model "
             "drafts with its own first layers)"
+        )
+
+
+def check_document_cache(draft_document_cache: bool, document_cache_mb: int) -> None:
+    """``draft_document_cache`` needs a per-document cache: ``ValueError`` when ``document_cache_mb`` is 0."""
+    if draft_document_cache and document_cache_mb == 0:
+        raise ValueError(
+            "draft_document_cache is on but document_cache_mb is 0 (no per-document draft cache); raise "
+            "document_cache_mb, or leave draft_document_cache off"
         )
 
 
@@ -321,6 +334,11 @@ class SpecPrefillConfig(CompressionSettings):
     @model_validator(mode="after")
     def _self_draft_look_ahead(self) -> SpecPrefillConfig:
         check_self_draft_look_ahead(self, self.draft)
+        return self
+
+    @model_validator(mode="after")
+    def _document_cache_on(self) -> SpecPrefillConfig:
+        check_document_cache(self.draft_document_cache, self.document_cache_mb)
         return self
 
     @property

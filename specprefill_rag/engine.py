@@ -20,14 +20,22 @@ from typing import Any, Literal
 import torch
 from pydantic import ValidationError
 
-from .arguments import check_flag, check_keep_rate, check_optional_flag, check_params, generation_params
+from .arguments import (
+    check_documents,
+    check_flag,
+    check_keep_rate,
+    check_optional_flag,
+    check_optional_text,
+    check_params,
+    generation_params,
+)
 from .backends.base import MainBackend, SparsePrompt
 from .backends.hf import MAIN_MIN_REUSE_SHARE, HFBackend, eos_token_ids
 from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decode.stream import Decoding, alast_result, last_result
 from .decode.tool_choice import tool_decoding
 from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, parameter_count, pays_from
-from .draft.document_cache import DocumentKVCache, shared_document_cache
+from .draft.document_cache import DocumentKVCache, DocumentStore, shared_document_cache
 from .draft.hooks import decoder_layers
 from .draft.model import LayerPrefixDraft, ModelDraft
 from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring, warm_layout
@@ -36,6 +44,7 @@ from .errors import ContextLengthError, InvalidRequestError
 from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_model
 from .pipeline import Budget, DraftCost, Pipeline
 from .prompt.chat import ChatLayout, ChatMessage, chat_layout
+from .prompt.documents import as_document
 from .prompt.layout import DocumentLike, PromptLayout, check_layout
 from .prompt.render import build_rag_layout, build_text_layout
 from .prompt.tools import ToolChoice
@@ -168,6 +177,11 @@ class SpecPrefillEngine:
         self.pipeline = Pipeline(config, backend.supports_sparse_prefill, min_prompt_tokens)
 
     @property
+    def document_cache(self) -> DocumentStore | None:
+        """The draft's per-document KV store (None when ``document_cache_mb`` is 0)."""
+        return getattr(self.draft, "document_cache", None)
+
+    @property
     def draft_path(self) -> DraftPath:
         """How the draft scores: ``direct`` (main's vocabulary), ``mapped`` (its own) or ``self``."""
         return self.draft_scoring.path
@@ -266,12 +280,14 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate = None,
         prepared: DraftInput | None = None,
         reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
     ) -> Selection:
         """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed), the
         prompt tokens the draft took from its prefix cache and the keep policy asked for. ``prepared``:
         ``draft_scoring.prepare(layout)`` when the caller already ran it, so the prompt is rendered once.
         Spans compressed by an earlier request keep their tokens unless ``reselect`` (default
-        ``config.reselect``); when every span did, no draft runs.
+        ``config.reselect``); when every span did, no draft runs. ``draft_document_cache``: take the
+        documents' draft KV from the per-document cache (default ``config.draft_document_cache``).
         """
         budget = self._budget(layout, keep_rate)
         if not budget.compressed:
@@ -280,7 +296,8 @@ class SpecPrefillEngine:
         if recalled is not None and recalled.complete:
             return self.pipeline.select(layout, budget, None, recalled=recalled)
         started = time.perf_counter()
-        scored = self.draft_scoring.score(layout, prepared, self.config.draft_document_cache)
+        documents = self.uses_document_cache(draft_document_cache)
+        scored = self.draft_scoring.score(layout, prepared, documents)
         cost = DraftCost(
             _milliseconds(started),
             scored.cached_tokens,
@@ -299,6 +316,21 @@ class SpecPrefillEngine:
         budget = self._budget(layout, keep_rate)
         recalled = self.pipeline.recall(layout, budget, reselect)
         return budget.compressed and (recalled is None or not recalled.complete)
+
+    def uses_document_cache(self, draft_document_cache: bool | None = None) -> bool:
+        """Whether a request's draft takes its documents' KV from the per-document cache: the request's
+        ``draft_document_cache`` (a bool, or None for ``config.draft_document_cache``). Asking for it from an
+        engine without that cache (``document_cache_mb=0``) raises :class:`InvalidRequestError`.
+        """
+        asked = check_optional_flag(draft_document_cache, "draft_document_cache")
+        if asked is None:
+            return self.config.draft_document_cache
+        if asked and self.document_cache is None:
+            raise InvalidRequestError(
+                "draft_document_cache=True, but this engine's draft has no per-document cache (document_cache_mb=0); "
+                "build the engine with document_cache_mb above 0, or leave draft_document_cache off"
+            )
+        return asked
 
     def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor) -> SparsePrompt:
         """What the main model prefills (:meth:`Pipeline.sparse_prompt`)."""
@@ -319,12 +351,14 @@ class SpecPrefillEngine:
         params: GenerationParams | None = None,
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
     ) -> Iterator[StreamChunk]:
         """Stream the answer to a prepared layout; the last chunk carries the stats and full result.
         ``reselect``: score spans compressed by an earlier request again (default ``config.reselect``).
+        ``draft_document_cache``: the documents' draft KV from the per-document cache (default: the config's).
         """
         params = check_params(params) or GenerationParams()
-        return self._stream(layout, params, keep_rate, time.perf_counter(), reselect)
+        return self._stream(layout, params, keep_rate, time.perf_counter(), reselect, draft_document_cache)
 
     def generate_layout(
         self,
@@ -332,8 +366,9 @@ class SpecPrefillEngine:
         params: GenerationParams | None = None,
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
     ) -> GenerationResult:
-        return last_result(self.stream_layout(layout, params, keep_rate, reselect))
+        return last_result(self.stream_layout(layout, params, keep_rate, reselect, draft_document_cache))
 
     def stream(
         self,
@@ -341,13 +376,16 @@ class SpecPrefillEngine:
         documents: Sequence[DocumentLike],
         instructions: str | None = None,
         keep_rate: RequestKeepRate = None,
+        draft_document_cache: bool | None = None,
         **params: Any,
     ) -> Iterator[StreamChunk]:
-        """Stream the answer to ``question`` over ``documents``; ``params`` are :class:`GenerationParams` fields."""
+        """Stream the answer to ``question`` over ``documents``; ``params`` are :class:`GenerationParams` fields.
+        ``draft_document_cache``: the documents' draft KV from the per-document cache (default: the config's).
+        """
         started = time.perf_counter()
         generation = generation_params(params)
         layout = self.layout(question, documents, instructions)
-        return self._stream(layout, generation, keep_rate, started)
+        return self._stream(layout, generation, keep_rate, started, document_cache=draft_document_cache)
 
     def generate(
         self,
@@ -355,10 +393,11 @@ class SpecPrefillEngine:
         documents: Sequence[DocumentLike],
         instructions: str | None = None,
         keep_rate: RequestKeepRate = None,
+        draft_document_cache: bool | None = None,
         **params: Any,
     ) -> GenerationResult:
         """Answer ``question`` over ``documents``; only document tokens are compressed."""
-        return last_result(self.stream(question, documents, instructions, keep_rate, **params))
+        return last_result(self.stream(question, documents, instructions, keep_rate, draft_document_cache, **params))
 
     def stream_chat(
         self,
@@ -369,17 +408,20 @@ class SpecPrefillEngine:
         parallel_tool_calls: bool = True,
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
         **params: Any,
     ) -> Iterator[StreamChunk]:
         """Stream the answer to a chat; chunks carry the model's tool calls as they complete (``tool_choice``:
         ``auto``, ``none``, ``required`` or a tool's name, :mod:`specprefill_rag.decode.tool_choice`). Documents
         and tool results compressed in an earlier turn keep their tokens unless ``reselect`` (docs: Conversations).
+        ``draft_document_cache``: the documents' draft KV from the per-document cache (default: the config's).
         """
         started = time.perf_counter()
         check_flag(parallel_tool_calls, "parallel_tool_calls")
         chat = self.chat_layout(messages, documents, tools)
         decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls)
-        return self._stream(chat.layout, generation_params({**params, **decoding}), keep_rate, started, reselect)
+        generation = generation_params({**params, **decoding})
+        return self._stream(chat.layout, generation, keep_rate, started, reselect, draft_document_cache)
 
     def chat(
         self,
@@ -390,16 +432,30 @@ class SpecPrefillEngine:
         parallel_tool_calls: bool = True,
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
         **params: Any,
     ) -> GenerationResult:
         """Answer a chat (:meth:`stream_chat`); ``result.tool_calls`` holds the calls the model made."""
         chunks = self.stream_chat(
-            messages, documents, tools, tool_choice, parallel_tool_calls, keep_rate, reselect, **params
+            messages,
+            documents,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            keep_rate,
+            reselect,
+            draft_document_cache,
+            **params,
         )
         return last_result(chunks)
 
     def generate_text(
-        self, prompt: str, keep_rate: RequestKeepRate = None, parse_special_tokens: bool = False, **params: Any
+        self,
+        prompt: str,
+        keep_rate: RequestKeepRate = None,
+        parse_special_tokens: bool = False,
+        draft_document_cache: bool | None = None,
+        **params: Any,
     ) -> GenerationResult:
         """Complete an already-rendered prompt; all but template tokens and the tail are candidates.
 
@@ -409,7 +465,7 @@ class SpecPrefillEngine:
         started = time.perf_counter()
         generation = generation_params(params)
         layout = self.text_layout(prompt, parse_special_tokens)
-        return last_result(self._stream(layout, generation, keep_rate, started))
+        return last_result(self._stream(layout, generation, keep_rate, started, document_cache=draft_document_cache))
 
     def ran(self, selection: Selection) -> DraftPath | None:
         """The draft path for the stats: None when :meth:`select` ran no draft (it then reports 0 ms)."""
@@ -427,7 +483,12 @@ class SpecPrefillEngine:
             self.backend.check_output_format(params.output_format)
 
     def _check_request(
-        self, layout: PromptLayout, params: GenerationParams, keep_rate: RequestKeepRate, reselect: bool | None
+        self,
+        layout: PromptLayout,
+        params: GenerationParams,
+        keep_rate: RequestKeepRate,
+        reselect: bool | None,
+        document_cache: bool | None = None,
     ) -> DraftInput | None:
         """Refuse a request before any model runs: bad layout or keep rate, too long for the main model's
         context, or for the draft (its context, ``max_draft_tokens``). Returns what the draft will read
@@ -436,6 +497,7 @@ class SpecPrefillEngine:
         check_layout(layout, len(self.tokenizer))
         check_keep_rate(keep_rate)
         check_optional_flag(reselect, "reselect")
+        self.uses_document_cache(document_cache)
         self.check_length(len(layout), params.max_new_tokens)
         self.check_output(params)
         if self._needs_draft(layout, keep_rate, reselect):
@@ -449,9 +511,10 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate,
         started: float,
         reselect: bool | None = None,
+        document_cache: bool | None = None,
     ) -> Iterator[StreamChunk]:
-        prepared = self._check_request(layout, params, keep_rate, reselect)
-        return self._decode(layout, params, keep_rate, started, prepared, reselect)
+        prepared = self._check_request(layout, params, keep_rate, reselect, document_cache)
+        return self._decode(layout, params, keep_rate, started, prepared, reselect, document_cache)
 
     def _decoding(self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float) -> Decoding:
         return Decoding(self.tokenizer, layout, params, chosen, started, self.ran(chosen))
@@ -464,8 +527,9 @@ class SpecPrefillEngine:
         started: float,
         prepared: DraftInput | None,
         reselect: bool | None,
+        document_cache: bool | None = None,
     ) -> Iterator[StreamChunk]:
-        chosen = self.select(layout, keep_rate, prepared, reselect)
+        chosen = self.select(layout, keep_rate, prepared, reselect, document_cache)
         decoding = self._decoding(layout, params, chosen, started)
         generated = self.backend.generate(self.sparse_prompt(layout, chosen.kept), params, decoding.report)
         try:
@@ -486,13 +550,14 @@ class SpecPrefillEngine:
         params: GenerationParams | None = None,
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from
         the backend's async interface (over HTTP for a vLLM server: no thread per request). Close the
         generator (``aclose``) to stop early; that ends the main model's request.
         """
         params = check_params(params) or GenerationParams()
-        return self._astream(layout, params, keep_rate, time.perf_counter(), reselect)
+        return self._astream(layout, params, keep_rate, time.perf_counter(), reselect, draft_document_cache)
 
     async def agenerate_layout(
         self,
@@ -500,8 +565,9 @@ class SpecPrefillEngine:
         params: GenerationParams | None = None,
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
     ) -> GenerationResult:
-        return await alast_result(self.astream_layout(layout, params, keep_rate, reselect))
+        return await alast_result(self.astream_layout(layout, params, keep_rate, reselect, draft_document_cache))
 
     def astream(
         self,
@@ -509,12 +575,14 @@ class SpecPrefillEngine:
         documents: Sequence[DocumentLike],
         instructions: str | None = None,
         keep_rate: RequestKeepRate = None,
+        draft_document_cache: bool | None = None,
         **params: Any,
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`stream` for an event loop (the prompt is tokenized on the loop)."""
         started = time.perf_counter()
         generation = generation_params(params)
-        return self._astream(self.layout(question, documents, instructions), generation, keep_rate, started)
+        layout = self.layout(question, documents, instructions)
+        return self._astream(layout, generation, keep_rate, started, document_cache=draft_document_cache)
 
     async def agenerate(
         self,
@@ -522,10 +590,12 @@ class SpecPrefillEngine:
         documents: Sequence[DocumentLike],
         instructions: str | None = None,
         keep_rate: RequestKeepRate = None,
+        draft_document_cache: bool | None = None,
         **params: Any,
     ) -> GenerationResult:
         """:meth:`generate` for an event loop."""
-        return await alast_result(self.astream(question, documents, instructions, keep_rate, **params))
+        chunks = self.astream(question, documents, instructions, keep_rate, draft_document_cache, **params)
+        return await alast_result(chunks)
 
     def _astream(
         self,
@@ -534,9 +604,10 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate,
         started: float,
         reselect: bool | None = None,
+        document_cache: bool | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
-        prepared = self._check_request(layout, params, keep_rate, reselect)
-        return self._adecode(layout, params, keep_rate, started, prepared, reselect)
+        prepared = self._check_request(layout, params, keep_rate, reselect, document_cache)
+        return self._adecode(layout, params, keep_rate, started, prepared, reselect, document_cache)
 
     async def _adecode(
         self,
@@ -546,8 +617,9 @@ class SpecPrefillEngine:
         started: float,
         prepared: DraftInput | None,
         reselect: bool | None,
+        document_cache: bool | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
-        chosen = await asyncio.to_thread(self.select, layout, keep_rate, prepared, reselect)
+        chosen = await asyncio.to_thread(self.select, layout, keep_rate, prepared, reselect, document_cache)
         async with aclosing(self._astream_kept(layout, params, chosen, started)) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -579,16 +651,19 @@ class SpecPrefillEngine:
 
     def warm_documents(self, documents: Sequence[DocumentLike], instructions: str | None = None) -> int:
         """Draft each document once into the per-document draft cache, after the prefix :meth:`layout` renders
-        for ``instructions``, so later requests with ``draft_document_cache`` take their KV from it.
+        for ``instructions``, so later requests with ``draft_document_cache`` take their KV from it. Entries are
+        keyed by that prefix: only requests with the same instructions (system message) find them.
 
-        Stops before the cache would have to drop entries; returns the documents drafted and held
-        (0 when ``document_cache_mb`` is 0).
+        Every document is checked before any is drafted. Stops before the cache would have to drop entries;
+        returns the documents drafted and held (0 when ``document_cache_mb`` is 0).
         """
-        store = getattr(self.draft, "document_cache", None)
+        checked = [as_document(document, i) for i, document in enumerate(check_documents(documents))]
+        check_optional_text(instructions, "instructions", "system instructions")
+        store = self.document_cache
         if store is None:
             return 0
         warmed, bytes_per_token = 0, 0.0
-        for document in documents:
+        for document in checked:
             layout = self.layout(_WARM_QUESTION, [document], instructions)
             tokens, free = max(layout.n_document_tokens, 1), store.free_bytes()
             if bytes_per_token * tokens > free:

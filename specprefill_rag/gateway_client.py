@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
-from .config import GenerationParams, OutputFormat
+from .config import MAX_WARM_DOCUMENTS, WARM_DOCUMENTS_PATH, GenerationParams, OutputFormat
 from .errors import InvalidRequestError, SpecPrefillError
 from .results import FinishReason, GenerationResult, InvalidToolCall, SpecPrefillStats, StreamChunk, ToolCall
 
@@ -31,6 +31,8 @@ class GatewayClientError(SpecPrefillError):
 _STATS_FIELDS = {f.name for f in fields(SpecPrefillStats)}
 _INVALID_CALLS = "invalid_tool_calls"  # spec_prefill's list of the calls that did not decode
 _FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "tool_calls")
+WarmDocument = str | Mapping[str, Any]
+"""A document to warm: its text, or ``{"text", "title", "id"}`` (as in ``spec_prefill.documents``)."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,39 @@ class GatewayClient:
             raise GatewayClientError(f"the gateway at {self.base_url} answered something that is not JSON") from None
         return completion_reply(answer)
 
+    def warm_documents(self, documents: Sequence[WarmDocument], instructions: str | None = None) -> dict[str, int]:
+        """Draft ``documents`` into the gateway's per-document draft cache (``POST /v1/spec_prefill/documents/warm``),
+        in calls of at most :data:`~specprefill_rag.config.MAX_WARM_DOCUMENTS`. ``instructions``: the system
+        message of the requests that will hold them (entries are keyed by the prompt's prefix: other instructions
+        find nothing). Returns ``warmed`` (documents now held), ``documents`` (sent), and the cache's ``held``
+        entries, ``cache_bytes`` and ``cache_max_bytes``; a 400 (e.g. the gateway has no document cache) raises
+        :class:`InvalidRequestError`.
+        """
+        replies = []
+        for body in _warm_calls(documents, instructions):
+            try:
+                response = httpx.post(
+                    self.base_url + WARM_DOCUMENTS_PATH, json=body, headers=self._headers, timeout=self.timeout
+                )
+            except httpx.HTTPError as error:
+                raise GatewayClientError(f"the gateway at {self.base_url} failed mid-request ({error})") from None
+            replies.append(_warm_reply(response, self.base_url))
+        return _warm_total(replies)
+
+    async def awarm_documents(
+        self, documents: Sequence[WarmDocument], instructions: str | None = None
+    ) -> dict[str, int]:
+        """:meth:`warm_documents` on the event loop."""
+        replies = []
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout) as client:
+                for body in _warm_calls(documents, instructions):
+                    response = await client.post(self.base_url + WARM_DOCUMENTS_PATH, json=body, headers=self._headers)
+                    replies.append(_warm_reply(response, self.base_url))
+        except httpx.HTTPError as error:
+            raise GatewayClientError(f"the gateway at {self.base_url} failed mid-request ({error})") from None
+        return _warm_total(replies)
+
     def token_ids(self, text: str) -> list[int]:
         """The main model's token ids of ``text`` (the gateway's ``/tokenize``)."""
         body = {"model": self.model, "prompt": text, "add_special_tokens": False}
@@ -242,6 +277,37 @@ class GatewayClient:
         if response.status_code >= 400:
             raise _refused(response.status_code, response.text)
         return list(response.json()["tokens"])
+
+
+def _warm_calls(documents: Sequence[WarmDocument], instructions: str | None) -> list[dict[str, Any]]:
+    """The warm-up request bodies for ``documents``: at most :data:`MAX_WARM_DOCUMENTS` each, in order."""
+    if isinstance(documents, (str, bytes, Mapping)) or not isinstance(documents, Sequence) or not documents:
+        raise InvalidRequestError(
+            f"documents must be a non-empty list of texts or {{'text', 'title', 'id'}} mappings, got "
+            f"{type(documents).__name__}; pass a list"
+        )
+    documents = [dict(d) if isinstance(d, Mapping) else d for d in documents]
+    step = MAX_WARM_DOCUMENTS
+    return [
+        {"documents": documents[i : i + step], "instructions": instructions} for i in range(0, len(documents), step)
+    ]
+
+
+def _warm_total(replies: list[dict[str, Any]]) -> dict[str, int]:
+    """The warm-up replies of one list of documents, summed (``held`` and the cache's bytes: the last reply's)."""
+    last = replies[-1]
+    total = {name: sum(int(reply[name]) for reply in replies) for name in ("warmed", "documents")}
+    return {**total, **{name: int(last[name]) for name in ("held", "cache_bytes", "cache_max_bytes")}}
+
+
+def _warm_reply(response: httpx.Response, base_url: str) -> dict[str, Any]:
+    if response.status_code >= 400:
+        raise _refused(response.status_code, response.text)
+    try:
+        reply = response.json()
+        return {name: int(reply[name]) for name in ("warmed", "documents", "held", "cache_bytes", "cache_max_bytes")}
+    except (ValueError, KeyError, TypeError):
+        raise GatewayClientError(f"the gateway at {base_url} answered the warm-up with something else") from None
 
 
 def _refused(status: int, detail: str) -> SpecPrefillError:

@@ -18,6 +18,7 @@ from specprefill_rag.draft.prefix_cache import DraftIdentity
 from specprefill_rag.draft.repair import BLEND, EPIC, NAIVE, DocumentRepair
 from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.prompt.layout import document_runs
 from specprefill_rag.serve.queue import DraftQueue
 from specprefill_rag.testing import build_model, build_tokenizer, random_documents
@@ -312,3 +313,86 @@ def test_a_self_draft_engine_caches_its_first_layers(tiny_model, tokenizer):
     assert engine.draft_path == "self" and engine.warm_documents(documents) == 2
     stats = engine.generate_layout(layout_of(engine, documents[::-1]), GenerationParams(max_new_tokens=1)).stats
     assert stats.draft_documents_cached == 2
+
+
+# -- the per-request flag (draft_document_cache=None: the config's) ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def flag_engine(tiny_model, tokenizer, sharp_draft):
+    """Config off, cache present: only requests that ask use it."""
+    return SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2)
+
+
+@pytest.mark.parametrize("entry", ["generate", "agenerate", "generate_layout", "agenerate_layout", "chat"])
+def test_a_request_asks_for_the_cache_on_every_entry_point(flag_engine, entry):
+    documents = random_documents(2, 60, seed=16 + len(entry))
+    ask = _entry_points(flag_engine)[entry]
+    assert ask(documents, None).draft_documents_cached == 0  # the config's: off
+    assert ask(documents, True).draft_documents_cached == 0  # drafted now, stored
+    assert ask(documents[::-1], True).draft_documents_cached == 2
+    assert ask(documents[::-1], False).draft_documents_cached == 0
+
+
+def _entry_points(engine):
+    params = {"max_new_tokens": 1}
+
+    def layout(documents):
+        return layout_of(engine, documents)
+
+    return {
+        "generate": lambda d, flag: engine.generate("Why?", d, None, None, flag, **params).stats,
+        "agenerate": lambda d, flag: (
+            asyncio.run(engine.agenerate("Why?", d, draft_document_cache=flag, **params)).stats
+        ),
+        "generate_layout": lambda d, flag: (
+            engine.generate_layout(layout(d), GenerationParams(**params), draft_document_cache=flag).stats
+        ),
+        "agenerate_layout": lambda d, flag: (
+            asyncio.run(engine.agenerate_layout(layout(d), GenerationParams(**params), None, None, flag)).stats
+        ),
+        "chat": lambda d, flag: (
+            engine.chat([ChatMessage("user", ["Why?"])], documents=d, draft_document_cache=flag, **params).stats
+        ),
+    }
+
+
+def test_a_request_turns_the_configs_cache_off(tiny_model, tokenizer, sharp_draft):
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2, draft_document_cache=True
+    )
+    documents = random_documents(2, 60, seed=30)
+    engine.generate("Why?", documents, max_new_tokens=1)
+    assert engine.generate("Who?", documents[::-1], max_new_tokens=1).stats.draft_documents_cached == 2
+    off = engine.generate("Who?", documents[::-1], draft_document_cache=False, max_new_tokens=1)
+    assert off.stats.draft_documents_cached == 0 and off.stats.draft_document_cached_tokens == 0
+
+
+def test_asking_an_engine_without_the_cache_names_the_setting(tiny_model, tokenizer, sharp_draft):
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2, document_cache_mb=0
+    )
+    with pytest.raises(InvalidRequestError, match="document_cache_mb=0.*document_cache_mb above 0"):
+        engine.generate("Why?", random_documents(2, 40), draft_document_cache=True, max_new_tokens=1)
+    assert engine.generate("Why?", random_documents(2, 40), draft_document_cache=False, max_new_tokens=1).text
+
+
+def test_the_setting_without_a_cache_is_refused():
+    from pydantic import ValidationError
+
+    from specprefill_rag import SpecPrefillConfig
+    from specprefill_rag.serve import GatewaySettings
+
+    for settings in (SpecPrefillConfig, GatewaySettings):
+        with pytest.raises(ValidationError, match="draft_document_cache is on but document_cache_mb is 0"):
+            settings(draft_document_cache=True, document_cache_mb=0)
+
+
+def test_warm_documents_checks_every_document_first(tiny_model, tokenizer, sharp_draft):
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2)
+    engine.draft.document_cache = store = DocumentKVCache(2**24)
+    with pytest.raises(InvalidRequestError, match="document 2 is empty"):
+        engine.warm_documents(["one", "two", " "])
+    with pytest.raises(InvalidRequestError, match="instructions is empty"):
+        engine.warm_documents(["one"], instructions=" ")
+    assert len(store) == 0  # nothing was drafted

@@ -27,7 +27,19 @@ DocumentKey = tuple[DraftIdentity, bytes, bytes]  # draft, prefix digest, docume
 
 
 class DocumentStore(Protocol):
-    """Where per-document draft KV lives (in memory here; a shared store could implement this)."""
+    """Where per-document draft KV lives (in memory here; a shared store could implement this).
+
+    Attributes:
+        nbytes: bytes it holds.
+        max_bytes: bytes it holds at most.
+    """
+
+    nbytes: int
+    max_bytes: int
+
+    def __len__(self) -> int:
+        """Entries it holds (documents, and the prefixes they were encoded after)."""
+        ...
 
     def lookup(self, key: DocumentKey, token_ids: torch.Tensor) -> KVLayers | None:
         """The KV of document ``token_ids`` ``[T]`` under ``key`` (per layer ``[1, H_kv, T, d]``), or None."""

@@ -2,7 +2,8 @@
 
 ``create_app(settings)`` builds the engine (or takes one), the draft queue and the routes:
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``,
-``POST /tokenize``, ``GET /health``, ``GET /metrics``. Every request passes the admission of
+``POST /tokenize``, ``POST /v1/spec_prefill/documents/warm`` (the per-document draft cache, at ingestion),
+``GET /health``, ``GET /metrics``. Every request passes the admission of
 :mod:`~specprefill_rag.serve.guard` first (the key on every route but ``/health`` and ``/metrics``, the
 bound on requests in flight, a JSON body of bounded size read under a deadline), inside the Host
 allow-list and, when configured, CORS.
@@ -26,7 +27,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__
-from ..config import GenerationParams
+from ..config import WARM_DOCUMENTS_PATH, GenerationParams
 from ..engine import SpecPrefillEngine
 from ..errors import InvalidRequestError
 from ..prompt.chat import ChatLayout
@@ -37,7 +38,7 @@ from .guard import RequestGuard
 from .layouts import chat_request_decoding, chat_request_layout, completion_request_layout, tokenize_request
 from .request_stream import ClientGone, RequestStream
 from .responses import CHAT, HEADER_NAMES, TEXT, ApiFormat, ResponseWriter, sse, stats_headers, with_invalid_calls
-from .schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest, first_problem
+from .schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest, WarmDocumentsRequest, first_problem
 from .settings import GatewaySettings
 
 log = logging.getLogger("specprefill_rag.serve")
@@ -84,6 +85,7 @@ def create_app(settings: GatewaySettings | None = None, engine: SpecPrefillEngin
 
     _info_routes(app, gateway, settings, served)
     _completion_routes(app, gateway, settings, served)
+    _document_routes(app, gateway)
     return app
 
 
@@ -152,6 +154,22 @@ def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, serv
         except InvalidRequestError as error:
             raise bad_request(str(error), "prompt") from None
         return {"tokens": ids, "count": len(ids), "max_model_len": context}
+
+
+def _document_routes(app: FastAPI, gateway: Gateway) -> None:
+    @app.post(WARM_DOCUMENTS_PATH)
+    async def warm_documents(request: Request) -> dict[str, int]:
+        """Draft documents into the per-document cache: ``{"warmed", "documents", "held", "cache_bytes",
+        "cache_max_bytes"}`` (:meth:`Gateway.warm`).
+        """
+        try:
+            warmed = await gateway.warm(_parse(WarmDocumentsRequest, await _json(request)))
+        except Exception as error:
+            failure = as_gateway_error(error, False)
+            gateway.metrics.finished("warm", failure.outcome)
+            raise failure from None
+        gateway.metrics.finished("warm", "ok")
+        return warmed
 
 
 async def _json(request: Request) -> dict[str, Any]:

@@ -8,6 +8,7 @@ budget, kept tokens, sparse prompt), scores the prompt in the shared
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -20,20 +21,23 @@ import torch
 from ..config import GenerationParams
 from ..decode.stream import selected
 from ..draft.importance import DraftScore
+from ..draft.paths import document_spans
 from ..engine import SpecPrefillEngine
+from ..errors import InvalidRequestError
 from ..models.loading import model_lock
 from ..pipeline import Budget, DraftCost
 from ..prompt.chat import ChatLayout
-from ..prompt.layout import PromptLayout
+from ..prompt.layout import Document, PromptLayout
 from ..results import DraftPath, Selection, StreamChunk
-from .errors import draft_failed, queue_full
+from .errors import bad_request, draft_failed, queue_full
 from .guard import Slots
 from .metrics import GatewayMetrics
 from .queue import DraftQueue, QueueFull
-from .schema import SpecPrefillOptions
+from .schema import SpecPrefillOptions, WarmDocumentsRequest
 from .settings import GatewaySettings
 
 log = logging.getLogger("specprefill_rag.serve")
+DOCUMENT_CACHE_FIELD = "spec_prefill.draft_document_cache"
 
 
 @dataclass(frozen=True)
@@ -87,15 +91,19 @@ class Gateway:
             settings.batch_window_ms / 1000.0,
         )
         self.slots = Slots(settings.max_concurrent_requests)
-        self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache)
+        self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache, engine.document_cache)
         self.queue.on_batch = self.metrics.batch
 
-    def _score_batch(self, prompts: list[torch.Tensor]) -> list[DraftScore | Exception]:
-        """Blocking: one batched draft forward (in the queue's worker thread), results on the CPU."""
+    def _score_batch(
+        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None] | None = None
+    ) -> list[DraftScore | Exception]:
+        """Blocking: one batched draft forward (in the queue's worker thread), results on the CPU. ``documents``:
+        per prompt its ``[S_i, 2]`` document spans to take from the per-document cache, or None.
+        """
         draft = self.engine.draft
         device = next(draft.model.parameters()).device
         with model_lock(draft.model):
-            results = draft.score_batch([p.to(device) for p in prompts])
+            results = draft.score_batch([p.to(device) for p in prompts], documents)
         return [replace(r, importance=r.importance.cpu()) if isinstance(r, DraftScore) else r for r in results]
 
     async def answer(self, plan: Plan) -> AsyncGenerator[Answer, None]:
@@ -111,6 +119,7 @@ class Gateway:
     async def _select(self, plan: Plan) -> Selection:
         """The engine's request path (:class:`~specprefill_rag.pipeline.Pipeline`), the draft scored in the queue."""
         layout, options, pipeline = plan.layout.layout, plan.options, self.engine.pipeline
+        use_cache = self._document_cache(options)
         rate = options.keep_rate if options.keep_rate is not None else self.settings.keep_rate
         cap = (
             options.max_document_tokens
@@ -127,15 +136,56 @@ class Gateway:
         scoring = self.engine.draft_scoring  # direct: the layout's ids; mapped: its rendering for the draft
         try:
             prepared = scoring.prepare(layout)
-            scored = await self.queue.score(prepared.token_ids)
+            spans = document_spans(prepared) if use_cache else None  # the draft's own tokens, on every path
+            scored = await self.queue.score(prepared.token_ids, spans)
             importance = scoring.finish(prepared, scored.importance)
         except QueueFull as full:
             raise queue_full(full.depth, full.retry_after_s) from None
         except Exception as error:  # the draft failed on this prompt: too long for it, out of memory, non-finite...
             return self._after_draft_error(layout, budget, error)
         queue_ms = max((time.perf_counter() - queued) * 1000.0 - scored.draft_ms, 0.0)
-        cost = DraftCost(scored.draft_ms, scored.cached_tokens, queue_ms, scored.batch_size)
+        cost = DraftCost(
+            scored.draft_ms,
+            scored.cached_tokens,
+            queue_ms,
+            scored.batch_size,
+            scored.document_cached_tokens,
+            scored.documents_cached,
+        )
         return pipeline.select(layout, budget, importance, cost, recalled)
+
+    def _document_cache(self, options: SpecPrefillOptions) -> bool:
+        """Whether this request's draft takes its documents from the per-document cache: its
+        ``spec_prefill.draft_document_cache``, else ``--draft-document-cache``; 400 when there is no cache.
+        """
+        asked = options.draft_document_cache
+        wanted = self.settings.draft_document_cache if asked is None else asked
+        if wanted and self.engine.document_cache is None:
+            raise bad_request(
+                f"{DOCUMENT_CACHE_FIELD} is true but this gateway runs without the per-document draft cache "
+                "(--document-cache-mb 0); send false, or start the gateway with --document-cache-mb above 0",
+                DOCUMENT_CACHE_FIELD,
+            )
+        return wanted
+
+    async def warm(self, request: WarmDocumentsRequest) -> dict[str, int]:
+        """Draft ``request.documents`` into the per-document cache (off the event loop; each document under the
+        draft's lock, between the queue's batches). 400 when the gateway has no such cache or a document is bad.
+        """
+        store = self.engine.document_cache
+        if store is None:
+            raise bad_request(
+                "this gateway runs without the per-document draft cache (--document-cache-mb 0), so there is "
+                "nothing to warm; start it with --document-cache-mb above 0 and --draft-document-cache (or send "
+                f"{DOCUMENT_CACHE_FIELD} true with each request)"
+            )
+        documents = [d if isinstance(d, str) else Document(d.text, d.title, d.id) for d in request.documents]
+        try:
+            warmed = await asyncio.to_thread(self.engine.warm_documents, documents, request.instructions)
+        except InvalidRequestError as error:
+            raise bad_request(str(error), "documents") from None
+        held = {"warmed": warmed, "documents": len(documents), "held": len(store)}
+        return {**held, "cache_bytes": store.nbytes, "cache_max_bytes": store.max_bytes}
 
     def _after_draft_error(self, layout: PromptLayout, budget: Budget, error: Exception) -> Selection:
         on_error = self.settings.on_draft_error

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
+from ..config import WARM_DOCUMENTS_PATH
 from .errors import GatewayError, body_too_slow, not_json, overloaded, too_large, unauthorized
 
 Scope = MutableMapping[str, Any]
@@ -27,7 +28,11 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without a key and not counted against the bound
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # metric labels
+ENDPOINTS = {  # metric labels
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    WARM_DOCUMENTS_PATH: "warm",
+}
 _JSON = "application/json"
 
 

@@ -14,10 +14,13 @@ _SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 class GatewayMetrics:
     """Requests by outcome, queue depth, draft time and batch size, kept share, TTFT, draft errors, and
-    the draft prefix cache's bytes and entries (``draft_cache``: a ``DraftPrefixCache``, or ``None``).
+    the bytes and entries of the draft prefix cache (``draft_cache``: a ``DraftPrefixCache``, or ``None``) and
+    of the per-document draft cache (``document_cache``: a ``DocumentStore``, or ``None``).
     """
 
-    def __init__(self, queue_depth: Callable[[], int], draft_cache: Any | None = None) -> None:
+    def __init__(
+        self, queue_depth: Callable[[], int], draft_cache: Any | None = None, document_cache: Any | None = None
+    ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = CollectorRegistry()
@@ -75,7 +78,17 @@ class GatewayMetrics:
             "specprefill_draft_cache_entries", "Prompts held by the draft prefix cache.", registry=self.registry
         )
         cache_entries.set_function(lambda: float(len(draft_cache) if draft_cache is not None else 0))
-        for endpoint in ("chat", "completions"):
+        document_bytes = Gauge(
+            "specprefill_document_cache_bytes", "Bytes held by the per-document draft cache.", registry=self.registry
+        )
+        document_bytes.set_function(lambda: float(document_cache.nbytes if document_cache is not None else 0))
+        document_entries = Gauge(
+            "specprefill_document_cache_entries",
+            "Entries held by the per-document draft cache (documents, and the prefixes they were drafted after).",
+            registry=self.registry,
+        )
+        document_entries.set_function(lambda: float(len(document_cache) if document_cache is not None else 0))
+        for endpoint in ("chat", "completions", "warm"):
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, outcome)  # every series exists from the start (0)
         for kind in _TOKEN_KINDS:

@@ -103,6 +103,7 @@ HEADER_FIELDS = (
     "draft_path",
     "draft_cached_tokens",
     "draft_document_cached_tokens",
+    "draft_documents_cached",
     "reused_spans",
     "queue_ms",
     "draft_batch_size",

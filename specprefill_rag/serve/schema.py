@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from ..config import MAX_PENALTY, MIN_TEMPERATURE, OutputFormat, StrictKeepRate, check_temperature
+from ..config import MAX_PENALTY, MAX_WARM_DOCUMENTS, MIN_TEMPERATURE, OutputFormat, StrictKeepRate, check_temperature
 from ..errors import InvalidRequestError
 from ..prompt.context import SystemContext
 from ..prompt.tools import TOOL_NAME, ToolChoice, check_tool_choice, check_tools
@@ -86,6 +86,46 @@ class SpecPrefillOptions(_Strict):
         description="Names of tools whose results stay whole (the others' results are documents); each must be "
         "offered in tools or called in the messages.",
     )
+    draft_document_cache: bool | None = Field(
+        None,
+        description="True: the draft takes each document's KV from the per-document cache (drafted once, moved to "
+        "where the document sits; an approximation, docs: Document cache); False: the documents are drafted "
+        "together. None: the gateway's --draft-document-cache (default false). True needs --document-cache-mb "
+        "above 0.",
+    )
+
+
+class WarmDocumentsRequest(_Strict):
+    """``POST /v1/spec_prefill/documents/warm``: documents drafted into the per-document cache ahead of the
+    requests that hold them (at ingestion), after the prefix the ``instructions`` (a system message) render.
+    """
+
+    documents: list[str | DocumentOption] = Field(
+        min_length=1,
+        description=f"The documents, at most {MAX_WARM_DOCUMENTS} per call (send a corpus in several calls).",
+    )
+    instructions: str | None = Field(
+        None,
+        description="The system message of the requests that will hold these documents: the cache is keyed by "
+        "the prompt's prefix, so documents warmed with other instructions (or none) are not found.",
+    )
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _bounded(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_WARM_DOCUMENTS:
+            raise ValueError(
+                f"{len(value)} documents in one call; send at most {MAX_WARM_DOCUMENTS} per call (split the corpus "
+                "into several calls)"
+            )
+        return value
+
+    @field_validator("instructions")
+    @classmethod
+    def _not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("is empty or only whitespace; send the system message of later requests, or null")
+        return value
 
 
 class TextPart(_Strict):

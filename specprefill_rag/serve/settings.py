@@ -15,6 +15,7 @@ from ..config import (
     DRAFT_DESCRIPTION,
     CompressionSettings,
     SpecPrefillConfig,
+    check_document_cache,
     check_self_draft_look_ahead,
 )
 from ..prompt.context import SystemContext
@@ -177,6 +178,11 @@ class GatewaySettings(CompressionSettings):
                 "the served model's tokenizer (its smaller sibling)"
             )
         check_self_draft_look_ahead(self, self.draft)
+        return self
+
+    @model_validator(mode="after")
+    def _document_cache_on(self) -> GatewaySettings:
+        check_document_cache(self.draft_document_cache, self.document_cache_mb)
         return self
 
     @property
