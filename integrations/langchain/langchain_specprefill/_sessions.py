@@ -7,7 +7,8 @@ imports no torch: an application that sends its requests to a gateway loads no m
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator
+import asyncio
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -98,11 +99,16 @@ class LocalSession:
         """The call's ``reselect``, else the constructor's."""
         return options.get("reselect", self.settings.reselect)
 
+    def _document_cache(self, options: dict[str, Any]) -> Any:
+        """The call's ``draft_document_cache``, else the constructor's when given; None: the engine's."""
+        return options.get("draft_document_cache", _given(self.settings, "draft_document_cache"))
+
     def stream(self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]) -> Iterator[Reply]:
         layout, source = self._layout(messages, options)
         params = self._params(layout, params, options)
         keep_rate, reselect = self._keep_rate(options), self._reselect(options)
-        chunks = self.settings.engine.stream_layout(layout.layout, params, keep_rate, reselect)
+        cache = self._document_cache(options)
+        chunks = self.settings.engine.stream_layout(layout.layout, params, keep_rate, reselect, cache)
         for chunk in chunks:
             yield chunk, {"document_source": source}
 
@@ -112,7 +118,7 @@ class LocalSession:
         layout, source = self._layout(messages, options)
         params = self._params(layout, params, options)
         chunks = self.settings.engine.astream_layout(
-            layout.layout, params, self._keep_rate(options), self._reselect(options)
+            layout.layout, params, self._keep_rate(options), self._reselect(options), self._document_cache(options)
         )
         async with aclosing(chunks):
             async for chunk in chunks:
@@ -120,6 +126,13 @@ class LocalSession:
 
     def token_ids(self, text: str) -> list[int]:
         return self.settings.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def warm(self, documents: Sequence[Any], instructions: str | None) -> int:
+        """Draft ``documents`` into the engine's per-document cache (:meth:`SpecPrefillEngine.warm_documents`)."""
+        return self.settings.engine.warm_documents(documents_argument(documents), instructions)
+
+    async def awarm(self, documents: Sequence[Any], instructions: str | None) -> int:
+        return await asyncio.to_thread(self.warm, documents, instructions)
 
 
 def _tool_fields(options: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +178,7 @@ class GatewaySession:
             "compress_tool_results": False if options.get("compress_tool_results") is False else None,
             "keep_tools_whole": keep or None,
             "reselect": options.get("reselect", _given(self.settings, "reselect")),
+            "draft_document_cache": options.get("draft_document_cache", _given(self.settings, "draft_document_cache")),
         }
         return self.client.body(openai, spec_prefill, params, _tool_fields(options)), bool(retrieved)
 
@@ -189,6 +203,13 @@ class GatewaySession:
 
     def token_ids(self, text: str) -> list[int]:
         return self.client.token_ids(text)
+
+    def warm(self, documents: Sequence[Any], instructions: str | None) -> int:
+        """Draft ``documents`` into the gateway's per-document cache (:meth:`GatewayClient.warm_documents`)."""
+        return self.client.warm_documents(documents_json(documents) or [], instructions)["warmed"]
+
+    async def awarm(self, documents: Sequence[Any], instructions: str | None) -> int:
+        return (await self.client.awarm_documents(documents_json(documents) or [], instructions))["warmed"]
 
 
 def _given(settings: Any, name: str) -> Any:

@@ -26,7 +26,17 @@ from specprefill_rag.results import GenerationResult
 if TYPE_CHECKING:
     from specprefill_rag import SpecPrefillEngine
 
-CALL_OPTIONS = ("documents", "question", "keep_rate", "reselect", "max_tokens", "temperature", "top_p", "seed")
+CALL_OPTIONS = (
+    "documents",
+    "question",
+    "keep_rate",
+    "reselect",
+    "draft_document_cache",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+)
 
 
 class SpecPrefillSettings(CompressionSettings):

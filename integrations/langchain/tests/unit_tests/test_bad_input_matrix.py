@@ -21,7 +21,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from pydantic import ValidationError
 
-from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM
+from langchain_specprefill import ChatSpecPrefill, SpecPrefillDocumentWarmer, SpecPrefillLLM
 from specprefill_rag.config import OutputFormat
 from specprefill_rag.errors import ContextLengthError, InvalidRequestError, SpecPrefillError
 from specprefill_rag.testing import random_documents
@@ -52,6 +52,13 @@ class Row:
 
 CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
     # (case, messages, call options, error, message)
+    (
+        "draft_document_cache: str",
+        QUESTION,
+        {"documents": DOCUMENTS, "draft_document_cache": "yes"},
+        InvalidRequestError,
+        "draft_document_cache must be True or False, got str",
+    ),
     ("documents=: int", QUESTION, {"documents": 5}, InvalidRequestError, "documents= must be a list .* got int"),
     (
         "documents=: one str",
@@ -249,6 +256,13 @@ CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
 ]
 
 LLM_CASES: list[tuple[str, Any, dict, type, str]] = [
+    (
+        "draft_document_cache: str",
+        QUESTION,
+        {"documents": DOCUMENTS, "draft_document_cache": "yes"},
+        InvalidRequestError,
+        "draft_document_cache must be True or False, got str",
+    ),
     ("prompt: lone surrogate", SURROGATE, {}, InvalidRequestError, "prompt is not valid Unicode"),
     ("prompt: whitespace only", " \n ", {}, InvalidRequestError, "last user message is empty"),
     ("documents=: int", QUESTION, {"documents": 3}, InvalidRequestError, "documents= must be a list"),
@@ -289,6 +303,31 @@ CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
 ]
 
 
+# (where, case, call over the chat model, message): the warmer is built over the row's ChatSpecPrefill
+WARMER_CASES: list[tuple[str, str, Callable[[Any], Any], str]] = [
+    ("(...)", "llm: str", lambda m: SpecPrefillDocumentWarmer("smollm2-135m"), "llm must be a ChatSpecPrefill or"),
+    ("(...)", "instructions: whitespace only", lambda m: SpecPrefillDocumentWarmer(m, " "), "instructions is empty"),
+    (
+        ".transform_documents",
+        "documents: one str",
+        lambda m: SpecPrefillDocumentWarmer(m).transform_documents("one text"),
+        "documents= must be a list .* got str",
+    ),
+    (
+        ".transform_documents",
+        "document: whitespace only",
+        lambda m: SpecPrefillDocumentWarmer(m).transform_documents([Document(page_content="ok"), Document(" ")]),
+        "document 1 is empty",
+    ),
+    (
+        ".atransform_documents",
+        "unknown option",
+        lambda m: asyncio.run(SpecPrefillDocumentWarmer(m).atransform_documents([Document("ok")], k=1)),
+        "unknown options \\['k'\\]",
+    ),
+]
+
+
 async def _acollect(chunks):
     return [chunk async for chunk in chunks]
 
@@ -326,6 +365,10 @@ ROWS = (
         for case, settings, message in CONSTRUCTOR_CASES
         for cls in (ChatSpecPrefill, SpecPrefillLLM)
     ]
+    + [
+        Row(f"SpecPrefillDocumentWarmer{where}", case, call, InvalidRequestError, message)
+        for where, case, call, message in WARMER_CASES
+    ]
 )
 
 
@@ -334,6 +377,7 @@ def models(tiny_engine):
     return {
         "ChatSpecPrefill": ChatSpecPrefill.from_engine(tiny_engine, max_tokens=2),
         "SpecPrefillLLM": SpecPrefillLLM.from_engine(tiny_engine, max_tokens=2),
+        "SpecPrefillDocumentWarmer": ChatSpecPrefill.from_engine(tiny_engine, max_tokens=2),  # what it is built over
     }
 
 

@@ -2,6 +2,7 @@ from langchain_specprefill import __all__
 
 EXPECTED_ALL = [
     "ChatSpecPrefill",
+    "SpecPrefillDocumentWarmer",
     "SpecPrefillLLM",
     "__version__",
     "document_prompt",

@@ -4,7 +4,14 @@ import langchain_specprefill
 from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM
 from specprefill_rag.config import CompressionSettings
 
-EXPORTS = {"ChatSpecPrefill", "SpecPrefillLLM", "__version__", "document_prompt", "format_docs"}
+EXPORTS = {
+    "ChatSpecPrefill",
+    "SpecPrefillDocumentWarmer",
+    "SpecPrefillLLM",
+    "__version__",
+    "document_prompt",
+    "format_docs",
+}
 SETTINGS = {
     "model",
     "draft_model",
