@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from llama_index.core.base.llms.types import ImageBlock, MessageRole, ToolCallBlock
 from llama_index.core.llms import ChatMessage
-from llama_index.llms.specprefill import SpecPrefillLLM
+from llama_index.core.schema import TextNode
+from llama_index.llms.specprefill import SpecPrefillDocumentWarmer, SpecPrefillLLM
 from pydantic import ValidationError
 
 from specprefill_rag.errors import ContextLengthError, InvalidRequestError, SpecPrefillError
@@ -51,6 +52,13 @@ class Row:
 
 COMPLETE_CASES: list[tuple[str, Any, dict, type, str]] = [
     # (case, prompt, call options, error, message)
+    (
+        "draft_document_cache: str",
+        QUESTION,
+        {"documents": DOCUMENTS, "draft_document_cache": "yes"},
+        InvalidRequestError,
+        "draft_document_cache must be True or False, got str",
+    ),
     ("prompt: int", 5, {}, InvalidRequestError, "prompt must be a str .* got int"),
     ("prompt: None", None, {}, InvalidRequestError, "prompt must be a str .* got NoneType"),
     ("prompt: empty", "", {}, InvalidRequestError, "prompt is empty"),
@@ -107,6 +115,13 @@ COMPLETE_CASES: list[tuple[str, Any, dict, type, str]] = [
 ]
 
 CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
+    (
+        "draft_document_cache: int",
+        [ChatMessage(role="user", content=QUESTION)],
+        {"documents": DOCUMENTS, "draft_document_cache": 1},
+        InvalidRequestError,
+        "draft_document_cache must be True or False, got int",
+    ),
     ("messages: empty list", [], {}, InvalidRequestError, "no messages given"),
     (
         "message: lone surrogate",
@@ -283,6 +298,33 @@ CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
 ]
 
 
+# (where, case, call over the row's LLM, error, message)
+WARMER_CASES: list[tuple[str, str, Callable[[Any], Any], type, str]] = [
+    ("(...)", "llm: str", lambda llm: SpecPrefillDocumentWarmer(llm="smollm2-135m"), ValidationError, "llm\n"),
+    (
+        "(...)",
+        "instructions: whitespace only",
+        lambda llm: SpecPrefillDocumentWarmer(llm=llm, instructions=" "),
+        ValidationError,
+        "instructions\n.*instructions is empty",
+    ),
+    (
+        "(nodes)",
+        "nodes: one str",
+        lambda llm: SpecPrefillDocumentWarmer(llm=llm)("one text"),
+        InvalidRequestError,
+        "nodes must be a list of LlamaIndex nodes, got str",
+    ),
+    (
+        ".acall",
+        "node: str",
+        lambda llm: asyncio.run(SpecPrefillDocumentWarmer(llm=llm).acall([TextNode(text="ok"), "text"])),
+        InvalidRequestError,
+        "node 1 is a str, not a LlamaIndex node; wrap",
+    ),
+]
+
+
 async def _acollect(responses):
     return [response async for response in await responses]
 
@@ -320,6 +362,10 @@ ROWS = (
             message,
         )
         for case, settings, message in CONSTRUCTOR_CASES
+    ]
+    + [
+        Row(f"SpecPrefillDocumentWarmer{where}", case, call, error, message)
+        for where, case, call, error, message in WARMER_CASES
     ]
 )
 

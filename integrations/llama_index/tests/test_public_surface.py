@@ -5,7 +5,13 @@ from llama_index.llms.specprefill import SpecPrefillLLM
 
 from specprefill_rag.config import CompressionSettings
 
-EXPORTS = {"NoToolCallError", "SpecPrefillLLM", "install_node_recorder", "remove_node_recorder"}
+EXPORTS = {
+    "NoToolCallError",
+    "SpecPrefillDocumentWarmer",
+    "SpecPrefillLLM",
+    "install_node_recorder",
+    "remove_node_recorder",
+}
 SETTINGS = {
     "model",
     "draft_model",

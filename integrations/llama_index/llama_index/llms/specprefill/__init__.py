@@ -2,5 +2,12 @@
 
 from llama_index.llms.specprefill._tools import NoToolCallError
 from llama_index.llms.specprefill.base import SpecPrefillLLM, install_node_recorder, remove_node_recorder
+from llama_index.llms.specprefill.warming import SpecPrefillDocumentWarmer
 
-__all__ = ["NoToolCallError", "SpecPrefillLLM", "install_node_recorder", "remove_node_recorder"]
+__all__ = [
+    "NoToolCallError",
+    "SpecPrefillDocumentWarmer",
+    "SpecPrefillLLM",
+    "install_node_recorder",
+    "remove_node_recorder",
+]

@@ -7,7 +7,8 @@ The gateway session imports no torch: an application that talks to a gateway loa
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Iterator
+import asyncio
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,7 @@ class Request:
     keep_rate: Any  # a fraction or "auto": the call's, else the LLM's (the engine checks it)
     params: GenerationParams
     reselect: Any = None  # the call's, else the LLM's when given; None: the engine's (or gateway's) own
+    draft_document_cache: Any = None  # likewise
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
@@ -101,16 +103,28 @@ class LocalSession:
     def stream(self, request: Request) -> Iterator[Reply]:
         layout = self._layout(request)
         params = self._params(request, layout)
-        for chunk in self.llm.engine.stream_layout(layout.layout, params, request.keep_rate, request.reselect):
+        chunks = self.llm.engine.stream_layout(
+            layout.layout, params, request.keep_rate, request.reselect, request.draft_document_cache
+        )
+        for chunk in chunks:
             yield chunk, self._extras(layout)
 
     async def astream(self, request: Request) -> AsyncGenerator[Reply, None]:
         layout = self._layout(request)
         params = self._params(request, layout)
-        chunks = self.llm.engine.astream_layout(layout.layout, params, request.keep_rate, request.reselect)
+        chunks = self.llm.engine.astream_layout(
+            layout.layout, params, request.keep_rate, request.reselect, request.draft_document_cache
+        )
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk, self._extras(layout)
+
+    def warm(self, documents: Sequence[Any], instructions: str | None) -> int:
+        """Draft ``documents`` into the engine's per-document cache (:meth:`SpecPrefillEngine.warm_documents`)."""
+        return self.llm.engine.warm_documents(documents, instructions)
+
+    async def awarm(self, documents: Sequence[Any], instructions: str | None) -> int:
+        return await asyncio.to_thread(self.warm, documents, instructions)
 
     @property
     def context_length(self) -> int:
@@ -150,6 +164,7 @@ class GatewaySession:
             "insert_documents": request.insert_missing,
             "keep_tools_whole": _tools_kept_whole(request.messages) or None,
             "reselect": request.reselect,
+            "draft_document_cache": request.draft_document_cache,
         }
         messages = [_json_message(m) for m in request.messages]
         return self.client.body(messages, options, request.params, _tool_fields(request))
@@ -162,6 +177,13 @@ class GatewaySession:
         async with aclosing(self.client.astream(self._body(request))) as replies:
             async for reply in replies:
                 yield reply.chunk, reply.extras
+
+    def warm(self, documents: Sequence[Any], instructions: str | None) -> int:
+        """Draft ``documents`` into the gateway's per-document cache (:meth:`GatewayClient.warm_documents`)."""
+        return self.client.warm_documents(_json_documents(list(documents)) or [], instructions)["warmed"]
+
+    async def awarm(self, documents: Sequence[Any], instructions: str | None) -> int:
+        return (await self.client.awarm_documents(_json_documents(list(documents)) or [], instructions))["warmed"]
 
     @property
     def context_length(self) -> int:

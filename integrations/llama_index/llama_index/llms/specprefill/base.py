@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from specprefill_rag import SpecPrefillEngine
 
 _CAPTURE_KEY = "specprefill_template_args"
-CALL_OPTIONS = ("documents", "query", "keep_rate", "reselect", "formatted")
+CALL_OPTIONS = ("documents", "query", "keep_rate", "reselect", "draft_document_cache", "formatted")
 TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
 """Chat-only call options (``_prepare_chat_with_tools`` fills them)."""
 
@@ -297,7 +297,12 @@ class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings):
             tool_choice=tool_choice_name(kwargs.get("tool_choice")),
             parallel_tool_calls=check_flag(kwargs.get("parallel_tool_calls", True), "parallel_tool_calls"),
             reselect=kwargs.get("reselect", self.reselect if "reselect" in self.model_fields_set else None),
+            draft_document_cache=kwargs.get("draft_document_cache", self._given("draft_document_cache")),
         )
+
+    def _given(self, name: str) -> Any:
+        """A setting given to the constructor, else None (the engine's or the gateway's own applies)."""
+        return getattr(self, name) if name in self.model_fields_set else None
 
     def _params(self) -> GenerationParams:
         return generation_params(
