@@ -173,6 +173,12 @@ ENGINE_CASES: list[tuple[str, Callable[[Any], dict] | dict, type, str]] = [
         "keep_rate must be a number or 'auto', got str 'AUTO'; pass .* 'auto'",
     ),
     ("keep_rate: bool", {"keep_rate": True}, InvalidRequestError, "keep_rate must be a number, got bool"),
+    (
+        "draft_document_cache: str",
+        {"draft_document_cache": "yes"},
+        InvalidRequestError,
+        "draft_document_cache must be True or False, got str 'yes'; pass a bool",
+    ),
     ("keep_rate: 0", {"keep_rate": 0}, InvalidRequestError, "keep_rate must be in \\(0, 1\\], got 0"),
     ("keep_rate: 1.5", {"keep_rate": 1.5}, InvalidRequestError, "keep_rate must be in \\(0, 1\\], got 1.5"),
     (
@@ -249,6 +255,12 @@ LAYOUT_CASES: list[tuple[str, Callable[[Any], dict], type, str]] = [
         "params must be a GenerationParams or None, got dict",
     ),
     ("keep_rate: NaN", lambda s: {"keep_rate": float("nan")}, InvalidRequestError, "keep_rate must be finite"),
+    (
+        "draft_document_cache: int",
+        lambda s: {"draft_document_cache": 1},
+        InvalidRequestError,
+        "draft_document_cache must be True or False, got int",
+    ),
 ]
 
 
@@ -319,6 +331,34 @@ ROWS += [
         "unknown option 'n'",
     ),
     Row(
+        "engine.generate",
+        "draft_document_cache: True without a cache",
+        lambda s: s.configure(document_cache_mb=0).generate(QUESTION, DOCUMENTS, draft_document_cache=True),
+        InvalidRequestError,
+        "draft_document_cache=True, but .*document_cache_mb=0.*leave draft_document_cache off",
+    ),
+    Row(
+        "engine.warm_documents",
+        "documents: one str",
+        lambda s: s.engine.warm_documents("one text"),
+        InvalidRequestError,
+        "documents must be a list .* got str; wrap",
+    ),
+    Row(
+        "engine.warm_documents",
+        "document: whitespace only",
+        lambda s: s.engine.warm_documents(["ok", " "]),
+        InvalidRequestError,
+        "document 1 is empty",
+    ),
+    Row(
+        "engine.warm_documents",
+        "instructions: int",
+        lambda s: s.engine.warm_documents(["ok"], 5),
+        InvalidRequestError,
+        "instructions must be a str",
+    ),
+    Row(
         "engine.layout",
         "use_chat_template: str",
         lambda s: s.engine.layout(QUESTION, DOCUMENTS, None, "no"),
@@ -384,6 +424,13 @@ ROWS += [
     ),
     Row(
         "SpecPrefillEngine(...)",
+        "draft_document_cache without a cache",
+        lambda s: s.configure(draft_document_cache=True, document_cache_mb=0),
+        ValidationError,
+        "draft_document_cache is on but document_cache_mb is 0",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
         "unknown setting",
         lambda s: s.configure(keeprate=0.2),
         ValidationError,
@@ -408,6 +455,20 @@ def _gateway_chat(spec_prefill):
     return _parse(ChatCompletionRequest, body)
 
 
+def _gateway_warm(body, document_cache_mb=None):
+    """A warm-up request as the gateway serves it (a 400 GatewayError naming the field or the flag)."""
+    from specprefill_rag.serve.app import _parse
+    from specprefill_rag.serve.gateway import Gateway
+    from specprefill_rag.serve.schema import WarmDocumentsRequest
+
+    def call(s):
+        settings = {} if document_cache_mb is None else {"document_cache_mb": document_cache_mb}
+        gateway = Gateway(_gateway_settings(**settings), s.configure(**settings) if settings else s.engine)
+        return asyncio.run(gateway.warm(_parse(WarmDocumentsRequest, body)))
+
+    return call
+
+
 def _gateway_settings(**settings):
     from specprefill_rag.serve import GatewaySettings
 
@@ -428,6 +489,48 @@ ROWS += [
         lambda s: _gateway_chat({"system_context": 1}),
         GatewayError,
         "invalid 'spec_prefill.system_context': .*'off', 'after_instructions' or 'delimited'",
+    ),
+    Row(
+        "gateway request",
+        "spec_prefill.draft_document_cache: str",
+        lambda s: _gateway_chat({"draft_document_cache": "yes"}),
+        GatewayError,
+        "invalid 'spec_prefill.draft_document_cache': Input should be a valid boolean",
+    ),
+    Row(
+        "gateway warm-up",
+        "documents: str",
+        _gateway_warm({"documents": "one text"}),
+        GatewayError,
+        "invalid 'documents': Input should be a valid list",
+    ),
+    Row(
+        "gateway warm-up",
+        "documents: too many",
+        _gateway_warm({"documents": ["a"] * 65}),
+        GatewayError,
+        "65 documents in one call; send at most 64 per call",
+    ),
+    Row(
+        "gateway warm-up",
+        "document: whitespace only",
+        _gateway_warm({"documents": ["ok", "  "]}),
+        GatewayError,
+        "document 1 is empty",
+    ),
+    Row(
+        "gateway warm-up",
+        "the gateway runs without the cache",
+        _gateway_warm({"documents": ["ok"]}, document_cache_mb=0),
+        GatewayError,
+        "without the per-document draft cache \\(--document-cache-mb 0\\)",
+    ),
+    Row(
+        "GatewaySettings(...)",
+        "draft_document_cache without a cache",
+        lambda s: _gateway_settings(draft_document_cache=True, document_cache_mb=0),
+        ValidationError,
+        "draft_document_cache is on but document_cache_mb is 0",
     ),
     Row(
         "GatewaySettings(...)",
