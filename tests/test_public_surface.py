@@ -33,6 +33,7 @@ ROUTES = {
     ("POST", "/v1/completions"),
     ("GET", "/v1/models"),
     ("POST", "/tokenize"),
+    ("POST", "/v1/spec_prefill/documents/warm"),
     ("GET", "/health"),
     ("GET", "/metrics"),
 }
@@ -61,6 +62,8 @@ SPEC_PREFILL_FIELDS = {
     "question",
     "insert_documents",
     "system_context",
+    "reselect",
+    "draft_document_cache",
 }
 METRICS = {
     "specprefill_requests",
@@ -72,6 +75,8 @@ METRICS = {
     "specprefill_draft_errors",
     "specprefill_draft_cache_bytes",
     "specprefill_draft_cache_entries",
+    "specprefill_document_cache_bytes",
+    "specprefill_document_cache_entries",
 }
 
 
