@@ -223,6 +223,7 @@ class CompressionSettings(BaseModel):
     )
     reselect: bool = Field(
         True,
+        strict=True,
         description="Score every compressed span (document, tool result) again against each request's question. "
         "False (stable selection): a span compressed earlier in the conversation keeps the tokens chosen then, so "
         "a later turn's sparse prompt extends the last one and the main model's prefix cache serves it: ~9x faster "
@@ -230,6 +231,7 @@ class CompressionSettings(BaseModel):
     )
     draft_document_cache: bool = Field(
         False,
+        strict=True,
         description="Draft each document once and reuse its draft KV, moved to its position, in any later prompt "
         "that holds it, in any order or combination (docs: Document cache). An approximation: documents then "
         "do not attend to each other in the draft.",
