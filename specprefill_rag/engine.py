@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -62,6 +63,21 @@ _engines_lock = threading.Lock()
 
 def _milliseconds(since: float) -> float:
     return (time.perf_counter() - since) * 1000.0
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat ready to answer (:meth:`SpecPrefillEngine.chat_request`): what the chat methods generate from.
+
+    Attributes:
+        chat: the layout, where its documents came from (``chat.document_source``, ``chat.n_documents``) and the
+            checked tools offered.
+        params: the decoding, with what the tools and ``tool_choice`` add (the family's tool-call markup to parse,
+            a forced call's constraint).
+    """
+
+    chat: ChatLayout
+    params: GenerationParams
 
 
 class SpecPrefillEngine:
@@ -249,13 +265,27 @@ class SpecPrefillEngine:
         tools: Sequence[Mapping[str, Any]] | None = None,
         question: str | None = None,
         use_chat_template: bool = True,
+        *,
+        insert_missing: bool = True,
     ) -> ChatLayout:
         """A chat's layout (:func:`~specprefill_rag.prompt.chat.chat_layout`): documents found in the messages or
-        given, tool results as documents, ``tools`` offered through the chat template.
+        given, tool results as documents, ``tools`` offered through the chat template. ``insert_missing=False``:
+        ``documents`` came from the messages (a retriever's, a template variable's), so they are located, never
+        inserted; when they are not all found verbatim, the fallback applies.
         """
         check_flag(use_chat_template, "use_chat_template")
+        check_flag(insert_missing, "insert_missing")
         tail = self.config.protect_tail_tokens
-        return chat_layout(self.tokenizer, messages, documents, tail, use_chat_template, question, tools=tools)
+        return chat_layout(
+            self.tokenizer,
+            messages,
+            documents,
+            tail,
+            use_chat_template,
+            question,
+            insert_missing=insert_missing,
+            tools=tools,
+        )
 
     def text_layout(self, prompt: str, parse_special_tokens: bool = False) -> PromptLayout:
         """Layout of an already-rendered prompt (no roles: see :func:`build_text_layout`)."""
@@ -399,6 +429,28 @@ class SpecPrefillEngine:
         """Answer ``question`` over ``documents``; only document tokens are compressed."""
         return last_result(self.stream(question, documents, instructions, keep_rate, draft_document_cache, **params))
 
+    def chat_request(
+        self,
+        messages: Sequence[ChatMessage],
+        documents: Sequence[DocumentLike] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool = True,
+        *,
+        question: str | None = None,
+        insert_missing: bool = True,
+        **params: Any,
+    ) -> ChatRequest:
+        """Lay out a chat and set its decoding (:class:`ChatRequest`), the first step of :meth:`stream_chat`;
+        :meth:`stream_layout` then answers it. For a caller that reports where the documents came from (the
+        framework adapters). ``question`` and ``insert_missing``: as in :meth:`chat_layout`; ``params``:
+        :class:`GenerationParams` fields. Refuses bad messages, documents, tools or options before any model runs.
+        """
+        check_flag(parallel_tool_calls, "parallel_tool_calls")
+        chat = self.chat_layout(messages, documents, tools, question, insert_missing=insert_missing)
+        decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls)
+        return ChatRequest(chat, generation_params({**params, **decoding}))
+
     def stream_chat(
         self,
         messages: Sequence[ChatMessage],
@@ -409,19 +461,29 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
         draft_document_cache: bool | None = None,
+        *,
+        question: str | None = None,
+        insert_missing: bool = True,
         **params: Any,
     ) -> Iterator[StreamChunk]:
         """Stream the answer to a chat; chunks carry the model's tool calls as they complete (``tool_choice``:
         ``auto``, ``none``, ``required`` or a tool's name, :mod:`specprefill_rag.decode.tool_choice`). Documents
         and tool results compressed in an earlier turn keep their tokens unless ``reselect`` (docs: Conversations).
         ``draft_document_cache``: the documents' draft KV from the per-document cache (default: the config's).
+        ``question`` and ``insert_missing``: as in :meth:`chat_layout`.
         """
         started = time.perf_counter()
-        check_flag(parallel_tool_calls, "parallel_tool_calls")
-        chat = self.chat_layout(messages, documents, tools)
-        decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls)
-        generation = generation_params({**params, **decoding})
-        return self._stream(chat.layout, generation, keep_rate, started, reselect, draft_document_cache)
+        request = self.chat_request(
+            messages,
+            documents,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            question=question,
+            insert_missing=insert_missing,
+            **params,
+        )
+        return self._stream(request.chat.layout, request.params, keep_rate, started, reselect, draft_document_cache)
 
     def chat(
         self,
@@ -433,6 +495,9 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
         draft_document_cache: bool | None = None,
+        *,
+        question: str | None = None,
+        insert_missing: bool = True,
         **params: Any,
     ) -> GenerationResult:
         """Answer a chat (:meth:`stream_chat`); ``result.tool_calls`` holds the calls the model made."""
@@ -445,6 +510,8 @@ class SpecPrefillEngine:
             keep_rate,
             reselect,
             draft_document_cache,
+            question=question,
+            insert_missing=insert_missing,
             **params,
         )
         return last_result(chunks)
@@ -595,6 +662,66 @@ class SpecPrefillEngine:
     ) -> GenerationResult:
         """:meth:`generate` for an event loop."""
         chunks = self.astream(question, documents, instructions, keep_rate, draft_document_cache, **params)
+        return await alast_result(chunks)
+
+    def astream_chat(
+        self,
+        messages: Sequence[ChatMessage],
+        documents: Sequence[DocumentLike] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool = True,
+        keep_rate: RequestKeepRate = None,
+        reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
+        *,
+        question: str | None = None,
+        insert_missing: bool = True,
+        **params: Any,
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """:meth:`stream_chat` for an event loop (the chat is laid out on the loop)."""
+        started = time.perf_counter()
+        request = self.chat_request(
+            messages,
+            documents,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            question=question,
+            insert_missing=insert_missing,
+            **params,
+        )
+        return self._astream(request.chat.layout, request.params, keep_rate, started, reselect, draft_document_cache)
+
+    async def achat(
+        self,
+        messages: Sequence[ChatMessage],
+        documents: Sequence[DocumentLike] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        tool_choice: ToolChoice | None = None,
+        parallel_tool_calls: bool = True,
+        keep_rate: RequestKeepRate = None,
+        reselect: bool | None = None,
+        draft_document_cache: bool | None = None,
+        *,
+        question: str | None = None,
+        insert_missing: bool = True,
+        **params: Any,
+    ) -> GenerationResult:
+        """:meth:`chat` for an event loop."""
+        chunks = self.astream_chat(
+            messages,
+            documents,
+            tools,
+            tool_choice,
+            parallel_tool_calls,
+            keep_rate,
+            reselect,
+            draft_document_cache,
+            question=question,
+            insert_missing=insert_missing,
+            **params,
+        )
         return await alast_result(chunks)
 
     def _astream(
