@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.messages import BaseMessage
 
@@ -23,10 +23,12 @@ from langchain_specprefill.documents import (
     to_openai_message,
 )
 from langchain_specprefill.retrievers import located_documents
-from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.gateway_client import GatewayClient
 from specprefill_rag.results import StreamChunk
+
+if TYPE_CHECKING:  # the engine needs torch; a gateway session never imports it
+    from specprefill_rag.engine import ChatRequest
 
 Reply = tuple[StreamChunk, dict[str, Any]]
 
@@ -49,47 +51,42 @@ def _keep_whole(messages: list[BaseMessage], options: dict[str, Any]) -> list[st
 
 
 class LocalSession:
-    """The engine of ``settings`` (loaded on first use), with documents found by :func:`chat_layout`."""
+    """The engine of ``settings`` (loaded on first use): the engine's chat path, with documents found in the
+    messages (the run's retrieved ones located, never inserted).
+    """
 
     runs_here = True
 
     def __init__(self, settings: Any) -> None:
         self.settings = settings
 
-    def _layout(self, messages: list[BaseMessage], options: dict[str, Any]) -> tuple[Any, str]:
-        """The layout and its ``document_source`` (``"retriever-located"`` for the run's retrieved documents)."""
-        from specprefill_rag.prompt.chat import DOCUMENT_START, chat_layout
+    def _request(
+        self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]
+    ) -> tuple[ChatRequest, str]:
+        """The engine's request (:meth:`~specprefill_rag.SpecPrefillEngine.chat_request`) and its
+        ``document_source`` (``"retriever-located"`` for the run's retrieved documents).
+        """
+        from specprefill_rag.prompt.chat import DOCUMENT_START
         from specprefill_rag.prompt.layout import Document
 
         chat = to_chat_messages(messages, _keep_whole(messages, options), options.get("compress_tool_results", True))
-        tools = options.get("tools")
         texts = [m.text for m in chat]
         blocks = any(isinstance(p, Document) for m in chat for p in m.parts)
         explicit = blocks or any(DOCUMENT_START in t for t in texts)
         searched = [m.text for m in chat if m.role != "tool" or m.compress]  # not in results kept whole
         retrieved = _retrieved_in(options, searched, explicit)
-        tokenizer, tail = self.settings.engine.tokenizer, self.settings.protect_tail_tokens
-        if retrieved:
-            # found verbatim, so nothing is inserted; if they cannot all be placed, the fallback applies
-            layout = chat_layout(
-                tokenizer, chat, retrieved, tail, question=options.get("question"), insert_missing=False, tools=tools
-            )
-            located = layout.document_source == "argument-located"
-            return layout, RETRIEVER_LOCATED if located else layout.document_source
-        documents = documents_argument(options.get("documents"))
-        layout = chat_layout(tokenizer, chat, documents, tail, question=options.get("question"), tools=tools)
-        return layout, layout.document_source
-
-    def _params(self, layout: Any, params: GenerationParams, options: dict[str, Any]) -> GenerationParams:
-        """``params`` with what decoding needs for the offered tools and ``tool_choice``: the model family's
-        tool-call markup to parse, and for a forced call the constraint (:func:`tool_decoding`).
-        """
-        from specprefill_rag.decode.tool_choice import tool_decoding
-
-        parallel = options.get("parallel_tool_calls")
-        tokenizer = self.settings.engine.tokenizer
-        decoding = tool_decoding(tokenizer, layout.tools, options.get("tool_choice"), parallel is not False)
-        return generation_params({**dict(params), **decoding}) if decoding else params
+        request = self.settings.engine.chat_request(
+            chat,
+            retrieved if retrieved else documents_argument(options.get("documents")),
+            options.get("tools"),
+            options.get("tool_choice"),
+            options.get("parallel_tool_calls") is not False,
+            question=options.get("question"),
+            insert_missing=not retrieved,  # found verbatim: nothing to insert; if not all placed, the fallback
+            **dict(params),
+        )
+        source = request.chat.document_source
+        return request, RETRIEVER_LOCATED if retrieved and source == "argument-located" else source
 
     def _keep_rate(self, options: dict[str, Any]) -> Any:
         """The call's keep rate, else the constructor's (also for an engine given with ``from_engine``)."""
@@ -104,22 +101,20 @@ class LocalSession:
         return options.get("draft_document_cache", _given(self.settings, "draft_document_cache"))
 
     def stream(self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]) -> Iterator[Reply]:
-        layout, source = self._layout(messages, options)
-        params = self._params(layout, params, options)
+        request, source = self._request(messages, params, options)
         keep_rate, reselect = self._keep_rate(options), self._reselect(options)
         cache = self._document_cache(options)
-        chunks = self.settings.engine.stream_layout(layout.layout, params, keep_rate, reselect, cache)
+        chunks = self.settings.engine.stream_layout(request.chat.layout, request.params, keep_rate, reselect, cache)
         for chunk in chunks:
             yield chunk, {"document_source": source}
 
     async def astream(
         self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]
     ) -> AsyncGenerator[Reply, None]:
-        layout, source = self._layout(messages, options)
-        params = self._params(layout, params, options)
-        chunks = self.settings.engine.astream_layout(
-            layout.layout, params, self._keep_rate(options), self._reselect(options), self._document_cache(options)
-        )
+        request, source = self._request(messages, params, options)
+        keep_rate, reselect = self._keep_rate(options), self._reselect(options)
+        cache = self._document_cache(options)
+        chunks = self.settings.engine.astream_layout(request.chat.layout, request.params, keep_rate, reselect, cache)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk, {"document_source": source}

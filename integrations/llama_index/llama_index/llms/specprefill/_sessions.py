@@ -11,13 +11,15 @@ import asyncio
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.gateway_client import GatewayClient, tool_calls_json
 from specprefill_rag.results import StreamChunk, ToolCall
+
+if TYPE_CHECKING:  # the engine needs torch; a gateway session never imports it
+    from specprefill_rag.engine import ChatRequest
 
 Reply = tuple[StreamChunk, dict[str, Any]]
 
@@ -65,59 +67,53 @@ class Request:
 
 
 class LocalSession:
-    """The engine of ``llm`` (loaded on first use), with documents found by :func:`chat_layout`."""
+    """The engine of ``llm`` (loaded on first use), through its chat path."""
 
     runs_here = True
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
-    def _layout(self, request: Request) -> Any:
-        from specprefill_rag.prompt.chat import ChatMessage, chat_layout
+    def _request(self, request: Request) -> ChatRequest:
+        """The engine's request (:meth:`~specprefill_rag.SpecPrefillEngine.chat_request`): the layout, with
+        documents found in the messages or given, and the decoding its tools and ``tool_choice`` add.
+        """
+        from specprefill_rag.prompt.chat import ChatMessage
 
         messages = [
             ChatMessage(m.role, [m.text], m.tool_calls, m.tool_call_id, m.name, m.compress) for m in request.messages
         ]
-        return chat_layout(
-            self.llm.engine.tokenizer,
+        return self.llm.engine.chat_request(
             messages,
             request.documents,
-            self.llm.protect_tail_tokens,
+            request.tools,
+            request.tool_choice,
+            request.parallel_tool_calls,
             question=request.question,
             insert_missing=request.insert_missing,
-            tools=request.tools,
+            **dict(request.params),
         )
-
-    def _params(self, request: Request, layout: Any) -> GenerationParams:
-        """The request's decoding, with what its tools and ``tool_choice`` add (parsing, constraints)."""
-        from specprefill_rag.decode.tool_choice import tool_decoding
-
-        tokenizer = self.llm.engine.tokenizer
-        decoding = tool_decoding(tokenizer, layout.tools, request.tool_choice, request.parallel_tool_calls)
-        return generation_params({**dict(request.params), **decoding}) if decoding else request.params
 
     @staticmethod
-    def _extras(layout: Any) -> dict[str, Any]:
-        return {"document_source": layout.document_source, "n_documents": layout.n_documents}
+    def _extras(prepared: ChatRequest) -> dict[str, Any]:
+        return {"document_source": prepared.chat.document_source, "n_documents": prepared.chat.n_documents}
 
     def stream(self, request: Request) -> Iterator[Reply]:
-        layout = self._layout(request)
-        params = self._params(request, layout)
+        prepared = self._request(request)
         chunks = self.llm.engine.stream_layout(
-            layout.layout, params, request.keep_rate, request.reselect, request.draft_document_cache
+            prepared.chat.layout, prepared.params, request.keep_rate, request.reselect, request.draft_document_cache
         )
         for chunk in chunks:
-            yield chunk, self._extras(layout)
+            yield chunk, self._extras(prepared)
 
     async def astream(self, request: Request) -> AsyncGenerator[Reply, None]:
-        layout = self._layout(request)
-        params = self._params(request, layout)
+        prepared = self._request(request)
         chunks = self.llm.engine.astream_layout(
-            layout.layout, params, request.keep_rate, request.reselect, request.draft_document_cache
+            prepared.chat.layout, prepared.params, request.keep_rate, request.reselect, request.draft_document_cache
         )
         async with aclosing(chunks):
             async for chunk in chunks:
-                yield chunk, self._extras(layout)
+                yield chunk, self._extras(prepared)
 
     def warm(self, documents: Sequence[Any], instructions: str | None) -> int:
         """Draft ``documents`` into the engine's per-document cache (:meth:`SpecPrefillEngine.warm_documents`)."""
