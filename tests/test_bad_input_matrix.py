@@ -7,7 +7,8 @@ contract: HTTP 400) for the plugin's admission checks. Never a bare ``TypeError`
 ``IndexError`` or ``UnicodeEncodeError`` from inside, nothing truncated, and afterwards the same engine
 (CLI: the same process, models cached) answers a good request.
 
-The engine rows run through all four entry points (``generate``, ``stream``, ``agenerate``, ``astream``).
+The engine rows run through all four entry points (``generate``, ``stream``, ``agenerate``, ``astream``;
+the chat rows through ``chat``, ``stream_chat``, ``achat``, ``astream_chat``).
 The docs page "Bad input" (docs/reference/bad-input.md) is generated from these rows at build time. The adapters'
 rows live in their packages (integrations/langchain/tests/unit_tests/test_bad_input_matrix.py,
 integrations/llama_index/tests/test_bad_input_matrix.py), the plugin rows that need vLLM in
@@ -39,6 +40,7 @@ from specprefill_rag import (
 )
 from specprefill_rag.cli import main as cli_main
 from specprefill_rag.positions import check_runs, decode_runs
+from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.serve.errors import GatewayError
 from specprefill_rag.testing import random_documents
 from specprefill_rag.vllm_plugin.admission import check_kept_count, check_length
@@ -276,7 +278,26 @@ def _layout_call(style: str, arguments: Callable[[Any], dict]) -> Callable[[Any]
     return call
 
 
+CHAT_CASES: list[tuple[str, dict, type, str]] = [
+    (
+        "insert_missing: str",
+        {"insert_missing": "no"},
+        InvalidRequestError,
+        "insert_missing must be True or False, got str 'no'; pass a bool",
+    ),
+]
+
+
+def _chat_call(style: str, arguments: dict) -> Callable[[Any], Any]:
+    def call(s):
+        kwargs = {"messages": [ChatMessage("user", [QUESTION])], "documents": DOCUMENTS, "max_new_tokens": 2}
+        return s.run(style, {**kwargs, **arguments})
+
+    return call
+
+
 STYLES = ("generate", "stream", "agenerate", "astream")
+CHAT_STYLES = ("chat", "stream_chat", "achat", "astream_chat")
 ROWS: list[Row] = [
     Row(f"engine.{style}", case, _engine_call(style, arguments), error, message)
     for case, arguments, error, message in ENGINE_CASES
@@ -285,6 +306,11 @@ ROWS: list[Row] = [
     Row(f"engine.{style}_layout", case, _layout_call(style, arguments), error, message)
     for case, arguments, error, message in LAYOUT_CASES
     for style in STYLES
+]
+ROWS += [
+    Row(f"engine.{style}", case, _chat_call(style, arguments), error, message)
+    for case, arguments, error, message in CHAT_CASES
+    for style in CHAT_STYLES
 ]
 
 ROWS += [
@@ -720,7 +746,7 @@ class Surfaces:
     # -- the engine
     def run(self, style, kwargs):
         method = getattr(self.engine, style)
-        if style.startswith("agenerate"):
+        if style.startswith("agenerate") or style == "achat":
             return asyncio.run(method(**kwargs))
         if style.startswith("astream"):
             return asyncio.run(_collect(method(**kwargs)))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
-from specprefill_rag.errors import ContextLengthError
+from specprefill_rag.errors import ContextLengthError, InvalidRequestError
+from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.prompt.layout import Role
 from specprefill_rag.selection import select_kept
 from specprefill_rag.testing import random_documents
@@ -155,6 +156,57 @@ def test_async_stream_checks_length_when_called(engine):
     layout = engine.layout(QUESTION, random_documents(3, 60))
     with pytest.raises(ContextLengthError):
         engine.astream_layout(layout, GenerationParams(max_new_tokens=10_000))
+
+
+# -- chats: chat_request is the first step of every chat method ----------------------------------------
+
+
+def _stuffed_chat(documents: list[str]) -> list[ChatMessage]:
+    """A chat whose system message holds ``documents`` verbatim (as a framework's template renders them)."""
+    system = "Answer from the context.\n\n" + "\n\n".join(documents)
+    return [ChatMessage("system", [system]), ChatMessage("user", [QUESTION])]
+
+
+def test_chat_request_locates_documents_without_inserting_them_when_asked(engine):
+    documents = random_documents(2, 60)
+    located = engine.chat_request(_stuffed_chat(documents), documents, insert_missing=False, max_new_tokens=3)
+    assert located.chat.document_source == "argument-located" and located.chat.n_documents == 2
+    assert located.params == GenerationParams(max_new_tokens=3)
+    elsewhere = [ChatMessage("user", [QUESTION])]
+    fallback = engine.chat_request(elsewhere, documents, insert_missing=False, question="Which bridge?")
+    assert fallback.chat.document_source == "none"  # not found verbatim, so not inserted
+    assert engine.tokenizer.decode(fallback.chat.layout.input_ids).count("Which bridge?") == 1  # appended, kept
+    inserted = engine.chat_request(elsewhere, documents)
+    assert inserted.chat.document_source == "argument-inserted" and inserted.chat.n_documents == 2
+
+
+def test_stream_chat_answers_the_chat_request_as_stream_layout_does(engine):
+    documents = random_documents(2, 60)
+    messages, settings = _stuffed_chat(documents), {"max_new_tokens": 8, "question": QUESTION}
+    request = engine.chat_request(messages, documents, insert_missing=False, **settings)
+    expected = engine.generate_layout(request.chat.layout, request.params)
+    result = engine.chat(messages, documents, insert_missing=False, **settings)
+    assert result.token_ids == expected.token_ids and torch.equal(result.kept_positions, expected.kept_positions)
+    assert result.stats.compressed and result.stats.prompt_tokens == len(request.chat.layout)
+
+
+def test_async_chat_equals_chat(engine):
+    documents = random_documents(2, 60)
+    messages, settings = _stuffed_chat(documents), {"max_new_tokens": 12, "temperature": 0.8, "seed": 5}
+    expected = list(engine.stream_chat(messages, documents, **settings))
+    chunks = asyncio.run(_chunks(engine.astream_chat(messages, documents, **settings)))
+    assert [(c.text, c.token_ids, c.finish_reason) for c in chunks] == [
+        (c.text, c.token_ids, c.finish_reason) for c in expected
+    ]
+    result = asyncio.run(engine.achat(messages, documents, **settings))
+    assert result.token_ids == expected[-1].result.token_ids and result.stats.compressed
+
+
+def test_chat_methods_refuse_a_non_bool_insert_missing_before_any_model_runs(engine):
+    messages = [ChatMessage("user", [QUESTION])]
+    for call in (engine.chat_request, engine.stream_chat, engine.astream_chat, engine.chat):
+        with pytest.raises(InvalidRequestError, match="insert_missing must be True or False, got str"):
+            call(messages, ["a document"], insert_missing="no")
 
 
 # -- keep_rate="auto" ---------------------------------------------------------------------------------
