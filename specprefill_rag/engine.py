@@ -437,19 +437,20 @@ class SpecPrefillEngine:
         tool_choice: ToolChoice | None = None,
         parallel_tool_calls: bool = True,
         *,
+        params: GenerationParams | None = None,
         question: str | None = None,
         insert_missing: bool = True,
-        **params: Any,
     ) -> ChatRequest:
         """Lay out a chat and set its decoding (:class:`ChatRequest`), the first step of :meth:`stream_chat`;
         :meth:`stream_layout` then answers it. For a caller that reports where the documents came from (the
-        framework adapters). ``question`` and ``insert_missing``: as in :meth:`chat_layout`; ``params``:
-        :class:`GenerationParams` fields. Refuses bad messages, documents, tools or options before any model runs.
+        framework adapters). ``params``: the decoding the tools' fields are added to; ``question`` and
+        ``insert_missing``: as in :meth:`chat_layout`. Refuses bad messages, documents or tools before any model runs.
         """
+        base = check_params(params) or GenerationParams()
         check_flag(parallel_tool_calls, "parallel_tool_calls")
         chat = self.chat_layout(messages, documents, tools, question, insert_missing=insert_missing)
         decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls)
-        return ChatRequest(chat, generation_params({**params, **decoding}))
+        return ChatRequest(chat, generation_params({**dict(base), **decoding}) if decoding else base)
 
     def stream_chat(
         self,
@@ -479,9 +480,9 @@ class SpecPrefillEngine:
             tools,
             tool_choice,
             parallel_tool_calls,
+            params=generation_params(params),
             question=question,
             insert_missing=insert_missing,
-            **params,
         )
         return self._stream(request.chat.layout, request.params, keep_rate, started, reselect, draft_document_cache)
 
@@ -687,9 +688,9 @@ class SpecPrefillEngine:
             tools,
             tool_choice,
             parallel_tool_calls,
+            params=generation_params(params),
             question=question,
             insert_missing=insert_missing,
-            **params,
         )
         return self._astream(request.chat.layout, request.params, keep_rate, started, reselect, draft_document_cache)
 

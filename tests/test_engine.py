@@ -169,9 +169,10 @@ def _stuffed_chat(documents: list[str]) -> list[ChatMessage]:
 
 def test_chat_request_locates_documents_without_inserting_them_when_asked(engine):
     documents = random_documents(2, 60)
-    located = engine.chat_request(_stuffed_chat(documents), documents, insert_missing=False, max_new_tokens=3)
+    params = GenerationParams(max_new_tokens=3)
+    located = engine.chat_request(_stuffed_chat(documents), documents, params=params, insert_missing=False)
     assert located.chat.document_source == "argument-located" and located.chat.n_documents == 2
-    assert located.params == GenerationParams(max_new_tokens=3)
+    assert located.params is params  # no tools: the decoding as given
     elsewhere = [ChatMessage("user", [QUESTION])]
     fallback = engine.chat_request(elsewhere, documents, insert_missing=False, question="Which bridge?")
     assert fallback.chat.document_source == "none"  # not found verbatim, so not inserted
@@ -182,10 +183,11 @@ def test_chat_request_locates_documents_without_inserting_them_when_asked(engine
 
 def test_stream_chat_answers_the_chat_request_as_stream_layout_does(engine):
     documents = random_documents(2, 60)
-    messages, settings = _stuffed_chat(documents), {"max_new_tokens": 8, "question": QUESTION}
-    request = engine.chat_request(messages, documents, insert_missing=False, **settings)
+    messages = _stuffed_chat(documents)
+    params = GenerationParams(max_new_tokens=8)
+    request = engine.chat_request(messages, documents, params=params, question=QUESTION, insert_missing=False)
     expected = engine.generate_layout(request.chat.layout, request.params)
-    result = engine.chat(messages, documents, insert_missing=False, **settings)
+    result = engine.chat(messages, documents, question=QUESTION, insert_missing=False, max_new_tokens=8)
     assert result.token_ids == expected.token_ids and torch.equal(result.kept_positions, expected.kept_positions)
     assert result.stats.compressed and result.stats.prompt_tokens == len(request.chat.layout)
 

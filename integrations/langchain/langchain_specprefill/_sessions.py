@@ -81,9 +81,9 @@ class LocalSession:
             options.get("tools"),
             options.get("tool_choice"),
             options.get("parallel_tool_calls") is not False,
+            params=params,
             question=options.get("question"),
             insert_missing=not retrieved,  # found verbatim: nothing to insert; if not all placed, the fallback
-            **dict(params),
         )
         source = request.chat.document_source
         return request, RETRIEVER_LOCATED if retrieved and source == "argument-located" else source

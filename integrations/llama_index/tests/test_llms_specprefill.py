@@ -245,3 +245,49 @@ def test_keep_rate_auto_from_the_constructor_or_per_call(tiny_engine):
     assert over_auto["keep_policy"] == "fixed" and over_auto["keep_rate"] >= 0.9
     chat = asyncio.run(auto.achat([ChatMessage(role="user", content="When?")], documents=documents))
     assert chat.raw["spec_prefill"]["kept_tokens"] == chosen["kept_tokens"]
+
+
+# -- the local session goes through the engine's chat path -------------------------------------------
+
+
+def _recorded(engine, monkeypatch, name):
+    """What the engine's method ``name`` is called with and returns: ``[(args, kwargs, returned)]``."""
+    calls = []
+    original = getattr(engine, name)
+
+    def record(*args, **kwargs):
+        returned = original(*args, **kwargs)
+        calls.append((args, kwargs, returned))
+        return returned
+
+    monkeypatch.setattr(engine, name, record)
+    return calls
+
+
+@pytest.mark.parametrize("call", ["chat", "achat"])
+def test_documents_argument_goes_through_the_engine_chat_request(llm, monkeypatch, call):
+    documents = random_documents(2, 60, seed=13)
+    requests = _recorded(llm.engine, monkeypatch, "chat_request")
+    answered = _recorded(llm.engine, monkeypatch, "astream_layout" if call == "achat" else "stream_layout")
+    messages = [ChatMessage(role="user", content="When?")]
+    if call == "achat":
+        response = asyncio.run(llm.achat(messages, documents=documents))
+    else:
+        response = llm.chat(messages, documents=documents)
+    [(args, kwargs, request)] = requests
+    assert args[1] == documents and kwargs["insert_missing"] is True and kwargs["params"].max_new_tokens == 8
+    assert [a[:2] for a, _, _ in answered] == [(request.chat.layout, request.params)]
+    stats = response.raw["spec_prefill"]
+    assert (request.chat.document_source, request.chat.n_documents) == ("argument-inserted", 2)
+    assert (stats["document_source"], stats["n_documents"]) == ("argument-inserted", 2)
+
+
+def test_query_engine_context_goes_through_the_engine_chat_request_located_not_inserted(llm, stats_log, monkeypatch):
+    texts = random_documents(2, 60, seed=14)
+    requests = _recorded(llm.engine, monkeypatch, "chat_request")
+    RetrieverQueryEngine.from_args(FixedRetriever({"When did it open?": texts}), llm=llm).query("When did it open?")
+    [(args, kwargs, request)] = requests
+    assert args[1] == texts and kwargs["insert_missing"] is False and kwargs["question"] == "When did it open?"
+    assert (request.chat.document_source, request.chat.n_documents) == ("argument-located", 2)
+    [(_, stats)] = stats_log.calls
+    assert (stats["document_source"], stats["n_documents"]) == ("argument-located", 2)

@@ -4,9 +4,11 @@ import asyncio
 import time
 
 import pytest
-from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.callbacks import BaseCallbackHandler, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableLambda
 
 from langchain_specprefill import ChatSpecPrefill, SpecPrefillLLM, format_docs
 from specprefill_rag.errors import InvalidRequestError
@@ -288,3 +290,63 @@ def test_keep_rate_auto_from_the_constructor_or_per_call(tiny_engine):
     assert over_auto["keep_policy"] == "fixed" and over_auto["keep_rate"] >= 0.9
     streamed = asyncio.run(auto.ainvoke([HumanMessage(QUESTION)], documents=documents))
     assert streamed.response_metadata["spec_prefill"]["kept_tokens"] == chosen["kept_tokens"]
+
+
+# -- the local session goes through the engine's chat path -------------------------------------------
+
+
+class _Fixed(BaseRetriever):
+    """A retriever that returns the same texts for every query."""
+
+    texts: list[str]
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        return [Document(page_content=text) for text in self.texts]
+
+
+def _recorded(engine, monkeypatch, name):
+    """What the engine's method ``name`` is called with and returns: ``[(args, kwargs, returned)]``."""
+    calls = []
+    original = getattr(engine, name)
+
+    def record(*args, **kwargs):
+        returned = original(*args, **kwargs)
+        calls.append((args, kwargs, returned))
+        return returned
+
+    monkeypatch.setattr(engine, name, record)
+    return calls
+
+
+def _invoked(runnable, call, *args, **kwargs):
+    return asyncio.run(runnable.ainvoke(*args, **kwargs)) if call == "ainvoke" else runnable.invoke(*args, **kwargs)
+
+
+@pytest.mark.parametrize("call", ["invoke", "ainvoke"])
+def test_retrieved_documents_go_through_the_engine_chat_request_located_not_inserted(chat, monkeypatch, call):
+    texts = random_documents(2, 60, seed=11)
+
+    def stuffed(question: str) -> list:  # a chain step that retrieves and pastes the documents in
+        found = "\n\n".join(d.page_content for d in _Fixed(texts=texts).invoke(question))
+        return [SystemMessage("Use the context.\n\n" + found), HumanMessage(question)]
+
+    requests = _recorded(chat.engine, monkeypatch, "chat_request")
+    answered = _recorded(chat.engine, monkeypatch, "astream_layout" if call == "ainvoke" else "stream_layout")
+    message = _invoked(RunnableLambda(stuffed) | chat, call, QUESTION)
+    [(args, kwargs, request)] = requests
+    assert args[1] == texts and kwargs["insert_missing"] is False and kwargs["question"] is None
+    assert request.chat.document_source == "argument-located" and request.chat.n_documents == 2
+    assert [a[:2] for a, _, _ in answered] == [(request.chat.layout, request.params)]
+    assert message.response_metadata["spec_prefill"]["document_source"] == "retriever-located"
+    assert message.response_metadata["spec_prefill"]["document_tokens"] == request.chat.layout.n_document_tokens
+
+
+@pytest.mark.parametrize("call", ["invoke", "ainvoke"])
+def test_documents_argument_goes_through_the_engine_chat_request_and_may_be_inserted(chat, monkeypatch, call):
+    documents = [Document(page_content=t) for t in random_documents(2, 60, seed=12)]
+    requests = _recorded(chat.engine, monkeypatch, "chat_request")
+    message = _invoked(chat, call, [HumanMessage(QUESTION)], documents=documents, question=QUESTION, max_tokens=3)
+    [(_, kwargs, request)] = requests
+    assert kwargs["insert_missing"] is True and kwargs["question"] == QUESTION and kwargs["params"].max_new_tokens == 3
+    assert request.chat.document_source == "argument-inserted"
+    assert message.response_metadata["spec_prefill"]["document_source"] == "argument-inserted"

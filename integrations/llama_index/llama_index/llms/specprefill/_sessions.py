@@ -89,9 +89,9 @@ class LocalSession:
             request.tools,
             request.tool_choice,
             request.parallel_tool_calls,
+            params=request.params,
             question=request.question,
             insert_missing=request.insert_missing,
-            **dict(request.params),
         )
 
     @staticmethod
