@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from .config import AUTO, GenerationParams
+from .config import AUTO, MAX_TOP_LOGPROBS, GenerationParams
 from .errors import InvalidRequestError
 
 _REPR_LIMIT = 60
@@ -131,6 +131,8 @@ _EXPECTED = {
     "top_p": "a number in (0, 1], e.g. top_p=0.9",
     "seed": "an int in [0, 2**63), or None",
     "stop": "a non-empty string or a list of them",
+    "logprobs": "True or False, e.g. logprobs=True",
+    "top_logprobs": f"an int in [0, {MAX_TOP_LOGPROBS}] together with logprobs=True, e.g. top_logprobs=5",
 }
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from typing_extensions import Self
 
 # The device types torch runs this package on, with an optional index ("cuda:1").
@@ -415,7 +415,42 @@ class OutputFormat:
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
-class GenerationParams(BaseModel):
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound of top_logprobs (and vLLM's default --max-logprobs)
+
+
+class LogprobSettings(BaseModel):
+    """Whether to return each generated token's log-probability, and how many most likely alternatives with it.
+
+    The one declaration of these fields: :class:`GenerationParams` and the framework adapters inherit them.
+    The log-probabilities are the main model's raw distribution: ``log_softmax`` of its logits over the whole
+    vocabulary, in float32, before temperature, top-p, penalties and output constraints (vLLM's default
+    ``raw_logprobs``), so they do not depend on how the token was sampled. A token's own log-probability is
+    given even when it is not among the ``top_logprobs`` alternatives (a sampled or constrained token).
+    """
+
+    logprobs: bool = Field(
+        False,
+        strict=True,
+        description="Return each generated token's log-probability (the model's raw distribution, before "
+        "temperature, top-p, penalties and constraints).",
+    )
+    top_logprobs: int = Field(
+        0,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        strict=True,
+        description=f"With logprobs: also the 0..{MAX_TOP_LOGPROBS} most likely tokens at each step, with theirs.",
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int, info: ValidationInfo) -> int:
+        if value and info.data.get("logprobs") is False:  # absent from data when logprobs itself was refused
+            raise ValueError(f"top_logprobs={value} needs logprobs=True; set logprobs=True too, or top_logprobs=0")
+        return value
+
+
+class GenerationParams(LogprobSettings):
     """Per-request decoding settings.
 
     Numbers are strict (a string or a bool where a number belongs is refused, not parsed) and finite.

@@ -43,6 +43,43 @@ class InvalidToolCall:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at a step, with its log-probability (an entry of OpenAI's ``top_logprobs``).
+
+    Attributes:
+        token: the token's text, decoded alone (a piece of a multi-byte character shows as U+FFFD).
+        token_id: its id in the main model's vocabulary; None when the answer came from a gateway (OpenAI's
+            shape carries no ids).
+        logprob: natural log of its probability, under the main model's raw distribution (before temperature,
+            top-p, penalties and constraints).
+        bytes: its exact UTF-8 bytes (those of a piece of a character included).
+    """
+
+    token: str
+    token_id: int | None
+    logprob: float
+    bytes: tuple[int, ...]
+
+    def as_openai(self) -> dict[str, Any]:
+        """``{"token", "logprob", "bytes"}``, as OpenAI writes it."""
+        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes)}
+
+
+@dataclass(frozen=True)
+class TokenLogprob(TopLogprob):
+    """A generated token's log-probability and the most likely tokens at its step (an entry of OpenAI's
+    ``logprobs.content``); the fields of :class:`TopLogprob`, and ``top_logprobs``: the request's
+    ``top_logprobs`` most likely tokens, most likely first (the generated one among them when it is one of them).
+    """
+
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+    def as_openai(self) -> dict[str, Any]:
+        """``{"token", "logprob", "bytes", "top_logprobs": [...]}``, as OpenAI writes it."""
+        return {**super().as_openai(), "top_logprobs": [top.as_openai() for top in self.top_logprobs]}
+
+
+@dataclass(frozen=True)
 class SpecPrefillStats:
     """What SpecPrefill did for one request, and how long it took.
 
@@ -154,6 +191,9 @@ class GenerationResult:
     ``"tool_calls"``."""
     invalid_tool_calls: tuple[InvalidToolCall, ...] = ()
     """Calls the model wrote that could not be decoded."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One per generated token (``token_ids``; end-of-sequence excluded), when the request asked for them
+    (``logprobs=True``); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -167,3 +207,5 @@ class StreamChunk:
     result: GenerationResult | None = field(default=None, repr=False)
     tool_calls: tuple[ToolCall, ...] = ()
     """Tool calls completed in this chunk (``text`` never holds their markup)."""
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """One per token of this chunk (``token_ids``), when the request asked for them; None otherwise."""

@@ -8,7 +8,7 @@ It never knows how the tokens were chosen.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -49,16 +49,38 @@ class SparsePrompt:
         return cls.full(token_ids[kept])
 
 
+@dataclass(frozen=True)
+class StepLogprobs:
+    """One generated token's log-probability and the most likely tokens at its step, under the main model's
+    raw distribution (:class:`~specprefill_rag.config.LogprobSettings`).
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its log-probability.
+        top_ids: the ``params.top_logprobs`` most likely token ids, most likely first.
+        top_logprobs: their log-probabilities, in the same order.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 @dataclass
 class PrefillReport:
-    """What a backend tells about one request's prefill, filled in by the time its generator ends.
+    """What a backend tells about one request besides its tokens: its prefill, filled in by the time its
+    generator ends, and (``params.logprobs``) each token's log-probabilities, filled in as it yields them.
 
     Attributes:
         cached_tokens: leading prompt tokens (of the ``K`` prefilled) whose KV the main model's prefix cache
             served, so they were not computed again; None when the backend does not report it.
+        logprobs: with ``params.logprobs``, entry ``i`` is the yielded token ``i``'s, appended before that
+            token is yielded; empty otherwise (nothing is computed).
     """
 
     cached_tokens: int | None = None
+    logprobs: list[StepLogprobs] = field(default_factory=list)
 
 
 class MainBackend(Protocol):
@@ -83,7 +105,8 @@ class MainBackend(Protocol):
     ) -> Generator[int, None, None]:
         """Yield generated token ids, the first right after prefill; stop at end-of-sequence
         (not yielded) or after ``params.max_new_tokens``. ``report``, when given, is filled in by the
-        time the generator ends (closed early included).
+        time the generator ends (closed early included); with ``params.logprobs`` each token's
+        :class:`StepLogprobs` is in ``report.logprobs`` before the token is yielded.
         """
         ...
 

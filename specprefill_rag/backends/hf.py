@@ -23,7 +23,7 @@ import torch
 from ..aio import iterate_in_thread
 from ..config import GenerationParams, OutputFormat
 from ..decode.constraints import ConstraintCompiler
-from ..decode.sampling import apply_penalties, next_token
+from ..decode.sampling import apply_penalties, log_probabilities, next_token, step_logprobs
 from ..draft.prefix_cache import DraftPrefixCache, PrefixReuse
 from ..errors import InvalidRequestError
 from .base import PrefillReport, SparsePrompt
@@ -118,7 +118,8 @@ class HFBackend:
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
     ) -> Generator[int, None, None]:
         """Yield generated token ids; with ``params.output_format`` only tokens its grammar allows, ending when
-        the grammar is complete. ``report.cached_tokens``: prompt tokens the prefix cache served.
+        the grammar is complete. ``report.cached_tokens``: prompt tokens the prefix cache served;
+        ``report.logprobs`` (``params.logprobs``): each token's, from the logits before penalties and constraints.
         """
         constraint = self._constraints().constraint(params.output_format) if params.output_format else None
         generator = None
@@ -134,14 +135,18 @@ class HFBackend:
         logits = self._forward(prompt.token_ids[start:], prompt.position_ids[start:], start, cache)
         forwarded = [keys]  # what the cache holds: the prompt, then each generated token fed back
         counts = torch.zeros(logits.numel(), device=logits.device)  # generated tokens, for the penalties
+        reported = report.logprobs if report is not None and params.logprobs else None
         try:
             for step in range(params.max_new_tokens):
+                raw = log_probabilities(logits) if reported is not None else None  # before mask_ changes logits
                 logits = apply_penalties(logits, counts, params.presence_penalty, params.frequency_penalty)
                 if constraint is not None:
                     constraint.mask_(logits)
                 token = next_token(logits, params.temperature, params.top_p, generator)
                 if token in self.eos_ids:
                     return
+                if reported is not None and raw is not None:
+                    reported.append(step_logprobs(raw, token, params.top_logprobs))
                 counts[token] += 1
                 if constraint is not None:
                     constraint.accept(token)

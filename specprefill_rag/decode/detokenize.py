@@ -96,3 +96,57 @@ class IncrementalText:
         delta = text[len(self.emitted) :]
         self.emitted = text
         return delta
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2, Llama 3, Qwen, SmolLM2): the printable character that stands for each
+    byte in a token's piece -> that byte. Printable Latin-1 bytes stand for themselves; the other 68 bytes take
+    the characters from U+0100 on, in byte order.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [byte for byte in range(256) if byte not in printable]
+    alphabet = {chr(byte): byte for byte in printable}
+    alphabet.update({chr(256 + number): byte for number, byte in enumerate(others)})
+    return alphabet
+
+
+_BYTE_OF = _byte_level_alphabet()
+_SAMPLE = " é€"  # a space and characters of two and three UTF-8 bytes
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer's pieces are byte-level BPE (each character one byte of :func:`_byte_level_alphabet`)."""
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer.encode(_SAMPLE, add_special_tokens=False))
+    try:
+        return bytes(_BYTE_OF[char] for piece in pieces for char in piece) == _SAMPLE.encode()
+    except (KeyError, TypeError):
+        return False
+
+
+class TokenPieces:
+    """Each token's text and exact UTF-8 bytes, as log-probabilities report them.
+
+    The text is the token decoded alone (special tokens included); a token holding part of a multi-byte
+    character shows as U+FFFD there, while its bytes are exact on byte-level BPE tokenizers (from the piece).
+    On other tokenizers the bytes are those of the text.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.byte_level = _is_byte_level(tokenizer)
+        self._known: dict[int, tuple[str, tuple[int, ...]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        """``(text, bytes)`` of one token."""
+        if token_id not in self._known:
+            self._known[token_id] = self._read(token_id)
+        return self._known[token_id]
+
+    def _read(self, token_id: int) -> tuple[str, tuple[int, ...]]:
+        if self.byte_level:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(char in _BYTE_OF for char in piece):
+                raw = bytes(_BYTE_OF[char] for char in piece)
+                return raw.decode("utf-8", errors="replace"), tuple(raw)
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text, tuple(text.encode("utf-8", errors="replace"))

@@ -1,8 +1,12 @@
-"""Next-token choice from logits: greedy, temperature and nucleus (top-p) sampling."""
+"""Next-token choice from logits: greedy, temperature and nucleus (top-p) sampling; and what the logits
+say about the chosen token (its log-probability and the most likely alternatives).
+"""
 
 from __future__ import annotations
 
 import torch
+
+from ..backends.base import StepLogprobs
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:
@@ -37,3 +41,16 @@ def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator
         sorted_probs[outside] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
+    """``[V]`` raw logits -> ``[V]`` float32 log-probabilities over the whole vocabulary (a new tensor: take them
+    before temperature, top-p, penalties or a constraint change the logits).
+    """
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def step_logprobs(logprobs: torch.Tensor, token: int, top: int) -> StepLogprobs:
+    """From ``[V]`` log-probabilities: ``token``'s, and the ``top`` most likely tokens' (most likely first)."""
+    values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
+    return StepLogprobs(token, float(logprobs[token]), tuple(ids.tolist()), tuple(values.tolist()))

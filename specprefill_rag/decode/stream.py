@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from ..backends.base import PrefillReport
+from ..backends.base import PrefillReport, StepLogprobs
 from ..config import GenerationParams
+from ..errors import SpecPrefillError
 from ..prompt.layout import PromptLayout
 from ..results import (
     DraftPath,
@@ -26,9 +27,11 @@ from ..results import (
     Selection,
     SpecPrefillStats,
     StreamChunk,
+    TokenLogprob,
     ToolCall,
+    TopLogprob,
 )
-from .detokenize import IncrementalText
+from .detokenize import IncrementalText, TokenPieces
 from .tool_calls import StreamedPart, ToolCallStream, marker_tokens, new_call_id
 
 
@@ -43,7 +46,8 @@ class Decoding:
         started: ``time.perf_counter()`` when the request arrived (for ``ttft_ms``).
         draft_path: which draft path scored the prompt (None: no draft ran).
 
-    :attr:`report` is handed to the backend, which fills it in (``main_cached_tokens``).
+    :attr:`report` is handed to the backend, which fills it in (``main_cached_tokens``; with ``params.logprobs``
+    each token's log-probabilities, which chunks and the result then carry).
     Create it right before asking the backend for tokens: that instant is the start of the main prefill.
     """
 
@@ -65,6 +69,7 @@ class Decoding:
         self.started = started
         self.text = IncrementalText(tokenizer, params.stop, marker_tokens(tokenizer, params.tool_format))
         self.calls = _CallCollector(params)
+        self.logprobs = _LogprobCollector(tokenizer, self.report) if params.logprobs else None
         self.tokens: list[int] = []
         self._pending: list[int] = []
         self._prefill_started = time.perf_counter()
@@ -80,12 +85,18 @@ class Decoding:
         self._first_token_at = self._first_token_at or time.perf_counter()
         self.tokens.append(token)
         self._pending.append(token)
+        if self.logprobs is not None:
+            self.logprobs.push(len(self.tokens) - 1, token)
         delta, calls = self.calls.push(self.text.push(token))
         if not (delta or calls or self.text.stopped):
             return None
-        chunk = StreamChunk(delta, self._pending, tool_calls=calls)
+        chunk = StreamChunk(delta, self._pending, tool_calls=calls, logprobs=self._pending_logprobs())
         self._pending = []
         return chunk
+
+    def _pending_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The log-probabilities of the tokens not yet in a chunk (None when the request did not ask)."""
+        return self.logprobs.take() if self.logprobs is not None else None
 
     def finish(self) -> StreamChunk:
         """The last chunk: remaining text, finish reason, stats and the full result."""
@@ -96,10 +107,11 @@ class Decoding:
         tail, calls = self.calls.finish(self.text.finish())
         reason: FinishReason = "tool_calls" if self.calls.calls else "stop" if stopped else "length"
         text = self.calls.content if self.calls.parsing else self.text.emitted
+        every = tuple(self.logprobs.every) if self.logprobs is not None else None
         result = GenerationResult(
-            text, self.tokens, reason, stats, self.kept, tuple(self.calls.calls), tuple(self.calls.invalid)
+            text, self.tokens, reason, stats, self.kept, tuple(self.calls.calls), tuple(self.calls.invalid), every
         )
-        return StreamChunk(tail, self._pending, result.finish_reason, stats, result, calls)
+        return StreamChunk(tail, self._pending, result.finish_reason, stats, result, calls, self._pending_logprobs())
 
     def _stats(self, first_token_at: float, finished_at: float) -> SpecPrefillStats:
         tokens = self.tokens
@@ -112,6 +124,44 @@ class Decoding:
             decode_tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0,
             main_cached_tokens=self.report.cached_tokens,
         )
+
+
+class _LogprobCollector:
+    """The typed log-probabilities of a request's tokens: the backend's :class:`StepLogprobs` (in the report it
+    fills) with each token's text and bytes.
+    """
+
+    def __init__(self, tokenizer: Any, report: PrefillReport) -> None:
+        self._pieces = TokenPieces(tokenizer)
+        self._report = report
+        self.every: list[TokenLogprob] = []
+        self._pending: list[TokenLogprob] = []
+
+    def push(self, index: int, token: int) -> None:
+        """Add the generated token ``index`` (``token``)."""
+        steps = self._report.logprobs
+        if index >= len(steps) or steps[index].token_id != token:
+            raise SpecPrefillError(
+                f"the main backend did not report the log-probabilities of generated token {index} ({token}); "
+                "use a backend that fills PrefillReport.logprobs, or send the request without logprobs"
+            )
+        typed = self._typed(steps[index])
+        self.every.append(typed)
+        self._pending.append(typed)
+
+    def take(self) -> tuple[TokenLogprob, ...]:
+        """The log-probabilities added since the last call."""
+        taken, self._pending = tuple(self._pending), []
+        return taken
+
+    def _typed(self, step: StepLogprobs) -> TokenLogprob:
+        top = tuple(self._top(token, logprob) for token, logprob in zip(step.top_ids, step.top_logprobs))
+        text, raw = self._pieces(step.token_id)
+        return TokenLogprob(text, step.token_id, step.logprob, raw, top)
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        text, raw = self._pieces(token)
+        return TopLogprob(text, token, logprob, raw)
 
 
 class _CallCollector:
