@@ -249,6 +249,7 @@ async def _plan(
             stop=body.stop_strings,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
+            **body.logprob_fields,
             **tools,
         )
     except ValidationError as error:
@@ -321,7 +322,9 @@ async def _whole(
     assert final is not None and final.chunk.stats is not None  # the engine's last chunk carries the stats
     gateway.metrics.finished(endpoint, "ok", final.chunk.stats)
     stats, spec_prefill = final.chunk.stats, with_invalid_calls(final.spec_prefill(plan), final.chunk, plan.params)
-    body = writer.whole("".join(texts), final.chunk.finish_reason or "stop", stats, spec_prefill or {}, calls)
+    assert final.chunk.result is not None  # and the result
+    reason, logprobs = final.chunk.finish_reason or "stop", final.chunk.result.logprobs
+    body = writer.whole("".join(texts), reason, stats, spec_prefill or {}, calls, logprobs)
     return JSONResponse(body, headers=headers)
 
 
@@ -342,7 +345,8 @@ async def _events(
         while answer is not None:
             chunk = answer.chunk
             spec_prefill = with_invalid_calls(answer.spec_prefill(plan), chunk, plan.params)
-            yield sse(writer.chunk(chunk.text, is_first, chunk.finish_reason, spec_prefill, chunk.tool_calls, calls))
+            choice = (chunk.text, is_first, chunk.finish_reason, spec_prefill, chunk.tool_calls, calls, chunk.logprobs)
+            yield sse(writer.chunk(*choice))
             calls += len(chunk.tool_calls)
             if chunk.stats is not None and spec_prefill is not None:
                 stats = chunk.stats

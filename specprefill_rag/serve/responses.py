@@ -8,6 +8,10 @@ Tool calls go out in OpenAI's shapes: ``message.tool_calls`` (``content`` null w
 or, streamed, one ``delta.tool_calls`` entry per completed call (``index`` counts the answer's calls), and
 ``finish_reason`` ``"tool_calls"``. Calls the model wrote that did not decode are in the last chunk's or the
 body's ``spec_prefill.invalid_tool_calls`` (whenever tool calls were parsed), never dropped.
+
+Log-probabilities, when asked: a chat choice's ``logprobs.content`` (OpenAI's entries: ``token``, ``logprob``,
+``bytes``, ``top_logprobs``), streamed as each chunk's tokens'; a text completion's legacy ``logprobs``
+(``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). Not asked: ``logprobs`` is null.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import GenerationParams
-from ..results import InvalidToolCall, StreamChunk, ToolCall
+from ..results import InvalidToolCall, StreamChunk, TokenLogprob, ToolCall
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:
@@ -44,6 +48,31 @@ def with_invalid_calls(
     return {**spec_prefill, "invalid_tool_calls": invalid}
 
 
+def chat_logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``."""
+    return None if logprobs is None else {"content": [entry.as_openai() for entry in logprobs]}
+
+
+def legacy_logprobs(logprobs: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """A text completion's ``logprobs`` (OpenAI's legacy shape): ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (per token a ``{token: logprob}`` object of the most likely tokens and the sampled one, so up to ``logprobs``
+    + 1 entries; tokens of equal text share an entry) and ``text_offset`` (each token's start in the answer's text,
+    counting the tokens' texts from ``offset``, as vLLM does).
+    """
+    if logprobs is None:
+        return None
+    offsets = []
+    for entry in logprobs:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [entry.token for entry in logprobs],
+        "token_logprobs": [entry.logprob for entry in logprobs],
+        "top_logprobs": [{**{t.token: t.logprob for t in e.top_logprobs}, e.token: e.logprob} for e in logprobs],
+        "text_offset": offsets,
+    }
+
+
 @dataclass(frozen=True)
 class ApiFormat:
     """Object names and choice shapes of one endpoint."""
@@ -53,14 +82,24 @@ class ApiFormat:
     id_prefix: str
     is_chat: bool
 
-    def choice(self, text: str, finish_reason: str | None, tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
-        """A whole answer's choice; a chat message's ``content`` is null when the model wrote only calls."""
+    def choice(
+        self,
+        text: str,
+        finish_reason: str | None,
+        tool_calls: Sequence[ToolCall] = (),
+        logprobs: Sequence[TokenLogprob] | None = None,
+        text_offset: int = 0,
+    ) -> dict[str, Any]:
+        """A whole answer's choice; a chat message's ``content`` is null when the model wrote only calls.
+        ``logprobs``: its tokens' (None: not asked); ``text_offset``: where a text completion's chunk starts.
+        """
         if self.is_chat:
             message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None}
             if tool_calls:
                 message["tool_calls"] = [tool_call_json(call) for call in tool_calls]
-            return {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            return {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": chat_logprobs(logprobs)}
+        logprobs_json = legacy_logprobs(logprobs, text_offset)
+        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs_json}
 
     def delta(
         self,
@@ -69,10 +108,14 @@ class ApiFormat:
         first: bool,
         tool_calls: Sequence[ToolCall] = (),
         call_index: int = 0,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        text_offset: int = 0,
     ) -> dict[str, Any]:
-        """A streamed choice; ``call_index``: the answer's calls sent before this chunk's."""
+        """A streamed choice; ``call_index``: the answer's calls sent before this chunk's; ``logprobs``: this
+        chunk's tokens'; ``text_offset``: the text completion's tokens' text before this chunk.
+        """
         if not self.is_chat:
-            return self.choice(text, finish_reason)
+            return self.choice(text, finish_reason, logprobs=logprobs, text_offset=text_offset)
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text or not tool_calls:
             delta["content"] = text
@@ -80,7 +123,7 @@ class ApiFormat:
             delta["tool_calls"] = [
                 {"index": call_index + number, **tool_call_json(call)} for number, call in enumerate(tool_calls)
             ]
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": chat_logprobs(logprobs)}
 
 
 CHAT = ApiFormat("chat.completion", "chat.completion.chunk", "chatcmpl-", is_chat=True)
@@ -146,6 +189,7 @@ class ResponseWriter:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    _text_offset: int = field(default=0, init=False)  # a streamed text completion's token texts so far
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{self.api.id_prefix}{uuid.uuid4().hex}"
@@ -160,8 +204,9 @@ class ResponseWriter:
         stats: Any,
         spec_prefill: dict[str, Any],
         tool_calls: Sequence[ToolCall] = (),
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
-        body = self._envelope(self.api.object_name, [self.api.choice(text, finish_reason, tool_calls)])
+        body = self._envelope(self.api.object_name, [self.api.choice(text, finish_reason, tool_calls, logprobs)])
         return {**body, "usage": usage(stats), "spec_prefill": spec_prefill}
 
     def chunk(
@@ -172,9 +217,13 @@ class ResponseWriter:
         spec_prefill: dict[str, Any] | None = None,
         tool_calls: Sequence[ToolCall] = (),
         call_index: int = 0,
+        logprobs: Sequence[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk; ``tool_calls``: the calls it completes, ``call_index``: how many came before."""
-        choice = self.api.delta(text, finish_reason, first, tool_calls, call_index)
+        """One stream chunk; ``tool_calls``: the calls it completes, ``call_index``: how many came before;
+        ``logprobs``: its tokens' (a text completion's ``text_offset`` continues from the chunks before).
+        """
+        choice = self.api.delta(text, finish_reason, first, tool_calls, call_index, logprobs, self._text_offset)
+        self._text_offset += sum(len(entry.token) for entry in logprobs or ())
         body = self._envelope(self.api.chunk_name, [choice])
         return {**body, "spec_prefill": spec_prefill} if spec_prefill is not None else body
 

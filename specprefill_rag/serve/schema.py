@@ -2,7 +2,7 @@
 
 Only fields the gateway honours are declared; any other field is refused (``extra="forbid"``) with a
 400 that names it, and so is a declared field whose value asks for something unsupported (``n=2``,
-``logprobs``): nothing a client asks for is silently ignored. Types are strict: ``true`` is
+``echo``): nothing a client asks for is silently ignored. Types are strict: ``true`` is
 not a number, ``"yes"`` not a boolean, ``1.0`` not an integer (an integer is a number). Integers have
 bounds, so a 4,000-digit ``max_tokens`` fails here, before any work. The per-request SpecPrefill
 options travel in ``spec_prefill`` (OpenAI clients send it with ``extra_body``).
@@ -20,7 +20,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from ..config import MAX_PENALTY, MAX_WARM_DOCUMENTS, MIN_TEMPERATURE, OutputFormat, StrictKeepRate, check_temperature
+from ..config import (
+    MAX_PENALTY,
+    MAX_TOP_LOGPROBS,
+    MAX_WARM_DOCUMENTS,
+    MIN_TEMPERATURE,
+    OutputFormat,
+    StrictKeepRate,
+    check_temperature,
+)
 from ..errors import InvalidRequestError
 from ..prompt.context import SystemContext
 from ..prompt.tools import TOOL_NAME, ToolChoice, check_tool_choice, check_tools
@@ -29,6 +37,7 @@ from .errors import echoed
 
 MAX_TOKENS = (1 << 31) - 1  # bound of every token count a request names (contexts are far smaller)
 MAX_STOP_STRINGS = 32  # each generated token is checked against every stop string
+MAX_LEGACY_LOGPROBS = 5  # OpenAI's bound of /v1/completions' integer logprobs
 
 
 class _Strict(BaseModel):
@@ -402,6 +411,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolOption] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="False: the answer makes at most one call.")
@@ -409,10 +419,12 @@ class ChatCompletionRequest(_Sampling):
     functions: Any = None  # legacy function calling: refused, naming the modern fields
     function_call: Any = None
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        return _neutral("logprobs", value, (None, False), "no log-probabilities")
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and "logprobs" in info.data and info.data["logprobs"] is not True:  # else logprobs' own error
+            raise ValueError(f"top_logprobs={value} needs logprobs: true; send both, or leave top_logprobs out")
+        return value
 
     @field_validator("tools")
     @classmethod
@@ -478,6 +490,11 @@ class ChatCompletionRequest(_Sampling):
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    @property
+    def logprob_fields(self) -> dict[str, Any]:
+        """The :class:`~specprefill_rag.config.GenerationParams` fields of ``logprobs`` and ``top_logprobs``."""
+        return {"logprobs": bool(self.logprobs), "top_logprobs": self.top_logprobs or 0}
+
 
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: a text prompt (a list of one prompt is accepted)."""
@@ -485,7 +502,12 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str]
     max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_LEGACY_LOGPROBS,
+        description="Each token's log-probability and those of this many most likely tokens (legacy shape).",
+    )
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -495,7 +517,7 @@ class CompletionRequest(_Sampling):
             raise ValueError(f"a list of {len(value)} prompts is not supported; send one prompt per request")
         return value
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("echo", "suffix")
     @classmethod
     def _unsupported(cls, value: Any, info: Any) -> Any:
         return _neutral(info.field_name, value, (None, False), "not implemented")
@@ -507,6 +529,11 @@ class CompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def logprob_fields(self) -> dict[str, Any]:
+        """The :class:`~specprefill_rag.config.GenerationParams` fields of the legacy integer ``logprobs``."""
+        return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
 
 
 class TokenizeRequest(_Strict):
