@@ -5,7 +5,8 @@ Messages go out as OpenAI chat messages (``document`` content parts for document
 and ``tool`` results as OpenAI shapes them, :func:`tool_calls_json`); the answer comes back as the same
 :class:`~specprefill_rag.results.StreamChunk` objects the in-process engine yields, the last one with the
 gateway's stats. The model's tool calls fill ``StreamChunk.tool_calls`` as they complete and the result's
-``tool_calls``; calls it wrote that did not decode are the result's ``invalid_tool_calls``.
+``tool_calls``; calls it wrote that did not decode are the result's ``invalid_tool_calls``. Asked for
+(``params.logprobs``), each chunk's and the result's ``logprobs`` come from ``logprobs.content``, without token ids.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from pydantic import SecretStr
 
 from .config import MAX_WARM_DOCUMENTS, WARM_DOCUMENTS_PATH, GenerationParams, OutputFormat
 from .errors import InvalidRequestError, SpecPrefillError
-from .results import FinishReason, GenerationResult, InvalidToolCall, SpecPrefillStats, StreamChunk, ToolCall
+from .results import (
+    FinishReason,
+    GenerationResult,
+    InvalidToolCall,
+    SpecPrefillStats,
+    StreamChunk,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+)
 
 
 class GatewayClientError(SpecPrefillError):
@@ -190,6 +200,8 @@ class GatewayClient:
             body["stop"] = list(params.stop)
         if params.presence_penalty or params.frequency_penalty:
             body.update(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
+        if params.logprobs:
+            body.update(logprobs=True, top_logprobs=params.top_logprobs)
         return _merged({**body, **_decoding_fields(params, extra)}, extra)
 
     def stream(self, body: dict[str, Any]) -> Iterator[GatewayReply]:
@@ -327,7 +339,40 @@ def completion_reply(answer: Any) -> GatewayReply:
         raise GatewayClientError("the gateway's answer is not a chat completion with spec_prefill stats") from None
     reader = _StreamReader()
     reader.text = text
-    return reader.last(text, reader.calls.feed(calls), choice.get("finish_reason"), stats)
+    logprobs = reader.logprobs.feed(choice)
+    return reader.last(text, reader.calls.feed(calls), choice.get("finish_reason"), stats, logprobs)
+
+
+def _top_logprob(entry: Any) -> TopLogprob:
+    return TopLogprob(str(entry["token"]), None, float(entry["logprob"]), tuple(entry.get("bytes") or ()))
+
+
+def _token_logprob(entry: Any) -> TokenLogprob:
+    """An entry of ``logprobs.content``; no token id (OpenAI's shape has none)."""
+    top = tuple(_top_logprob(alternative) for alternative in entry.get("top_logprobs") or ())
+    return TokenLogprob(str(entry["token"]), None, float(entry["logprob"]), tuple(entry.get("bytes") or ()), top)
+
+
+class _LogprobReader:
+    """The choices' ``logprobs.content`` entries -> :class:`TokenLogprob` objects; :attr:`every` stays None
+    while no choice carried ``logprobs`` (the request did not ask).
+    """
+
+    def __init__(self) -> None:
+        self.every: list[TokenLogprob] | None = None
+
+    def feed(self, *choices: Any) -> tuple[TokenLogprob, ...] | None:
+        """The entries of these choices (None when none of them has ``logprobs``)."""
+        blocks = [choice.get("logprobs") for choice in choices if choice.get("logprobs") is not None]
+        if not blocks:
+            return None
+        try:
+            entries = tuple(_token_logprob(entry) for block in blocks for entry in block["content"] or ())
+        except (KeyError, TypeError, ValueError, AttributeError):
+            problem = f"the gateway's logprobs are not OpenAI's logprobs.content: {str(blocks)[:200]}"
+            raise GatewayClientError(problem) from None
+        self.every = [*(self.every or []), *entries]
+        return entries
 
 
 class _CallAssembler:
@@ -396,6 +441,7 @@ class _StreamReader:
         self.text = ""
         self.done = False
         self.calls = _CallAssembler()
+        self.logprobs = _LogprobReader()
 
     def feed(self, line: str) -> list[GatewayReply]:
         line = line.strip()
@@ -413,20 +459,30 @@ class _StreamReader:
         delta = "".join((c.get("delta") or {}).get("content") or "" for c in choices)
         calls = self.calls.feed([e for c in choices for e in (c.get("delta") or {}).get("tool_calls") or []])
         finish = next((c.get("finish_reason") for c in choices if c.get("finish_reason")), None)
+        logprobs = self.logprobs.feed(*choices)
         self.text += delta
         stats = event.get("spec_prefill")
         if stats is None:
-            return [GatewayReply(StreamChunk(delta, [], tool_calls=calls), {})] if delta or calls else []
-        return [self.last(delta, calls, finish, stats)]
+            chunk = StreamChunk(delta, [], tool_calls=calls, logprobs=logprobs)
+            return [GatewayReply(chunk, {})] if delta or calls or logprobs else []
+        return [self.last(delta, calls, finish, stats, logprobs)]
 
-    def last(self, delta: str, calls: tuple[ToolCall, ...], finish: str | None, stats: dict[str, Any]) -> GatewayReply:
+    def last(
+        self,
+        delta: str,
+        calls: tuple[ToolCall, ...],
+        finish: str | None,
+        stats: dict[str, Any],
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+    ) -> GatewayReply:
         """The last reply: its chunk carries the stats and the whole result."""
         typed = SpecPrefillStats(**{k: v for k, v in stats.items() if k in _STATS_FIELDS})
         reason: FinishReason = next((r for r in _FINISH_REASONS if r == finish), "stop")
         invalid = _invalid_calls(stats) + self.calls.unfinished()
-        result = GenerationResult(self.text, [], reason, typed, None, tuple(self.calls.calls), invalid)
+        every = tuple(self.logprobs.every) if self.logprobs.every is not None else None
+        result = GenerationResult(self.text, [], reason, typed, None, tuple(self.calls.calls), invalid, every)
         extras = {k: v for k, v in stats.items() if k not in _STATS_FIELDS and k != _INVALID_CALLS}
-        return GatewayReply(StreamChunk(delta, [], result.finish_reason, typed, result, calls), extras)
+        return GatewayReply(StreamChunk(delta, [], result.finish_reason, typed, result, calls, logprobs), extras)
 
     def check_complete(self, base_url: str) -> None:
         if not self.done:
