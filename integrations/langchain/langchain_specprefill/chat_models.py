@@ -32,9 +32,9 @@ from langchain_specprefill._tools import (
     tool_options,
     tool_schemas,
 )
-from specprefill_rag.config import OutputFormat
+from specprefill_rag.config import LogprobSettings, OutputFormat
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.results import GenerationResult, StreamChunk
+from specprefill_rag.results import GenerationResult, StreamChunk, TokenLogprob
 
 StructuredMethod = Literal["function_calling", "json_schema", "json_mode"]
 _METHODS = ("function_calling", "json_schema", "json_mode")
@@ -48,7 +48,7 @@ def _usage(stats: Any) -> dict[str, int]:
     }
 
 
-class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
+class ChatSpecPrefill(SpecPrefillSettings, LogprobSettings, BaseChatModel):
     """Chat model with SpecPrefill: a draft scores the retrieved documents, the main model prefills the
     best ``keep_rate`` of them at their original positions; instructions and the question stay whole.
 
@@ -62,6 +62,11 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
     (``tool_call_chunks`` when streamed). Tool results (``ToolMessage``) are documents the draft compresses,
     except the results of the tools named in ``keep_tools_whole`` (or all, ``compress_tool_results=False``).
     :meth:`with_structured_output` forces a tool call or constrains the answer to a JSON schema.
+
+    Log-probabilities (as ChatOpenAI): ``logprobs=True`` and ``top_logprobs=k`` (constructor or call option) put
+    OpenAI's ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}`` in the message's
+    ``response_metadata["logprobs"]``; streamed, each chunk carries its own tokens' (merged chunks hold them all).
+    They are the main model's raw distribution, before temperature, top-p, penalties and constraints.
 
     Example:
         .. code-block:: python
@@ -83,7 +88,7 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         True, description="False: every tool result stays whole (also a call option); by default each is a document."
     )
 
-    _call_option_names = (*CALL_OPTIONS, *TOOL_OPTIONS, "output_format")
+    _call_option_names = (*CALL_OPTIONS, *TOOL_OPTIONS, "output_format", *LogprobSettings.model_fields)
 
     @property
     def _llm_type(self) -> str:
@@ -218,9 +223,12 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         return params, {**options, **tools}
 
     def _decoding_fields(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``output_format`` (a JSON object or schema; with_structured_output binds it), checked."""
+        """``output_format`` (a JSON object or schema; with_structured_output binds it), checked; ``logprobs`` and
+        ``top_logprobs``: the call's, else the model's.
+        """
         output = check_output_format(kwargs.get("output_format"))
-        return {"output_format": output} if output is not None else {}
+        logprobs = {name: kwargs.get(name, getattr(self, name)) for name in LogprobSettings.model_fields}
+        return {**logprobs, "output_format": output} if output is not None else logprobs
 
     def _chunks(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any], run_manager: Any = None
@@ -247,11 +255,13 @@ class ChatSpecPrefill(SpecPrefillSettings, BaseChatModel):
         return ChatGenerationChunk(message=message, generation_info=info)
 
     def _metadata(self, result: GenerationResult, extras: dict[str, Any]) -> dict[str, Any]:
-        """``response_metadata``: the SpecPrefill stats, and the calls that did not decode (when any)."""
+        """``response_metadata``: the SpecPrefill stats, the calls that did not decode (when any) and the answer's
+        log-probabilities (when asked).
+        """
         metadata = self._response_metadata(result, extras)
         if result.invalid_tool_calls:
             metadata["invalid_tool_calls"] = lc_invalid_tool_calls(result.invalid_tool_calls)
-        return metadata
+        return {**metadata, **logprobs_metadata(result.logprobs)}
 
     def _chat_result(self, replies: list[Reply]) -> ChatResult:
         """One message from a whole stream; calls, usage and metadata from its last chunk's result."""
@@ -354,12 +364,20 @@ def ai_message_chunk(chunk: StreamChunk, streamed: int, metadata: dict[str, Any]
     turn a refused call with JSON arguments (a second call under ``parallel_tool_calls=False``) into one to run.
     """
     calls = lc_tool_call_chunks(chunk.tool_calls, streamed)
+    own = logprobs_metadata(chunk.logprobs)  # this chunk's tokens only: merging the chunks joins the lists
     if chunk.result is None or metadata is None:
-        return AIMessageChunk(content=chunk.text, tool_call_chunks=calls)
+        return AIMessageChunk(content=chunk.text, tool_call_chunks=calls, response_metadata=own)
     return AIMessageChunk(
         content=chunk.text,
         tool_call_chunks=calls,
         usage_metadata=_usage(chunk.result.stats),
-        response_metadata=metadata,
+        response_metadata={**metadata, **own},
         chunk_position="last",
     )
+
+
+def logprobs_metadata(logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any]:
+    """``{"logprobs": {"content": [...]}}`` in OpenAI's shape (ChatOpenAI's ``response_metadata`` key); empty when
+    the request did not ask for them.
+    """
+    return {} if logprobs is None else {"logprobs": {"content": [entry.as_openai() for entry in logprobs]}}
