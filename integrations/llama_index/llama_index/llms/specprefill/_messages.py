@@ -6,7 +6,8 @@ result's ``additional_kwargs["tool_call_id"]`` and tool (``additional_kwargs["na
 that result may be compressed.
 Out: :class:`ChatAnswer` gathers a stream's chunks into ``ChatResponse`` objects whose message carries the text,
 the calls made so far (``ToolCallBlock`` blocks and ``additional_kwargs["tool_calls"]``) and, at the end, any
-call the model wrote that could not be decoded (``additional_kwargs["invalid_tool_calls"]``).
+call the model wrote that could not be decoded (``additional_kwargs["invalid_tool_calls"]``); when asked, the
+log-probabilities of the tokens so far (``logprobs``: per token its own ``LogProb``, then the most likely ones).
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from llama_index.core.base.llms.types import ChatMessage, ChatResponse, MessageRole, TextBlock, ToolCallBlock
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    LogProb,
+    MessageRole,
+    TextBlock,
+    ToolCallBlock,
+)
 from llama_index.llms.specprefill._sessions import Message
 from llama_index.llms.specprefill._tools import call_blocks, call_kwargs, message_tool_calls
 
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.results import StreamChunk, ToolCall
+from specprefill_rag.results import StreamChunk, TokenLogprob, ToolCall
 
 ROLES = {
     MessageRole.SYSTEM: "system",
@@ -93,22 +101,41 @@ def _compress(message: ChatMessage, field: str) -> bool:
     return value
 
 
-class ChatAnswer:
-    """A stream's chunks -> cumulative ``ChatResponse`` objects (text and calls so far)."""
+def log_probs(entry: TokenLogprob) -> list[LogProb]:
+    """One generated token's ``LogProb`` list: its own first, then the most likely tokens at its step."""
+    return [LogProb(token=e.token, logprob=e.logprob, bytes=list(e.bytes)) for e in (entry, *entry.top_logprobs)]
+
+
+class LogprobAnswer:
+    """A stream's text and log-probabilities so far (``logprobs`` None while the request did not ask)."""
 
     def __init__(self) -> None:
         self.text = ""
+        self.logprobs: list[list[LogProb]] | None = None
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.text += chunk.text
+        if chunk.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *(log_probs(entry) for entry in chunk.logprobs)]
+
+
+class ChatAnswer:
+    """A stream's chunks -> cumulative ``ChatResponse`` objects (text, calls and log-probabilities so far)."""
+
+    def __init__(self) -> None:
+        self.so_far = LogprobAnswer()
         self.calls: list[ToolCall] = []
 
     def add(self, chunk: StreamChunk, raw: dict[str, Any]) -> ChatResponse:
         """The response after ``chunk``; ``raw`` is its ``raw`` (usage and stats on the last chunk)."""
-        self.text += chunk.text
+        self.so_far.add(chunk)
         self.calls += chunk.tool_calls
         invalid = chunk.result.invalid_tool_calls if chunk.result is not None else ()
         message = ChatMessage(
             role=MessageRole.ASSISTANT,
-            blocks=[TextBlock(text=self.text), *call_blocks(self.calls)],
+            blocks=[TextBlock(text=self.so_far.text), *call_blocks(self.calls)],
             additional_kwargs=call_kwargs(self.calls, invalid),
         )
         extras = {"spec_prefill": raw["spec_prefill"]} if raw else {}
-        return ChatResponse(message=message, delta=chunk.text, raw=raw, additional_kwargs=extras)
+        logprobs = self.so_far.logprobs
+        return ChatResponse(message=message, delta=chunk.text, raw=raw, additional_kwargs=extras, logprobs=logprobs)

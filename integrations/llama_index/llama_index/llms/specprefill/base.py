@@ -41,7 +41,7 @@ from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 from llama_index.core.prompts import BasePromptTemplate
 from llama_index.core.schema import MetadataMode
-from llama_index.llms.specprefill._messages import COMPRESS_KEY, ChatAnswer, session_messages
+from llama_index.llms.specprefill._messages import COMPRESS_KEY, ChatAnswer, LogprobAnswer, session_messages
 from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Message, Request
 from llama_index.llms.specprefill._tools import prepared_tools, resolve_tool_choice, tool_choice_name, tool_schemas
 from llama_index.llms.specprefill._tools import tool_selections as _tool_selections
@@ -53,6 +53,7 @@ from specprefill_rag.config import (
     DRAFT_DESCRIPTION,
     CompressionSettings,
     GenerationParams,
+    LogprobSettings,
     SpecPrefillConfig,
     adapter_config,
 )
@@ -135,7 +136,7 @@ def context_documents(context: str | None) -> list[str] | None:
     return [block for block in blocks if block] or None
 
 
-class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings):
+class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings, LogprobSettings):
     """SpecPrefill in front of a main model: a draft scores the retrieved context, the main model
     prefills the best ``keep_rate`` of it at original positions; instructions and the query stay whole.
 
@@ -151,6 +152,13 @@ class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings):
     may compress them like retrieved nodes. To keep a result whole, name its tool in ``keep_tools_whole`` (every
     result of that tool), or set ``additional_kwargs["spec_prefill_compress"] = False`` on the tool message
     (that result only).
+
+    Log-probabilities: ``logprobs=True`` (and ``top_logprobs=k``) fill ``ChatResponse.logprobs`` and
+    ``CompletionResponse.logprobs``: one list per generated token, the token's own ``LogProb`` first, then the
+    ``k`` most likely tokens at its step (most likely first). Unlike llama-index-llms-openai, which lists only
+    the alternatives and skips tokens without them, every token is there with its own log-probability. They are
+    the main model's raw distribution, before temperature, top-p, penalties and constraints; streamed responses
+    carry those of the tokens so far.
 
     Example:
         .. code-block:: python
@@ -312,6 +320,8 @@ class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings):
                 "top_p": self.top_p,
                 "seed": self.seed,
                 "stop": list(self.stop or ()),
+                "logprobs": self.logprobs,
+                "top_logprobs": self.top_logprobs,
             }
         )
 
@@ -327,26 +337,30 @@ class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings):
         }
         return {"usage": usage, "spec_prefill": stats, "finish_reason": chunk.finish_reason}
 
-    def _response(self, chunk: StreamChunk, text: str, extras: dict[str, Any]) -> CompletionResponse:
-        """The response for one engine chunk; ``text`` is everything generated so far."""
+    def _response(self, chunk: StreamChunk, answer: LogprobAnswer, extras: dict[str, Any]) -> CompletionResponse:
+        """The response for one engine chunk; ``answer`` holds everything generated so far."""
         raw = self._raw(chunk, extras)
         return CompletionResponse(
-            text=text, delta=chunk.text, raw=raw, additional_kwargs={"spec_prefill": raw["spec_prefill"]} if raw else {}
+            text=answer.text,
+            delta=chunk.text,
+            raw=raw,
+            additional_kwargs={"spec_prefill": raw["spec_prefill"]} if raw else {},
+            logprobs=answer.logprobs,
         )
 
     def _completions(self, request: Request) -> CompletionResponseGen:
-        text = ""
+        answer = LogprobAnswer()
         for chunk, extras in self.session.stream(request):
-            text += chunk.text
-            yield self._response(chunk, text, extras)
+            answer.add(chunk)
+            yield self._response(chunk, answer, extras)
 
     async def _acompletions(self, request: Request) -> CompletionResponseAsyncGen:
         """:meth:`_completions` on the event loop (the engine's native async path, or the gateway's)."""
-        text = ""
+        answer = LogprobAnswer()
         async with aclosing(self.session.astream(request)) as replies:
             async for chunk, extras in replies:
-                text += chunk.text
-                yield self._response(chunk, text, extras)
+                answer.add(chunk)
+                yield self._response(chunk, answer, extras)
 
     def _chats(self, request: Request) -> ChatResponseGen:
         answer = ChatAnswer()
