@@ -7,7 +7,7 @@ It never knows how the tokens were chosen.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,6 +65,16 @@ class StepLogprobs:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+    @classmethod
+    def from_candidates(cls, token_id: int, candidates: Mapping[int, float], top: int) -> StepLogprobs:
+        """From a server's ``{token id: log-probability}`` of one step, which holds the generated token and at
+        least the ``top`` most likely (vLLM: those, plus the generated token when it is not one of them).
+        """
+        if token_id not in candidates:
+            raise KeyError(f"the log-probabilities of a step do not include its token {token_id}")
+        best = sorted(candidates.items(), key=lambda item: -item[1])[:top]
+        return cls(token_id, candidates[token_id], tuple(i for i, _ in best), tuple(v for _, v in best))
 
 
 @dataclass

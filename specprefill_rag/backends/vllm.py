@@ -46,13 +46,15 @@ from ..positions import (
     cache_salt,
     encode_runs,
 )
-from .base import PrefillReport, SparsePrompt
+from .base import PrefillReport, SparsePrompt, StepLogprobs
 from .vllm_wire import (
+    StreamEvent,
     VLLMServerError,
     VLLMServerTimeout,
     check_server_url,
     cut_short,
     interrupted,
+    malformed,
     refused,
     sse_tokens,
     unreachable,
@@ -117,6 +119,19 @@ def _without_eos(tokens: list[int], eos_ids: frozenset[int]) -> Iterator[int]:
         yield token
 
 
+def _reporting_logprobs(
+    tokens: Iterator[int], steps: Any, params: GenerationParams, report: PrefillReport | None
+) -> Iterator[int]:
+    """``tokens``, each one's log-probabilities put in ``report.logprobs`` before it is yielded
+    (``params.logprobs``), from vLLM's ``{token id: Logprob}`` per generated token (``steps``).
+    """
+    for index, token in enumerate(tokens):
+        if params.logprobs and report is not None:
+            candidates = {int(i): float(entry.logprob) for i, entry in steps[index].items()}
+            report.logprobs.append(StepLogprobs.from_candidates(token, candidates, params.top_logprobs))
+        yield token
+
+
 class VLLMOfflineBackend:
     """An in-process ``vllm.LLM`` (started with this package installed, so the plugin is loaded).
 
@@ -169,18 +184,28 @@ class VLLMOfflineBackend:
             extra_args=fields.pop("extra_args", None),
             detokenize=False,
             structured_outputs=constrained or None,
+            logprobs=params.top_logprobs if params.logprobs else None,
         )
         output = self.llm.generate([fields], sampling, use_tqdm=False)[0]
         if report is not None:
             cached = getattr(output, "num_cached_tokens", None)
             report.cached_tokens = int(cached) if cached is not None else None
-        yield from _without_eos(list(output.outputs[0].token_ids), self.eos_ids)
+        completion = output.outputs[0]
+        tokens = _without_eos(list(completion.token_ids), self.eos_ids)
+        yield from _reporting_logprobs(tokens, completion.logprobs, params, report)
 
     def agenerate(
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
     ) -> AsyncGenerator[int, None]:
         """:meth:`generate` in a worker thread (``vllm.LLM`` has no async interface)."""
         return iterate_in_thread(lambda: self.generate(prompt, params, report))
+
+
+def _event_logprobs(event: StreamEvent, line: str | bytes) -> tuple[StepLogprobs, ...]:
+    """The log-probabilities of an event's tokens, which a request with ``logprobs`` must carry."""
+    if len(event.logprobs) != len(event.tokens):
+        raise malformed(line, f"{len(event.tokens)} tokens but {len(event.logprobs)} log-probabilities")
+    return event.logprobs
 
 
 class _Stream:
@@ -201,12 +226,14 @@ class _Stream:
 
     def feed(self, line: str | bytes) -> tuple[list[int], bool]:
         """The tokens of one line to yield, and whether to stop reading."""
-        event = sse_tokens(line, self.backend.eos_ids, self.report)
+        event = sse_tokens(line, self.backend.eos_ids, self.report, self.params.top_logprobs)
         self.done = self.done or event.end == "done"
         if self.eos:
             return [], bool(event.tokens) or event.end == "eos"
         self.received = self.backend._count(self.received, event.tokens, self.params)
         self.eos = event.end == "eos"
+        if self.params.logprobs and self.report is not None:
+            self.report.logprobs.extend(_event_logprobs(event, line))
         return event.tokens, self.eos and self.report is None
 
 
@@ -328,6 +355,8 @@ class VLLMServerBackend:
             body.update(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
         if params.output_format is not None:
             body["structured_outputs"] = structured_outputs(params.output_format)
+        if params.logprobs:  # the chosen token's and the top ones', keyed "token_id:<id>" (sse_tokens reads them)
+            body.update(logprobs=params.top_logprobs, return_tokens_as_token_ids=True)
         if "extra_args" in fields:
             body["vllm_xargs"] = fields["extra_args"]
         if "cache_salt" in fields:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import httpx
 
 from ..arguments import check_text
 from ..errors import InvalidRequestError, SpecPrefillError
-from .base import PrefillReport
+from .base import PrefillReport, StepLogprobs
 
 
 class VLLMServerError(SpecPrefillError):
@@ -41,20 +41,26 @@ def _kind(error: BaseException) -> type[VLLMServerError]:
 
 class StreamEvent(NamedTuple):
     """One server-sent-events line: its token ids, up to the first end-of-sequence id, and ``end``:
-    ``"eos"`` (stop reading), ``"done"`` (``data: [DONE]``: the stream is complete) or None.
+    ``"eos"`` (stop reading), ``"done"`` (``data: [DONE]``: the stream is complete) or None; ``logprobs``:
+    those tokens' log-probabilities when the event carries them (else empty).
     """
 
     tokens: list[int]
     end: Literal["eos", "done"] | None = None
+    logprobs: tuple[StepLogprobs, ...] = ()
 
 
-def sse_tokens(line: str | bytes, eos_ids: frozenset[int], report: PrefillReport | None = None) -> StreamEvent:
+def sse_tokens(
+    line: str | bytes, eos_ids: frozenset[int], report: PrefillReport | None = None, top_logprobs: int = 0
+) -> StreamEvent:
     """The tokens of one server-sent-events line of a streamed completion.
 
     A streamed request that vLLM refuses still gets status 200; the refusal comes as an ``error``
     event, raised here as for a non-streamed one (4xx: :class:`InvalidRequestError`). An event that is
     not vLLM's is a :class:`VLLMServerError`. The usage event (no choices) has no tokens; when it
-    counts cached prompt tokens, they go to ``report.cached_tokens``.
+    counts cached prompt tokens, they go to ``report.cached_tokens``. A request sent with ``logprobs``
+    and ``return_tokens_as_token_ids`` gets the completions API's legacy ``logprobs`` (tokens as
+    ``"token_id:<id>"``): read into :class:`StepLogprobs` with the ``top_logprobs`` most likely.
     """
     try:
         text = (line.decode() if isinstance(line, bytes) else line).strip()
@@ -73,6 +79,7 @@ def sse_tokens(line: str | bytes, eos_ids: frozenset[int], report: PrefillReport
         usage = event.get("usage")
         choices = event["choices"] if usage is None or "choices" in event else []
         ids = [choice.get("token_ids") or [] for choice in choices]
+        steps = [step for choice in choices for step in _wire_logprobs(choice.get("logprobs"), top_logprobs)]
         if usage is not None and report is not None:
             report.cached_tokens = _cached_tokens(usage, report.cached_tokens)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -81,10 +88,32 @@ def sse_tokens(line: str | bytes, eos_ids: frozenset[int], report: PrefillReport
     for token in (token for choice in ids for token in choice):
         if not isinstance(token, int) or isinstance(token, bool):
             raise malformed(text, f"token id {token!r} is not an int")
+        if steps and (len(steps) <= len(tokens) or steps[len(tokens)].token_id != token):
+            raise malformed(text, f"its log-probabilities do not follow its token ids at token {token}")
         if token in eos_ids:
-            return StreamEvent(tokens, "eos")
+            return StreamEvent(tokens, "eos", tuple(steps[: len(tokens)]))
         tokens.append(token)
-    return StreamEvent(tokens)
+    return StreamEvent(tokens, None, tuple(steps))
+
+
+_TOKEN_ID = "token_id:"  # how vLLM writes a token with return_tokens_as_token_ids
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith(_TOKEN_ID):
+        raise ValueError(f"token {token[:40]!r} is not written as 'token_id:<id>' (return_tokens_as_token_ids)")
+    return int(token[len(_TOKEN_ID) :])
+
+
+def _wire_logprobs(block: dict[str, Any] | None, top: int) -> list[StepLogprobs]:
+    """A choice's legacy ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``) as steps; none without."""
+    if block is None:
+        return []
+    steps = []
+    for token, candidates in zip(block["tokens"], block["top_logprobs"], strict=True):
+        scores = {_token_id(key): float(value) for key, value in candidates.items()}
+        steps.append(StepLogprobs.from_candidates(_token_id(token), scores, top))
+    return steps
 
 
 def _cached_tokens(usage: dict[str, object], known: int | None) -> int | None:
