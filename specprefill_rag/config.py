@@ -425,7 +425,9 @@ class LogprobSettings(BaseModel):
     The log-probabilities are the main model's raw distribution: ``log_softmax`` of its logits over the whole
     vocabulary, in float32, before temperature, top-p, penalties and output constraints (vLLM's default
     ``raw_logprobs``), so they do not depend on how the token was sampled. A token's own log-probability is
-    given even when it is not among the ``top_logprobs`` alternatives (a sampled or constrained token).
+    given even when it is not among the ``top_logprobs`` alternatives (a sampled or constrained token). One
+    difference: with an ``output_format`` on a vLLM main, vLLM applies the grammar's mask before it computes
+    them, so they are over the tokens the grammar allows (forbidden ones at -9999, as vLLM writes -inf).
     """
 
     logprobs: bool = Field(

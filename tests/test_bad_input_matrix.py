@@ -204,6 +204,27 @@ ENGINE_CASES: list[tuple[str, Callable[[Any], dict] | dict, type, str]] = [
     ("stop: int", {"stop": 5}, InvalidRequestError, "stop: stop must be a string or a list of strings, got int"),
     ("stop: empty string", {"stop": [""]}, InvalidRequestError, "stop: stop must be non-empty strings"),
     ("stop: lone surrogate", {"stop": [SURROGATE]}, InvalidRequestError, "stop: stop string .* not valid Unicode"),
+    ("logprobs: str", {"logprobs": "yes"}, InvalidRequestError, "logprobs: .*valid boolean .*pass True or False"),
+    (
+        "top_logprobs: 21",
+        {"logprobs": True, "top_logprobs": 21},
+        InvalidRequestError,
+        "top_logprobs: .*less than or equal to 20 .*pass an int in \\[0, 20\\]",
+    ),
+    (
+        "top_logprobs: -1",
+        {"logprobs": True, "top_logprobs": -1},
+        InvalidRequestError,
+        "top_logprobs: .*greater than or equal to 0",
+    ),
+    ("top_logprobs: bool", {"logprobs": True, "top_logprobs": True}, InvalidRequestError, "top_logprobs: .*integer"),
+    ("top_logprobs: str", {"logprobs": True, "top_logprobs": "3"}, InvalidRequestError, "top_logprobs: .*integer"),
+    (
+        "top_logprobs without logprobs",
+        {"top_logprobs": 3},
+        InvalidRequestError,
+        "top_logprobs=3 needs logprobs=True; set logprobs=True too",
+    ),
     (
         "unknown option",
         {"max_tokens": 5},
@@ -495,6 +516,18 @@ def _gateway_warm(body, document_cache_mb=None):
     return call
 
 
+def _gateway_body(path, **fields):
+    """A request body for ``path`` with ``fields``, parsed as the gateway parses it (a 400 naming the field)."""
+    from specprefill_rag.serve.app import _parse
+    from specprefill_rag.serve.schema import ChatCompletionRequest, CompletionRequest
+
+    if path == "/v1/completions":
+        return _parse(CompletionRequest, {"model": "tiny", "prompt": QUESTION, **fields})
+    return _parse(
+        ChatCompletionRequest, {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], **fields}
+    )
+
+
 def _gateway_settings(**settings):
     from specprefill_rag.serve import GatewaySettings
 
@@ -557,6 +590,55 @@ ROWS += [
         lambda s: _gateway_settings(draft_document_cache=True, document_cache_mb=0),
         ValidationError,
         "draft_document_cache is on but document_cache_mb is 0",
+    ),
+    Row(
+        "gateway /v1/chat/completions",
+        "top_logprobs: 21",
+        lambda s: _gateway_body("chat", logprobs=True, top_logprobs=21),
+        GatewayError,
+        "invalid 'top_logprobs': .*less than or equal to 20",
+    ),
+    Row(
+        "gateway /v1/chat/completions",
+        "top_logprobs: -1",
+        lambda s: _gateway_body("chat", logprobs=True, top_logprobs=-1),
+        GatewayError,
+        "invalid 'top_logprobs': .*greater than or equal to 0",
+    ),
+    Row(
+        "gateway /v1/chat/completions",
+        "top_logprobs: true",
+        lambda s: _gateway_body("chat", logprobs=True, top_logprobs=True),
+        GatewayError,
+        "invalid 'top_logprobs': .*valid integer",
+    ),
+    Row(
+        "gateway /v1/chat/completions",
+        'top_logprobs: "3"',
+        lambda s: _gateway_body("chat", logprobs=True, top_logprobs="3"),
+        GatewayError,
+        "invalid 'top_logprobs': .*valid integer",
+    ),
+    Row(
+        "gateway /v1/chat/completions",
+        "top_logprobs without logprobs",
+        lambda s: _gateway_body("chat", top_logprobs=3),
+        GatewayError,
+        "invalid 'top_logprobs': top_logprobs=3 needs logprobs: true; send both",
+    ),
+    Row(
+        "gateway /v1/completions",
+        "logprobs: 6",
+        lambda s: _gateway_body("/v1/completions", logprobs=6),
+        GatewayError,
+        "invalid 'logprobs': .*less than or equal to 5",
+    ),
+    Row(
+        "gateway /v1/completions",
+        "logprobs: true",
+        lambda s: _gateway_body("/v1/completions", logprobs=True),
+        GatewayError,
+        "invalid 'logprobs': .*valid integer",
     ),
     Row(
         "GatewaySettings(...)",

@@ -118,6 +118,8 @@ def test_server_candidates_keep_the_top_k_and_the_chosen_token():
     assert step == StepLogprobs(3, -4.0, (5, 7), (-0.1, -0.5))
     with pytest.raises(KeyError):
         StepLogprobs.from_candidates(11, candidates, 2)
+    masked = StepLogprobs.from_candidates(3, {3: 0.0, 4: float("-inf")}, 2)  # a token a grammar forbids
+    assert masked.top_logprobs == (0.0, -9999.0)  # as OpenAI and vLLM write -inf: JSON has no infinity
 
 
 # -- the gateway ------------------------------------------------------------------------------------

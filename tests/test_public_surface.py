@@ -52,7 +52,7 @@ SAMPLING_FIELDS = {
     "max_tokens",
     "logprobs",
 }
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "suffix"}
 SPEC_PREFILL_FIELDS = {
     "enabled",

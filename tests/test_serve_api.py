@@ -181,7 +181,8 @@ def test_text_completion_locates_documents_in_the_prompt(client, engine):
     [
         ({"logit_bias": {"5": 1}}, "logit_bias", "unsupported field 'logit_bias'"),
         ({"n": 2}, "n", "n=2 is not supported"),
-        ({"logprobs": True}, "logprobs", "logprobs=True is not supported"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ({"spec_prefill": {"keep_rate": 1.5}}, "spec_prefill.keep_rate", "keep_rate must be in (0, 1], got 1.5"),
         ({"spec_prefill": {"keep_rate": "Auto"}}, "spec_prefill.keep_rate", "a number or 'auto', got 'Auto'"),
         ({"spec_prefill": {"keep_ratio": 0.2}}, "spec_prefill.keep_ratio", "unsupported field"),

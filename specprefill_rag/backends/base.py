@@ -49,6 +49,9 @@ class SparsePrompt:
         return cls.full(token_ids[kept])
 
 
+LOGPROB_FLOOR = -9999.0  # how OpenAI and vLLM's server write a log-probability of -inf (JSON has no infinity)
+
+
 @dataclass(frozen=True)
 class StepLogprobs:
     """One generated token's log-probability and the most likely tokens at its step, under the main model's
@@ -69,12 +72,15 @@ class StepLogprobs:
     @classmethod
     def from_candidates(cls, token_id: int, candidates: Mapping[int, float], top: int) -> StepLogprobs:
         """From a server's ``{token id: log-probability}`` of one step, which holds the generated token and at
-        least the ``top`` most likely (vLLM: those, plus the generated token when it is not one of them).
+        least the ``top`` most likely (vLLM: those, plus the generated token when it is not one of them). A
+        token its output constraint forbids (vLLM masks before computing them) has ``-inf``: written as
+        :data:`LOGPROB_FLOOR`, as vLLM's server and OpenAI write it.
         """
         if token_id not in candidates:
             raise KeyError(f"the log-probabilities of a step do not include its token {token_id}")
-        best = sorted(candidates.items(), key=lambda item: -item[1])[:top]
-        return cls(token_id, candidates[token_id], tuple(i for i, _ in best), tuple(v for _, v in best))
+        floored = {token: max(value, LOGPROB_FLOOR) for token, value in candidates.items()}
+        best = sorted(floored.items(), key=lambda item: -item[1])[:top]
+        return cls(token_id, floored[token_id], tuple(i for i, _ in best), tuple(v for _, v in best))
 
 
 @dataclass

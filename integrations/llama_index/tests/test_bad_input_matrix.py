@@ -275,6 +275,11 @@ CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
 ]
 
 CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
+    ("top_logprobs: 21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs\n.*less than or equal to 20"),
+    ("top_logprobs: -1", {"logprobs": True, "top_logprobs": -1}, "top_logprobs\n.*greater than or equal to 0"),
+    ("top_logprobs: bool", {"logprobs": True, "top_logprobs": True}, "top_logprobs\n.*valid integer"),
+    ("top_logprobs: str", {"logprobs": True, "top_logprobs": "3"}, "top_logprobs\n.*valid integer"),
+    ("top_logprobs without logprobs", {"top_logprobs": 3}, "top_logprobs\n.*needs logprobs=True; set logprobs=True"),
     ("keep_rate: NaN", {"keep_rate": float("nan")}, "keep_rate\n.*finite number"),
     ("keep_rate: 1.5", {"keep_rate": 1.5}, "keep_rate\n.*must be in \\(0, 1\\]"),
     ("temperature: +inf", {"temperature": float("inf")}, "temperature\n.*finite number"),

@@ -239,6 +239,30 @@ CHAT_CASES: list[tuple[str, Any, dict, type, str]] = [
     ("seed: float", QUESTION, {"seed": 1.5}, InvalidRequestError, "seed: .*valid integer"),
     ("stop: int", QUESTION, {"stop": 5}, InvalidRequestError, "stop: stop must be a string or a list of strings"),
     ("stop: list inside", QUESTION, {"stop": [["a"]]}, InvalidRequestError, "stop: stop must be non-empty strings"),
+    ("logprobs: str", QUESTION, {"logprobs": "yes"}, InvalidRequestError, "logprobs: .*valid boolean .*logprobs=True"),
+    (
+        "top_logprobs: 21",
+        QUESTION,
+        {"logprobs": True, "top_logprobs": 21},
+        InvalidRequestError,
+        "top_logprobs: .*less than or equal to 20 .*pass an int in \\[0, 20\\]",
+    ),
+    (
+        "top_logprobs: -1",
+        QUESTION,
+        {"logprobs": True, "top_logprobs": -1},
+        InvalidRequestError,
+        "top_logprobs: .*greater than or equal to 0",
+    ),
+    ("top_logprobs: bool", QUESTION, {"logprobs": True, "top_logprobs": True}, InvalidRequestError, "valid integer"),
+    ("top_logprobs: str", QUESTION, {"logprobs": True, "top_logprobs": "3"}, InvalidRequestError, "valid integer"),
+    (
+        "top_logprobs without logprobs",
+        QUESTION,
+        {"top_logprobs": 3},
+        InvalidRequestError,
+        "top_logprobs=3 needs logprobs=True; set logprobs=True too",
+    ),
     (
         "unknown option",
         QUESTION,
@@ -269,6 +293,13 @@ LLM_CASES: list[tuple[str, Any, dict, type, str]] = [
     ("keep_rate: +inf", QUESTION, {"keep_rate": float("inf")}, InvalidRequestError, "keep_rate must be finite"),
     ("max_tokens: NaN", QUESTION, {"max_tokens": float("nan")}, InvalidRequestError, "max_tokens: "),
     ("unknown option", QUESTION, {"n": 2}, InvalidRequestError, "unknown call options \\['n'\\]"),
+    (
+        "logprobs: a chat option",
+        QUESTION,
+        {"logprobs": True},
+        InvalidRequestError,
+        "unknown call options \\['logprobs'\\]",
+    ),
     (
         "huge: prompt over the context",
         QUESTION,
@@ -328,6 +359,14 @@ WARMER_CASES: list[tuple[str, str, Callable[[Any], Any], str]] = [
 ]
 
 
+CHAT_CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
+    ("top_logprobs: 21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs\n.*less than or equal to 20"),
+    ("top_logprobs: str", {"logprobs": True, "top_logprobs": "3"}, "top_logprobs\n.*valid integer"),
+    ("top_logprobs without logprobs", {"top_logprobs": 3}, "top_logprobs\n.*needs logprobs=True; set logprobs=True"),
+    ("logprobs: str", {"logprobs": "yes"}, "logprobs\n.*valid boolean"),
+]
+
+
 async def _acollect(chunks):
     return [chunk async for chunk in chunks]
 
@@ -368,6 +407,10 @@ ROWS = (
     + [
         Row(f"SpecPrefillDocumentWarmer{where}", case, call, InvalidRequestError, message)
         for where, case, call, message in WARMER_CASES
+    ]
+    + [
+        Row("ChatSpecPrefill(...)", case, _construct(ChatSpecPrefill, settings), ValidationError, message)
+        for case, settings, message in CHAT_CONSTRUCTOR_CASES
     ]
 )
 
