@@ -31,6 +31,22 @@ DOCUMENTS = random_documents(3, 60, seed=3)
 K = 3
 
 
+def same(got, want):
+    """Equal OpenAI-shaped entries, log-probabilities within float noise (a later request may take the main
+    model's KV from its prefix cache instead of computing it again).
+    """
+
+    def shape(e):
+        return e["token"], e["bytes"], [(t["token"], t["bytes"]) for t in e["top_logprobs"]]
+
+    def values(e):
+        return [e["logprob"], *(t["logprob"] for t in e["top_logprobs"])]
+
+    assert [shape(e) for e in got] == [shape(e) for e in want]
+    assert [values(e) for e in got] == [pytest.approx(values(e), abs=1e-4) for e in want]
+    return True
+
+
 def reference_logprobs(model, input_ids, kept, generated, prompt_length):
     """``[n, V]`` log-probabilities of the steps that produced ``generated``: one forward of the kept tokens at
     their positions followed by the generated tokens (but the last) at ``L``, ``L+1``, ...
@@ -150,7 +166,7 @@ def test_chat_logprobs_are_openais_shape_and_the_engines_values(client, engine):
     params = GenerationParams(max_new_tokens=5, logprobs=True, top_logprobs=2)
     reference = engine.generate_layout(layout, params).logprobs
     assert reference is not None
-    assert [e.model_dump() for e in content] == [e.as_openai() for e in reference]
+    assert same([e.model_dump() for e in content], [e.as_openai() for e in reference])
     assert chat(client).choices[0].logprobs is None
 
 
@@ -158,7 +174,7 @@ def test_streamed_chat_logprobs_add_up_to_the_whole_answers(client):
     whole = chat(client, logprobs=True, top_logprobs=3).choices[0].logprobs.content
     streamed = chat(client, logprobs=True, top_logprobs=3, stream=True)
     pieces = [entry for chunk in streamed if chunk.choices for entry in chunk.choices[0].logprobs.content]
-    assert [e.model_dump() for e in pieces] == [e.model_dump() for e in whole]
+    assert same([e.model_dump() for e in pieces], [e.model_dump() for e in whole])
 
 
 def test_legacy_completion_logprobs(gateway, engine):
@@ -170,7 +186,7 @@ def test_legacy_completion_logprobs(gateway, engine):
         assert top[token] == logprob and 2 <= len(top) <= 3  # the top 2, and the sampled token
     assert whole["text_offset"] == [sum(len(t) for t in whole["tokens"][:i]) for i in range(4)]
     reference = engine.generate_text(QUESTION, max_new_tokens=4, logprobs=True)
-    assert whole["token_logprobs"] == pytest.approx([e.logprob for e in reference.logprobs], abs=1e-5)
+    assert whole["token_logprobs"] == pytest.approx([e.logprob for e in reference.logprobs], abs=1e-4)
     events = []
     with httpx.stream("POST", gateway + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
         for line in response.iter_lines():
@@ -219,7 +235,8 @@ def test_the_gateway_client_reads_logprobs_back(gateway, engine):
     assert [e for r in replies for e in r.chunk.logprobs or ()] == list(result.logprobs)
     assert all(e.token_id is None and len(e.top_logprobs) == 2 for e in result.logprobs)
     whole = client.complete(body).chunk.result
-    assert whole is not None and whole.logprobs == result.logprobs
+    assert whole is not None and whole.logprobs is not None
+    assert same([e.as_openai() for e in whole.logprobs], [e.as_openai() for e in result.logprobs])
     plain = client.complete(client.body(chat_messages(), {}, GenerationParams(max_new_tokens=2))).chunk.result
     assert plain is not None and plain.logprobs is None
 
