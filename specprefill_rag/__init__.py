@@ -18,7 +18,7 @@ from .errors import (
     SpecPrefillError,
     TokenizerMismatchError,
 )
-from .results import GenerationResult, Selection, SpecPrefillStats, StreamChunk
+from .results import GenerationResult, Selection, SpecPrefillStats, StreamChunk, TokenLogprob, TopLogprob
 
 try:
     __version__ = version("specprefill-rag")
@@ -54,6 +54,8 @@ __all__ = [
     "SpecPrefillError",
     "SpecPrefillStats",
     "StreamChunk",
+    "TokenLogprob",
     "TokenizerMismatchError",
+    "TopLogprob",
     "__version__",
 ]
