@@ -15,8 +15,10 @@ next token is chosen, and whose :meth:`~TokenConstraint.accept` advances it with
 The tokenizer's special tokens (``<|im_start|>``, ``<|endoftext|>``, ...) are never allowed as text: only
 the stop tokens, and only where the output is complete. Tool-call markers that are single tokens of the
 vocabulary (Qwen's ``<tool_call>``, Mistral's ``[TOOL_CALLS]``) are forced as that one token, the way the
-model was trained to write them. JSON may carry whitespace between its elements, at most
-:data:`MAX_WHITESPACE` characters in a row, so a small model cannot run away in newlines.
+model was trained to write them. The tool-call grammar is
+:func:`~specprefill_rag.decode.formats.tool_call_structural_tag`'s, the one a vLLM main enforces too. JSON may
+carry whitespace between its elements, at most :data:`MAX_WHITESPACE` characters in a row, so a small model
+cannot run away in newlines.
 
 xgrammar is the ``constrained`` extra: ``pip install 'specprefill-rag[constrained]'``.
 """
@@ -26,13 +28,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from ..config import OutputFormat
 from ..errors import InvalidRequestError
+from .formats import TOOL_MARKERS, as_json, marker_tokens, tool_call_structural_tag, validate_format
 
 try:
     import xgrammar as xgr
@@ -42,87 +45,6 @@ except ImportError:  # the `constrained` extra is not installed (mypy then sees 
 INSTALL_HINT = "pip install 'specprefill-rag[constrained]'"
 # Longest run of whitespace allowed between JSON elements (keys, values, separators).
 MAX_WHITESPACE = 16
-# In tool-call arguments: one character (the families' own format is json.dumps's, `{"a": 1, "b": 2}`), so
-# the call stays short and a small model spends its tokens on the arguments, not on layout.
-CALL_WHITESPACE = 1
-TOOL_FORMATS = ("hermes", "llama3", "mistral")
-# Markup of each tool-call family: text before and after one call, the separator between calls, and the
-# text around the whole list. A marker that is one token of the vocabulary is forced as that token.
-_CALL_OPEN = {"hermes": "<tool_call>", "llama3": "", "mistral": ""}
-_CALL_CLOSE = {"hermes": "</tool_call>", "llama3": "", "mistral": ""}
-_ARGUMENTS_KEY = {"hermes": "arguments", "llama3": "parameters", "mistral": "arguments"}
-_SEPARATOR = {"hermes": "\n", "llama3": "; ", "mistral": ", "}
-_LIST_OPEN = {"hermes": "", "llama3": "", "mistral": "[TOOL_CALLS]"}
-_MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
-_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-
-def validate_format(fmt: OutputFormat) -> None:
-    """Raise :class:`~specprefill_rag.errors.InvalidRequestError` for a malformed format, before compiling.
-
-    Checks the fields each kind needs and forbids the ones it does not use; a schema must be a JSON object
-    (a dict) that serialises to JSON; tools need ``function.name`` (unique) and an object ``parameters``.
-    """
-    if fmt.kind not in ("json_object", "json_schema", "tool_call"):
-        raise InvalidRequestError(
-            f"unknown output format kind {fmt.kind!r}; use 'json_object', 'json_schema' or 'tool_call'"
-        )
-    if fmt.kind != "json_schema" and fmt.schema is not None:
-        raise InvalidRequestError(f"`schema` is for kind='json_schema', not kind={fmt.kind!r}")
-    if fmt.kind != "tool_call" and (fmt.tools or fmt.tool_format is not None):
-        raise InvalidRequestError(f"`tools` and `tool_format` are for kind='tool_call', not kind={fmt.kind!r}")
-    if fmt.kind == "json_schema":
-        if not isinstance(fmt.schema, Mapping):
-            raise InvalidRequestError(
-                f"kind='json_schema' needs `schema`, a JSON Schema object (a dict); got {type(fmt.schema).__name__}"
-            )
-        _as_json(fmt.schema, "the JSON schema")
-    elif fmt.kind == "tool_call":
-        if fmt.tool_format not in TOOL_FORMATS:
-            raise InvalidRequestError(
-                f"kind='tool_call' needs `tool_format`, one of {', '.join(TOOL_FORMATS)}; got {fmt.tool_format!r}"
-            )
-        if not fmt.tools:
-            raise InvalidRequestError("kind='tool_call' needs at least one tool in `tools`")
-        names = [name for name, _ in _tools(fmt)]
-        duplicated = sorted({name for name in names if names.count(name) > 1})
-        if duplicated:
-            raise InvalidRequestError(f"tool names must be unique; {', '.join(map(repr, duplicated))} repeat")
-
-
-def _as_json(value: Any, what: str) -> Any:
-    """``value`` as plain JSON data (dicts, lists, ...), or InvalidRequestError when it is not JSON."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as error:
-        raise InvalidRequestError(f"{what} is not JSON-serialisable: {error}") from error
-
-
-def _tools(fmt: OutputFormat) -> list[tuple[str, dict[str, Any]]]:
-    """``(name, parameters schema)`` of each tool of a tool_call format, checked."""
-    return [_tool(index, tool) for index, tool in enumerate(fmt.tools)]
-
-
-def _tool(index: int, tool: Any) -> tuple[str, dict[str, Any]]:
-    """One OpenAI tool schema's name and parameters (the empty object when it takes none)."""
-    if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-        raise InvalidRequestError(
-            f'tool {index} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}'
-        )
-    function = tool.get("function")
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
-        raise InvalidRequestError(f"tool {index} has no `function.name` (a non-empty string)")
-    name: str = function["name"]
-    parameters = function.get("parameters")
-    if parameters is None or (isinstance(parameters, Mapping) and not parameters):
-        return name, dict(_NO_PARAMETERS)
-    if not isinstance(parameters, Mapping) or parameters.get("type") != "object":
-        got = parameters.get("type") if isinstance(parameters, Mapping) else type(parameters).__name__
-        raise InvalidRequestError(
-            f'the parameters of tool {name!r} must be an object schema ({{"type": "object", "properties": '
-            f"...}}); got {got!r}"
-        )
-    return name, _as_json(parameters, f"the parameters of tool {name!r}")
 
 
 def _require_xgrammar() -> None:
@@ -136,16 +58,6 @@ def _special_ids(tokenizer: Any) -> set[int]:
     decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     ids.update(int(index) for index, added in decoder.items() if getattr(added, "special", False))
     return ids
-
-
-def _single_tokens(tokenizer: Any, texts: Iterable[str], vocab_size: int) -> dict[str, int]:
-    """Each of ``texts`` that the tokenizer writes as exactly one token (below ``vocab_size``), with its id."""
-    found = {}
-    for text in texts:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) == 1 and 0 <= ids[0] < vocab_size:
-            found[text] = int(ids[0])
-    return found
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int] | None, visible: set[int]) -> Any:
@@ -196,7 +108,7 @@ class ConstraintCompiler:
         self.vocab_size = vocab_size
         self.max_cached = max_cached
         stops = sorted({int(i) for i in stop_token_ids}) if stop_token_ids is not None else None
-        self._markers = _single_tokens(tokenizer, _MARKERS, vocab_size)
+        self._markers = marker_tokens(tokenizer, vocab_size, TOOL_MARKERS)
         self._info = tokenizer_info(tokenizer, vocab_size, stops or None, set(self._markers.values()))
         # xgrammar's own cache is unbounded; this class bounds the cache by count instead.
         self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
@@ -238,8 +150,9 @@ class ConstraintCompiler:
     def _compile(self, fmt: OutputFormat) -> Any:
         try:
             if fmt.kind == "tool_call":
-                return self._compiler.compile_structural_tag(self._tool_call_tag(fmt))
-            schema = {"type": "object"} if fmt.kind == "json_object" else _as_json(fmt.schema, "the JSON schema")
+                tag = tool_call_structural_tag(fmt, self._markers)
+                return self._compiler.compile_structural_tag(json.dumps(tag))
+            schema = {"type": "object"} if fmt.kind == "json_object" else as_json(fmt.schema, "the JSON schema")
             return self._compiler.compile_json_schema(
                 json.dumps(schema),
                 any_whitespace=True,
@@ -251,46 +164,6 @@ class ConstraintCompiler:
         except Exception as error:  # xgrammar raises RuntimeError, ValueError and pydantic's errors
             reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
             raise InvalidRequestError(f"the {fmt.kind} output format cannot be compiled: {reason}") from error
-
-    def _text(self, text: str) -> Any:
-        """A structural-tag piece for fixed text: the single token when ``text`` is a marker token."""
-        assert xgr is not None
-        if text in self._markers:
-            return xgr.structural_tag.TokenFormat(token=self._markers[text])
-        return xgr.structural_tag.ConstStringFormat(value=text)
-
-    def _call(self, family: str, name: str, parameters: dict[str, Any]) -> Any:
-        """One tool call of ``family`` naming ``name``, its arguments valid for ``parameters``."""
-        assert xgr is not None
-        tags = xgr.structural_tag
-        newline = "\n" if family == "hermes" else ""
-        head = f'{newline}{{"name": {json.dumps(name, ensure_ascii=False)}, "{_ARGUMENTS_KEY[family]}": '
-        pieces = [
-            tags.ConstStringFormat(value=head),
-            tags.JSONSchemaFormat(json_schema=parameters, max_whitespace_cnt=CALL_WHITESPACE),
-            tags.ConstStringFormat(value="}" + newline),
-        ]
-        if _CALL_OPEN[family]:
-            pieces.insert(0, self._text(_CALL_OPEN[family]))
-        if _CALL_CLOSE[family]:
-            pieces.append(self._text(_CALL_CLOSE[family]))
-        return tags.SequenceFormat(elements=pieces)
-
-    def _tool_call_tag(self, fmt: OutputFormat) -> Any:
-        """The structural tag of a tool_call format: one call, or calls joined by the family's separator."""
-        assert xgr is not None and fmt.tool_format is not None
-        tags = xgr.structural_tag
-        family = fmt.tool_format
-        calls = [self._call(family, name, parameters) for name, parameters in _tools(fmt)]
-        one = calls[0] if len(calls) == 1 else tags.OrFormat(elements=calls)
-        body = one
-        if fmt.parallel:
-            more = tags.SequenceFormat(elements=[tags.ConstStringFormat(value=_SEPARATOR[family]), one])
-            body = tags.SequenceFormat(elements=[one, tags.StarFormat(content=more)])
-        if family == "mistral":
-            opening, closing = tags.ConstStringFormat(value="["), tags.ConstStringFormat(value="]")
-            body = tags.SequenceFormat(elements=[self._text(_LIST_OPEN[family]), opening, body, closing])
-        return xgr.StructuralTag(format=body)
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
