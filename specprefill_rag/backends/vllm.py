@@ -27,7 +27,7 @@ import ssl
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import AsyncGenerator, Generator, Iterator, Mapping
 from typing import Any, Literal
 
 import httpx
@@ -35,7 +35,7 @@ import httpx
 from ..aio import iterate_in_thread
 from ..arguments import check_number, shown
 from ..config import GenerationParams, OutputFormat
-from ..decode.constraints import validate_format
+from ..decode.formats import marker_tokens, tool_call_structural_tag, validate_format
 from ..errors import InvalidRequestError, SpecPrefillError, TokenizerMismatchError
 from ..positions import (
     POSITION_KEYED_BLOCKS,
@@ -99,17 +99,31 @@ def keys_blocks_in_process() -> bool:
     return position_keyed_blocks_installed()
 
 
-def structured_outputs(output_format: OutputFormat) -> dict[str, Any]:
-    """vLLM's ``structured_outputs`` for a format it enforces itself (its xgrammar backend, strict)."""
+def structured_outputs(output_format: OutputFormat, markers: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` for ``output_format``, which vLLM's xgrammar backend enforces: ``json``
+    (strict) or ``json_object``, and for a forced tool call the ``structural_tag`` (a JSON string) of
+    :func:`~specprefill_rag.decode.formats.tool_call_structural_tag`, the grammar an in-process main uses.
+    ``markers``: the tool-call markers the served tokenizer writes as one token, with their ids
+    (:func:`tool_markers`); a tool_call format needs them.
+    """
     validate_format(output_format)
     if output_format.kind == "json_object":
         return {"json_object": True}
     if output_format.kind == "json_schema" and output_format.schema is not None:
         return {"json": dict(output_format.schema)}
-    raise InvalidRequestError(
-        "a forced tool call (tool_choice 'required' or a named tool) is not supported with a vLLM main yet; use "
-        "tool_choice 'auto' (the answer's calls are parsed) or an in-process main"
-    )
+    if markers is None:
+        raise InvalidRequestError(
+            "a forced tool call (tool_choice 'required' or a named tool) with a vLLM main needs the served model's "
+            "tokenizer, to write its tool-call markers as their tokens; build the engine with "
+            "SpecPrefillEngine.for_vllm, or call backend.adopt_tokenizer(tokenizer, eos_ids) first"
+        )
+    tag = tool_call_structural_tag(output_format, markers)
+    return {"structural_tag": json.dumps(tag, ensure_ascii=False, separators=(",", ":"))}
+
+
+def tool_markers(tokenizer: Any, vocab_size: int | None = None) -> dict[str, int]:
+    """The tool-call markers ``tokenizer`` writes as one token (ids below ``vocab_size``, default its length)."""
+    return marker_tokens(tokenizer, len(tokenizer) if vocab_size is None else vocab_size)
 
 
 def _without_eos(tokens: list[int], eos_ids: frozenset[int]) -> Iterator[int]:
@@ -143,6 +157,7 @@ class VLLMOfflineBackend:
     def __init__(self, llm: Any, eos_ids: frozenset[int]) -> None:
         self.llm = llm
         self.eos_ids = eos_ids
+        self._markers: dict[str, int] | None = None
 
     @property
     def context_length(self) -> int:
@@ -160,8 +175,16 @@ class VLLMOfflineBackend:
             )
         self.eos_ids = eos_ids
 
+    def _tool_markers(self) -> dict[str, int] | None:
+        """The engine tokenizer's single-token tool-call markers (None when it runs without a tokenizer)."""
+        if self._markers is None and hasattr(self.llm, "get_tokenizer"):
+            served = self.llm.get_tokenizer()
+            if served is not None:
+                self._markers = tool_markers(served, self.llm.llm_engine.model_config.get_vocab_size())
+        return self._markers
+
     def check_output_format(self, output_format: OutputFormat) -> None:
-        structured_outputs(output_format)
+        structured_outputs(output_format, self._tool_markers())
 
     def generate(
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
@@ -173,7 +196,9 @@ class VLLMOfflineBackend:
         from vllm.sampling_params import StructuredOutputsParams
 
         fields = request_fields(prompt, salt=not keys_blocks_in_process())
-        constrained = params.output_format and StructuredOutputsParams(**structured_outputs(params.output_format))
+        constrained = params.output_format and StructuredOutputsParams(
+            **structured_outputs(params.output_format, self._tool_markers())
+        )
         sampling = SamplingParams(
             max_tokens=params.max_new_tokens,
             temperature=params.temperature,
@@ -268,6 +293,7 @@ class VLLMServerBackend:
         self._ssl: ssl.SSLContext | None = None
         self._async_clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._async_clients_lock = threading.Lock()
+        self._markers: dict[str, int] | None = None  # the adopted tokenizer's single-token tool-call markers
         card = self._model_card()
         self.model = model or card["id"]
         self._context_length = int(card.get("max_model_len") or 0)
@@ -298,6 +324,7 @@ class VLLMServerBackend:
         """Use the main model's tokenizer's end-of-sequence ids, after checking the server tokenizes as it does."""
         check_server_tokenizer(self, tokenizer)
         self.eos_ids = eos_ids
+        self._markers = tool_markers(tokenizer)
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
@@ -334,7 +361,7 @@ class VLLMServerBackend:
         return False, False
 
     def check_output_format(self, output_format: OutputFormat) -> None:
-        structured_outputs(output_format)
+        structured_outputs(output_format, self._markers)
 
     def _body(self, prompt: SparsePrompt, params: GenerationParams) -> dict[str, Any]:
         fields = request_fields(prompt, salt=not self.position_keyed_blocks)
@@ -354,7 +381,7 @@ class VLLMServerBackend:
         if params.presence_penalty or params.frequency_penalty:
             body.update(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
         if params.output_format is not None:
-            body["structured_outputs"] = structured_outputs(params.output_format)
+            body["structured_outputs"] = structured_outputs(params.output_format, self._markers)
         if params.logprobs:  # the chosen token's and the top ones', keyed "token_id:<id>" (sse_tokens reads them)
             body.update(logprobs=params.top_logprobs, return_tokens_as_token_ids=True)
         if "extra_args" in fields:

@@ -19,15 +19,12 @@ def pytest_report_header(config):
     return None
 
 
-@pytest.fixture(scope="session")
-def tiny_folder(tmp_path_factory):
-    """A tiny random Llama vLLM's CPU kernels accept (head_dim 64) and its tokenizer, saved as a folder."""
+def save_tiny_llama(folder, tokenizer):
+    """Save a tiny random Llama vLLM's CPU kernels accept (head_dim 64) over ``tokenizer``'s vocabulary, and the
+    tokenizer, to ``folder``; returns it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specprefill_rag.testing import build_tokenizer
-
-    tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -42,10 +39,17 @@ def tiny_folder(tmp_path_factory):
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
-    folder = tmp_path_factory.mktemp("tiny-vllm")
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama vLLM's CPU kernels accept (head_dim 64) and its tokenizer, saved as a folder."""
+    from specprefill_rag.testing import build_tokenizer
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-vllm"), build_tokenizer())
 
 
 @pytest.fixture(scope="session")
