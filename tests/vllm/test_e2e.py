@@ -251,12 +251,27 @@ def test_json_schema_through_the_servers_structured_outputs(server, tiny_folder,
     assert parsed["answer"] in ("yes", "no") and isinstance(parsed["sure"], bool)
 
 
-def test_a_forced_tool_call_is_refused_with_a_vllm_main(llm):
-    from specprefill_rag.config import OutputFormat
+def test_a_forced_tool_call_spells_the_markers_where_the_vocabulary_has_no_such_tokens(llm, tiny_folder, prompt_ids):
+    """The tiny ChatML vocabulary writes ``<tool_call>`` in several tokens: the structural tag spells it as text
+    (tests/vllm/test_tool_choice.py has a vocabulary where it is one token)."""
+    from transformers import AutoTokenizer
 
-    forced = OutputFormat("tool_call", tools=({"type": "function", "function": {"name": "f"}},), tool_format="hermes")
-    with pytest.raises(InvalidRequestError, match="not supported with a vLLM main"):
-        VLLMOfflineBackend(llm, frozenset()).check_output_format(forced)
+    from specprefill_rag.decode.tool_calls import parse_tool_calls
+    from specprefill_rag.decode.tool_choice import tool_decoding
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_folder)
+    parameters = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+    tools = ({"type": "function", "function": {"name": "get_time", "parameters": parameters}},)
+    params = GenerationParams(max_new_tokens=200, **tool_decoding(tokenizer, tools, "get_time", parallel=False))
+    backend = VLLMOfflineBackend(llm, frozenset({tokenizer.eos_token_id}))
+    backend.check_output_format(params.output_format)
+    tokens = list(backend.generate(SparsePrompt.kept(prompt_ids, KEPT_A), params))
+    parsed = parse_tool_calls(tokenizer.decode(tokens), "hermes")
+    assert [(call.name, dict(call.arguments)) for call in parsed.tool_calls] in (
+        [("get_time", {"zone": "UTC"})],
+        [("get_time", {"zone": "CET"})],
+    )
+    assert parsed.invalid_tool_calls == () and parsed.content == ""
 
 
 def test_server_keys_blocks_by_position_and_reports_cached_tokens(server):

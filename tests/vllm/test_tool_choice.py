@@ -39,7 +39,7 @@ CLOCK = tool("get_time", {"zone": {"enum": ["UTC", "CET"]}})
 TOOLS = (WEATHER, CLOCK)
 SETTINGS = {"keep_rate": 0.3, "min_prompt_tokens": 0, "look_ahead": 2, "dtype": "float32"}
 MESSAGES = [ChatMessage("user", ["What is the weather in Paris, and the time?"])]
-DOCUMENTS = random_documents(2, 60, seed=5)
+DOCUMENTS = random_documents(2, 25, seed=5)
 
 
 def valid(name, arguments):
@@ -159,7 +159,7 @@ def test_the_request_carries_the_structural_tag_with_the_marker_ids(qwen_server,
 def test_engine_chat_over_a_vllm_main_returns_the_forced_call(request, main, qwen_folder):
     engine = SpecPrefillEngine.for_vllm(request.getfixturevalue(main), draft=str(qwen_folder), **SETTINGS)
     result = engine.chat(
-        MESSAGES, DOCUMENTS, tools=TOOLS, tool_choice="get_weather", parallel_tool_calls=False, max_new_tokens=300
+        MESSAGES, DOCUMENTS, tools=TOOLS, tool_choice="get_weather", parallel_tool_calls=False, max_new_tokens=200
     )
     assert result.stats.compressed
     [call] = result.tool_calls
@@ -176,7 +176,7 @@ def test_the_gateway_in_front_of_vllm_forces_the_named_tool(qwen_server, qwen_fo
             messages=[{"role": "user", "content": "What time is it in Berlin?"}],
             tools=list(TOOLS),
             tool_choice={"type": "function", "function": {"name": "get_time"}},
-            max_tokens=300,
+            max_tokens=200,
             temperature=0,
             extra_body={"spec_prefill": {"documents": DOCUMENTS}},
         )
