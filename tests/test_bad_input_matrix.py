@@ -38,7 +38,9 @@ from specprefill_rag import (
     SpecPrefillEngine,
     SpecPrefillError,
 )
+from specprefill_rag.backends.vllm import VLLMServerBackend
 from specprefill_rag.cli import main as cli_main
+from specprefill_rag.config import OutputFormat
 from specprefill_rag.positions import check_runs, decode_runs
 from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.serve.errors import GatewayError
@@ -50,6 +52,7 @@ pytestmark = pytest.mark.timeout(120)
 
 QUESTION = "When did the bridge open?"
 DOCUMENTS = ["The bridge opened in 1883 after thirteen years of work.", "Paris is the capital of France."]
+FORCED_CALL = OutputFormat("tool_call", tools=({"type": "function", "function": {"name": "f"}},), tool_format="hermes")
 SURROGATE = "caf\udce9"  # what decoding Latin-1 bytes as UTF-8 with errors='surrogateescape' leaves
 FIX = re.compile(
     r"\b(pass|use|lower|send|decode|drop|wrap|build|leave|rebuild|check|raise|retrieve|convert|give|pick|change|install)\b"
@@ -774,6 +777,13 @@ ROWS += [
         lambda s: s.remote.generate(QUESTION, DOCUMENTS, max_new_tokens=MAX_TOKENS_ALLOWED + 1),
         InvalidRequestError,
         "refused the request \\(400\\)",
+    ),
+    Row(
+        "vLLM server backend",
+        "forced tool call before adopt_tokenizer",
+        lambda s: VLLMServerBackend(s.url, frozenset()).check_output_format(FORCED_CALL),
+        InvalidRequestError,
+        "needs the served model's tokenizer, to write its tool-call markers as their tokens; build the engine with",
     ),
     Row(
         "vLLM engine.astream",
