@@ -513,7 +513,7 @@ class GenerationParams(LogprobSettings):
         return tuple(value)
 
 
-def adapter_config(backend: str, draft: str | None, **fields: object) -> SpecPrefillConfig:
+def adapter_config(backend: str, draft: str | None, **fields: Any) -> SpecPrefillConfig:
     """The config behind a framework adapter's fields (LangChain, LlamaIndex).
 
     ``backend`` is ``"transformers"`` (main model in-process) or the URL of a vLLM server with this

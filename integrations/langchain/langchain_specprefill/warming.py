@@ -57,7 +57,7 @@ class SpecPrefillDocumentWarmer(BaseDocumentTransformer):
         """A warmer of the gateway at ``base_url`` (``specprefill-rag serve``; torch-free); ``api_key``: its
         ``--api-key`` (default ``$SPECPREFILL_API_KEY``).
         """
-        key = {"api_key": api_key} if api_key is not None else {}
+        key: dict[str, Any] = {"api_key": api_key} if api_key is not None else {}
         llm = ChatSpecPrefill(backend=base_url, timeout=timeout, **key)
         if llm.session.runs_here:
             raise InvalidRequestError(
