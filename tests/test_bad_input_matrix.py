@@ -304,6 +304,18 @@ def _layout_call(style: str, arguments: Callable[[Any], dict]) -> Callable[[Any]
 
 CHAT_CASES: list[tuple[str, dict, type, str]] = [
     (
+        "messages: OpenAI-style dicts",
+        {"messages": [{"role": "user", "content": QUESTION}]},
+        InvalidRequestError,
+        "messages\\[0\\] is a dict, not a ChatMessage; build it as ChatMessage",
+    ),
+    (
+        "messages: one str",
+        {"messages": QUESTION},
+        InvalidRequestError,
+        "messages is a str; pass a list of ChatMessage",
+    ),
+    (
         "insert_missing: str",
         {"insert_missing": "no"},
         InvalidRequestError,

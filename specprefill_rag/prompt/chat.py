@@ -190,6 +190,10 @@ def _numbered(turns: list[Turn]) -> list[Turn]:
 
 
 def _validate(messages: Sequence[ChatMessage]) -> None:
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidRequestError(
+            f"messages is a {type(messages).__name__}; pass a list of ChatMessage, e.g. [ChatMessage('user', ['...'])]"
+        )
     if not messages:
         raise InvalidRequestError("no messages given; pass at least one user message")
     calls: dict[str, ToolCall] = {}
@@ -211,6 +215,11 @@ def _validate(messages: Sequence[ChatMessage]) -> None:
 def _validate_message(message: ChatMessage, index: int, calls: dict[str, ToolCall]) -> None:
     """One message's role, text and tool fields; ``calls``: the calls made so far and not yet answered."""
     field_name = f"messages[{index}]"
+    if not isinstance(message, ChatMessage):
+        raise InvalidRequestError(
+            f"{field_name} is a {type(message).__name__}, not a ChatMessage; build it as ChatMessage(role, [text]) "
+            "(OpenAI-style dicts are read by the gateway and the framework adapters, not by the engine)"
+        )
     if message.role not in _ROLES:
         raise InvalidRequestError(f"{field_name} has role {message.role!r}; use one of {list(_ROLES)}")
     for part in message.parts:
