@@ -626,6 +626,7 @@ def write_tables(report: dict, out: Path, metrics: list[str]) -> None:
 # self: what draft="self" means for the main model (40% of its layers, window 16: chosen on the --seed 1
 # SQuAD split with SmolLM2-135M, where it is self-12-w16, the name earlier tables use)
 ALL_METHODS = ["specprefill", "specprefill-la1", "self", "contiguous", "longllmlingua", "random", "first"]
+OPTIONAL_METHODS = ["specprefill-documents"]  # run only when named
 
 
 def compressor_default(args: argparse.Namespace) -> str:
@@ -683,13 +684,18 @@ def main() -> None:
     args = options.parse_args()
     args.sampler = tasks.sampler_version(args.task)
     unknown = (
-        set(args.methods) - set(ALL_METHODS) - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
+        set(args.methods)
+        - set(ALL_METHODS + OPTIONAL_METHODS)
+        - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     )
     unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
     if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
         options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")
     if unknown:
-        options.error(f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS} or self-<n> with --self-layers")
+        options.error(
+            f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS + OPTIONAL_METHODS} or self-<n> with "
+            "--self-layers"
+        )
     out = args.out or ROOT / "benchmarks" / "results" / "quality" / args.task
     out.parent.mkdir(parents=True, exist_ok=True)
     metrics = table_metrics(args.task, args.max_new_tokens)
