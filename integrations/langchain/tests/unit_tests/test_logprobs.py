@@ -31,10 +31,9 @@ def messages():
 def expected(tiny_engine, top):
     """The engine's own logprobs for the same call, in OpenAI's shape."""
     llm = ChatSpecPrefill.from_engine(tiny_engine, max_tokens=5)
-    layout, _ = llm.session._layout(messages(), {"documents": TEXTS})
-    result = tiny_engine.generate_layout(
-        layout.layout, llm._call_options(None, {"logprobs": True, "top_logprobs": top})[0]
-    )
+    params = llm._call_options(None, {"logprobs": True, "top_logprobs": top})[0]
+    request, _ = llm.session._request(messages(), params, {"documents": TEXTS})
+    result = tiny_engine.generate_layout(request.chat.layout, request.params)
     return [entry.as_openai() for entry in result.logprobs]
 
 
