@@ -108,6 +108,15 @@ STUDIES: dict[str, Study] = {
             "hotpotqa-blend30": "the same 12 HotpotQA samples, blend recomputing 30%",
         },
     ),
+    "document-cache-quality": Study(
+        "per-document draft KV (issue #28) against joint draft scoring, answered by the main model: the real "
+        "pair's answers with the draft's importance from the cache (every document a moved hit, blend repair) and "
+        "from one joint pass, same samples; in progress (resume with quality.py --resume)",
+        "docs/guide/document-cache.md",
+        "2-core AMD EPYC without AVX512, float32, shared with CI runs (scores only; its seconds are contended)",
+        "shared",
+        runs={"hotpotqa": "HotpotQA distractor, the first samples of 30 (n in the file), keep 0.1 and 0.3"},
+    ),
     "draft-cache": Study(
         "draft prefix cache: warm against cold questions of a 5-question chat at 2k and 4k tokens",
         "docs/benchmarks/prefix-cache.md",
