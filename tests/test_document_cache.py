@@ -9,17 +9,17 @@ import torch
 from transformers import DynamicCache
 
 from specprefill_rag.config import GenerationParams
-from specprefill_rag.draft.assembly import assemble_prompt_kv
+from specprefill_rag.draft.assembly import DocumentSpans, assemble_prompt_kv
 from specprefill_rag.draft.document_cache import DocumentKVCache
 from specprefill_rag.draft.importance import DraftScore
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft.paths import draft_score
+from specprefill_rag.draft.paths import DraftInput, document_spans, draft_score
 from specprefill_rag.draft.prefix_cache import DraftIdentity
 from specprefill_rag.draft.repair import BLEND, EPIC, NAIVE, DocumentRepair
 from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.prompt.chat import ChatMessage
-from specprefill_rag.prompt.layout import document_runs
+from specprefill_rag.prompt.layout import Document, Role, document_runs, instructions_end
 from specprefill_rag.serve.queue import DraftQueue
 from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
@@ -57,9 +57,9 @@ def test_one_document_assembles_the_joint_kv(engine, sharp_draft, repair):
     layout = layout_of(engine, random_documents(1, 60, seed=1))
     ids, spans = layout.input_ids, document_runs(layout.document_index)
     store = DocumentKVCache(2**24)
-    cold = assemble_prompt_kv(sharp_draft, identity(sharp_draft), ids, spans, store, repair)
+    cold = assemble_prompt_kv(sharp_draft, identity(sharp_draft), ids, DocumentSpans(spans), store, repair)
     assert cold.documents_cached == 0 and cold.cached_tokens == 0 and len(store) == 2  # the prefix and the document
-    assembled = assemble_prompt_kv(sharp_draft, identity(sharp_draft), ids, spans, store, repair)
+    assembled = assemble_prompt_kv(sharp_draft, identity(sharp_draft), ids, DocumentSpans(spans), store, repair)
     joint = joint_kv(sharp_draft, ids[:-1])
     recomputed = {"naive": 0, "epic": 16, "blend": -(-int(spans[0, 1] - spans[0, 0]) * 15 // 100)}[repair.kind]
     assert assembled.documents_cached == 1
@@ -77,7 +77,7 @@ def test_scores_with_the_cache_equal_joint_scores_for_one_document(engine, sharp
     spans = document_runs(layout.document_index)
     joint = draft.score_prompt(layout.input_ids)
     for _ in range(2):  # a miss (encoded now), then a hit
-        cached = draft.score_prompt(layout.input_ids, spans)
+        cached = draft.score_prompt(layout.input_ids, DocumentSpans(spans))
         torch.testing.assert_close(cached.importance, joint.importance, atol=1e-5, rtol=1e-4)
     assert cached.documents_cached == 1 and 0 < cached.document_cached_tokens <= int(spans[0, 1] - spans[0, 0])
 
@@ -87,10 +87,10 @@ def test_documents_in_another_order_come_from_the_cache(engine, sharp_draft):
     store = DocumentKVCache(2**24)
     draft = ModelDraft(sharp_draft, 3, 13, frozenset(), document_cache=store, repair=NAIVE)
     first = layout_of(engine, documents)
-    cold = draft.score_prompt(first.input_ids, document_runs(first.document_index))
+    cold = draft.score_prompt(first.input_ids, DocumentSpans(document_runs(first.document_index)))
     assert cold.documents_cached == 0 and len(store) == 1 + 3
     swapped = layout_of(engine, [documents[2], documents[0]], question="Who built it?")
-    warm = draft.score_prompt(swapped.input_ids, document_runs(swapped.document_index))
+    warm = draft.score_prompt(swapped.input_ids, DocumentSpans(document_runs(swapped.document_index)))
     assert warm.documents_cached == 2 and warm.document_cached_tokens == swapped.n_document_tokens
     assert warm.importance.shape == (len(swapped),) and bool(torch.isfinite(warm.importance).all())
 
@@ -102,7 +102,7 @@ def test_the_cache_stays_within_its_bytes_and_drops_the_oldest(engine, sharp_dra
     draft = ModelDraft(sharp_draft, 2, 13, frozenset(), document_cache=store)
     for document in documents:
         layout = layout_of(engine, [document])
-        draft.score_prompt(layout.input_ids, document_runs(layout.document_index))
+        draft.score_prompt(layout.input_ids, DocumentSpans(document_runs(layout.document_index)))
         assert store.nbytes <= store.max_bytes
     assert 2 <= len(store) < 1 + len(documents)
     store.clear()
@@ -116,7 +116,11 @@ def test_bad_spans_are_refused(engine, sharp_draft, spans):
     layout = layout_of(engine, random_documents(1, 30))
     with pytest.raises(InvalidRequestError, match="document spans"):
         assemble_prompt_kv(
-            sharp_draft, identity(sharp_draft), layout.input_ids, torch.tensor(spans), DocumentKVCache(2**20)
+            sharp_draft,
+            identity(sharp_draft),
+            layout.input_ids,
+            DocumentSpans(torch.tensor(spans)),
+            DocumentKVCache(2**20),
         )
 
 
@@ -138,11 +142,13 @@ def test_concurrent_scoring_equals_sequential(engine, sharp_draft):
     documents = random_documents(4, 40, seed=6)
     layouts = [layout_of(engine, [documents[i], documents[(i + 1) % 4]]) for i in range(4)] * 2
     draft = ModelDraft(sharp_draft, 2, 13, frozenset(), document_cache=DocumentKVCache(2**24))
-    expected = [draft.score_prompt(x.input_ids, document_runs(x.document_index)).importance for x in layouts]
+    expected = [
+        draft.score_prompt(x.input_ids, DocumentSpans(document_runs(x.document_index))).importance for x in layouts
+    ]
     fresh = ModelDraft(sharp_draft, 2, 13, frozenset(), document_cache=DocumentKVCache(2**24))
 
     def score(layout):  # as the engine scores: under the draft model's lock (draft_score)
-        return draft_score(fresh, layout.input_ids, document_runs(layout.document_index)).importance
+        return draft_score(fresh, layout.input_ids, DocumentSpans(document_runs(layout.document_index))).importance
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = list(pool.map(score, layouts, timeout=120))
@@ -159,7 +165,7 @@ def test_a_layer_prefix_draft_caches_its_layers(engine, sharp_draft, window):
     cached = LayerPrefixDraft(sharp_draft, 1, 13, window, document_cache=store)
     joint = LayerPrefixDraft(sharp_draft, 1, 13, window).score_prompt(layout.input_ids)
     for _ in range(2):
-        scored = cached.score_prompt(layout.input_ids, spans)
+        scored = cached.score_prompt(layout.input_ids, DocumentSpans(spans))
         torch.testing.assert_close(scored.importance, joint.importance, atol=1e-5, rtol=1e-4)
     assert scored.documents_cached == 1
     (key, entry), *_ = store._entries.items()
@@ -176,8 +182,8 @@ def test_two_documents_moved_stay_close_to_joint_with_blend(engine, sharp_draft)
     for repair in (NAIVE, DocumentRepair("blend", share=1.0)):
         draft = ModelDraft(sharp_draft, 2, 13, frozenset(), document_cache=DocumentKVCache(2**24), repair=repair)
         reversed_layout = layout_of(engine, documents[::-1])
-        draft.warm(reversed_layout.input_ids, document_runs(reversed_layout.document_index))
-        scored = draft.score_prompt(layout.input_ids, spans)
+        draft.warm(reversed_layout.input_ids, DocumentSpans(document_runs(reversed_layout.document_index)))
+        scored = draft.score_prompt(layout.input_ids, DocumentSpans(spans))
         assert scored.documents_cached == 2
         errors[repair.kind] = float((scored.importance - joint).abs().max())
     assert errors["blend"] < 1e-5 < errors["naive"]  # every token recomputed in context: the joint KV again
@@ -192,6 +198,51 @@ def test_warm_documents_fills_the_cache_for_later_requests(tiny_model, tokenizer
     layout = engine.layout("Which one?", documents[::-1], instructions="Answer briefly.")
     stats = engine.generate_layout(layout, GenerationParams(max_new_tokens=1)).stats
     assert stats.draft_documents_cached == 3
+
+
+def test_titled_documents_warmed_alone_are_served_in_any_order(tiny_model, tokenizer, sharp_draft):
+    """Labels (``Document [i] <title>``) are fresh tokens, not part of the key: a warm-up serves titled documents
+    wherever they come in a later prompt."""
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2, draft_document_cache=True
+    )
+    texts = random_documents(3, 50, seed=21)
+    documents = [Document(text, title=f"Source {i}") for i, text in enumerate(texts)]
+    assert engine.warm_documents(documents, instructions="Answer briefly.") == 3
+    layout = engine.layout("Which one?", documents[::-1], instructions="Answer briefly.")
+    stats = engine.generate_layout(layout, GenerationParams(max_new_tokens=1)).stats
+    assert stats.draft_documents_cached == 3
+
+
+def test_the_documents_prefix_ends_with_the_instructions(engine):
+    layout = engine.layout("Which one?", [Document(random_documents(1, 30)[0], title="A title")], "Be brief.")
+    documents = document_spans(DraftInput(layout, layout))
+    first = int(documents.spans[0, 0])
+    instruction_tokens = torch.nonzero(layout.roles == Role.INSTRUCTION).flatten()
+    assert documents.prefix_length == int(instruction_tokens[-1]) + 1 < first
+    label = engine.tokenizer.decode(layout.input_ids[documents.prefix_length : first])
+    assert "Document [1] A title" in label
+
+
+def test_without_instructions_the_prefix_is_the_first_token():
+    roles = torch.tensor([Role.TEMPLATE, Role.TEMPLATE, Role.TEMPLATE, Role.DOCUMENT, Role.QUESTION])
+    assert instructions_end(roles, 3) == 1
+    roles[1] = Role.INSTRUCTION
+    assert instructions_end(roles, 3) == 2
+
+
+@pytest.mark.parametrize("prefix_length", [0, 6])
+def test_a_prefix_past_the_first_document_is_refused(engine, sharp_draft, prefix_length):
+    layout = layout_of(engine, random_documents(1, 30))
+    spans = torch.tensor([[5, 12]])
+    with pytest.raises(InvalidRequestError, match="prefix"):
+        assemble_prompt_kv(
+            sharp_draft,
+            identity(sharp_draft),
+            layout.input_ids,
+            DocumentSpans(spans, prefix_length),
+            DocumentKVCache(2**20),
+        )
 
 
 def test_warm_documents_stops_at_the_cache_size(tiny_model, tokenizer, sharp_draft):
@@ -214,7 +265,7 @@ def test_a_model_collected_frees_its_entries(tokenizer, engine):
     store = DocumentKVCache(2**24)
     layout = layout_of(engine, random_documents(2, 30, seed=11))
     ModelDraft(model, 2, 13, frozenset(), document_cache=store).warm(
-        layout.input_ids, document_runs(layout.document_index)
+        layout.input_ids, DocumentSpans(document_runs(layout.document_index))
     )
     assert len(store) == 3
     del model
@@ -234,7 +285,11 @@ def test_float_spans_are_refused(engine, sharp_draft):
     layout = layout_of(engine, random_documents(1, 30))
     with pytest.raises(InvalidRequestError, match="integer"):
         assemble_prompt_kv(
-            sharp_draft, identity(sharp_draft), layout.input_ids, torch.tensor([[3.0, 9.0]]), DocumentKVCache(2**20)
+            sharp_draft,
+            identity(sharp_draft),
+            layout.input_ids,
+            DocumentSpans(torch.tensor([[3.0, 9.0]])),
+            DocumentKVCache(2**20),
         )
 
 
@@ -250,7 +305,7 @@ def test_the_gateway_queue_carries_document_spans(engine, sharp_draft):
     async def run():
         queue = DraftQueue(score_batch, capacity=8, batch_size=4, batch_tokens=10_000, window_s=0.01)
         try:
-            with_spans = queue.score(layouts[0].input_ids, document_runs(layouts[0].document_index))
+            with_spans = queue.score(layouts[0].input_ids, DocumentSpans(document_runs(layouts[0].document_index)))
             return await asyncio.gather(with_spans, queue.score(layouts[1].input_ids))
         finally:
             await queue.stop()
@@ -266,7 +321,7 @@ def test_the_gateway_queue_carries_document_spans(engine, sharp_draft):
 async def _score_alone(score_batch, layout):
     queue = DraftQueue(score_batch, capacity=8, batch_size=4, batch_tokens=10_000, window_s=0.0)
     try:
-        return await queue.score(layout.input_ids, document_runs(layout.document_index))
+        return await queue.score(layout.input_ids, DocumentSpans(document_runs(layout.document_index)))
     finally:
         await queue.stop()
 

@@ -3,13 +3,15 @@
 For a prompt ``[L]`` with document spans ``[S, 2]``, the KV of its first ``until`` tokens (``L - 1`` for a
 model draft, ``L - W`` for a layer-prefix draft's query window) is put together from:
 
-- the prefix (the tokens before the first document), from the store or computed and stored;
+- the prefix (the instructions before the documents: :attr:`DocumentSpans.prefix_length`), from the store or
+  computed and stored;
 - each document's KV as encoded right after that prefix (from the store, or encoded and stored), its keys
   rotated from positions ``P ..`` to the span's own (:mod:`.rotation`);
-- fresh KV, computed in context by one forward pass, for every other token before ``until`` (separators,
-  headers, the question) and for the document tokens the repair recomputes (:mod:`.repair`). Those tokens
-  attend to every key before their position, cached or fresh, through an explicit mask (their cache slots
-  come after the cached ones), and their KV is then written back into position order.
+- fresh KV, computed in context by one forward pass, for every other token before ``until`` (labels,
+  separators, turn markers, the question) and for the document tokens the repair recomputes
+  (:mod:`.repair`). Those tokens attend to every key before their position, cached or fresh, through an
+  explicit mask (their cache slots come after the cached ones), and their KV is then written back into
+  position order.
 
 The result is a ``DynamicCache`` whose slot ``i`` holds position ``i``, exactly what a cold prefill of the
 first ``until`` tokens leaves, up to the approximation that cached documents did not see each other.
@@ -49,22 +51,44 @@ class AssembledKV:
     documents_cached: int
 
 
-def check_spans(spans: torch.Tensor, length: int) -> torch.Tensor:
-    """``[S, 2]`` long document ``(start, end)`` spans, sorted, apart, after at least one prefix token and
-    before the last prompt token (always scored fresh); raises :class:`InvalidRequestError` otherwise.
+@dataclass(frozen=True)
+class DocumentSpans:
+    """Where a draft prompt's documents are, for the per-document draft cache.
+
+    Attributes:
+        spans: ``[S, 2]`` long ``(start, end)`` token offsets of each document, sorted and apart.
+        prefix_length: the leading tokens each document is encoded after, once (the instructions: part of every
+            cache key). Tokens between them and the documents (labels, turn markers) are computed fresh in each
+            prompt, so a document's title or number never enters the key. None: every token before the first
+            document.
     """
-    spans = torch.as_tensor(spans).reshape(-1, 2)
-    if spans.is_floating_point() or spans.is_complex():
-        raise InvalidRequestError(f"document spans must be integer token offsets, not {spans.dtype}")
-    spans = spans.long().cpu()
-    starts, ends = spans[:, 0], spans[:, 1]
-    ordered = bool((starts[1:] >= ends[:-1]).all()) and bool((ends > starts).all())
-    if not spans.numel() or not ordered or int(starts[0]) < 1 or int(ends[-1]) > length - 1:
-        raise InvalidRequestError(
-            f"document spans {spans.tolist()} must be sorted, non-empty and apart, within tokens 1..{length - 2} "
-            "of the draft's prompt (a prefix before them, the last token after)"
-        )
-    return spans
+
+    spans: torch.Tensor
+    prefix_length: int | None = None
+
+    def checked(self, length: int) -> tuple[torch.Tensor, int]:
+        """The ``[S, 2]`` spans and the prefix length, checked against a ``[length]`` prompt: documents sorted,
+        non-empty and apart, after at least one prefix token and before the last prompt token (always scored
+        fresh), the prefix ending at or before the first document; raises :class:`InvalidRequestError` otherwise.
+        """
+        spans = torch.as_tensor(self.spans).reshape(-1, 2)
+        if spans.is_floating_point() or spans.is_complex():
+            raise InvalidRequestError(f"document spans must be integer token offsets, not {spans.dtype}")
+        spans = spans.long().cpu()
+        starts, ends = spans[:, 0], spans[:, 1]
+        ordered = bool((starts[1:] >= ends[:-1]).all()) and bool((ends > starts).all())
+        if not spans.numel() or not ordered or int(starts[0]) < 1 or int(ends[-1]) > length - 1:
+            raise InvalidRequestError(
+                f"document spans {spans.tolist()} must be sorted, non-empty and apart, within tokens 1..{length - 2} "
+                "of the draft's prompt (a prefix before them, the last token after)"
+            )
+        prefix_length = int(starts[0]) if self.prefix_length is None else self.prefix_length
+        if not 1 <= prefix_length <= int(starts[0]):
+            raise InvalidRequestError(
+                f"the documents' prefix ({prefix_length} tokens) must hold at least one token and end at or before "
+                f"the first document (token {int(starts[0])})"
+            )
+        return spans, prefix_length
 
 
 def _digest(token_ids: torch.Tensor) -> bytes:
@@ -187,28 +211,27 @@ def assemble_prompt_kv(
     model: Any,
     draft: DraftIdentity,
     input_ids: torch.Tensor,
-    spans: torch.Tensor,
+    documents: DocumentSpans,
     store: DocumentStore,
     repair: DocumentRepair = NAIVE,
     until: int | None = None,
 ) -> AssembledKV:
-    """The draft KV of ``input_ids[:until]`` (``[L]`` prompt; default ``until = L - 1``) with the documents at
-    ``[S, 2]`` ``spans`` taken from ``store`` (see the module). Documents reaching past ``until`` are computed
-    fresh. Raises :class:`InvalidRequestError` for bad spans, ``DraftScoringError`` for a draft whose keys
-    cannot be moved.
+    """The draft KV of ``input_ids[:until]`` (``[L]`` prompt; default ``until = L - 1``) with the ``documents``
+    taken from ``store``, each encoded after the documents' prefix (see the module). Documents reaching past
+    ``until`` are computed fresh. Raises :class:`InvalidRequestError` for bad spans, ``DraftScoringError`` for
+    a draft whose keys cannot be moved.
     """
     length = input_ids.numel()
     until = length - 1 if until is None else until
-    spans = check_spans(spans, length)
+    spans, prefix_length = documents.checked(length)
     inv_freq = rotary_inv_freq(model)
     served = spans[spans[:, 1] <= until]
-    prefix_length = int(spans[0, 0])
     if prefix_length > until:
         raise InvalidRequestError(f"the prefix ({prefix_length} tokens) reaches past the assembled {until} tokens")
-    prefix, documents = encode_documents(model, draft, input_ids, prefix_length, served, store)
-    full, cached = _placed(prefix, served, [layers for layers, _ in documents], until, inv_freq)
+    prefix, encoded = encode_documents(model, draft, input_ids, prefix_length, served, store)
+    full, cached = _placed(prefix, served, [layers for layers, _ in encoded], until, inv_freq)
     cached[_recomputed(model, input_ids[:until], served, full, repair)] = False
-    hits = [hit for _, hit in documents]
+    hits = [hit for _, hit in encoded]
     hit_tokens = sum(int(cached[start:end].sum()) for (start, end), hit in zip(served.tolist(), hits) if hit)
     return AssembledKV(_with_fresh(model, draft.layers, input_ids, full, cached), hit_tokens, sum(hits))
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import DraftLimitError, DraftOutOfMemoryError
+from .assembly import DocumentSpans
 from .importance import DraftScore
 
 # What allocators raise when memory runs out: CUDA (torch.OutOfMemoryError in torch >= 2.5) and Python.
@@ -35,7 +36,7 @@ def check_draft_tokens(prompt_tokens: int, limit: int | None) -> None:
         raise DraftLimitError(prompt_tokens, limit)
 
 
-def score_or_out_of_memory(draft: Any, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
+def score_or_out_of_memory(draft: Any, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
     """``draft.score_prompt(input_ids, documents)``: ``[L]`` ids -> ``[L]`` importance (on the draft's device)
     and the tokens its caches supplied.
 

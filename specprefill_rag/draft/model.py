@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import DraftScoringError
-from .assembly import assemble_prompt_kv, check_spans, encode_documents, held_documents
+from .assembly import DocumentSpans, assemble_prompt_kv, encode_documents, held_documents
 from .batch import score_model_batch
 from .document_cache import DocumentStore
 from .hooks import (
@@ -59,14 +59,14 @@ class ModelDraft:
         return self.score_prompt(input_ids).importance
 
     @torch.inference_mode()
-    def score_prompt(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
+    def score_prompt(self, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
         """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied.
 
-        ``documents``: ``[S, 2]`` spans of the prompt's documents, to take their KV from the per-document
+        ``documents``: where the prompt's documents are, to take their KV from the per-document
         cache (``document_cache``; an approximation, repaired by ``repair``: see :mod:`.assembly`); None:
         drafted jointly.
         """
-        if documents is not None and self.document_cache is not None and documents.numel():
+        if documents is not None and self.document_cache is not None and documents.spans.numel():
             return self._score_with_documents(input_ids, documents, self.document_cache)
         prompt_length = input_ids.numel()
         layers = self.model.config.num_hidden_layers
@@ -78,7 +78,7 @@ class ModelDraft:
         return DraftScore(importance, reuse.cached_tokens)
 
     def _score_with_documents(
-        self, input_ids: torch.Tensor, documents: torch.Tensor, store: DocumentStore
+        self, input_ids: torch.Tensor, documents: DocumentSpans, store: DocumentStore
     ) -> DraftScore:
         """Score from KV assembled out of the per-document cache; never stored in the (exact) prefix cache."""
         draft = DraftIdentity.of(self.model, self.model.config.num_hidden_layers)
@@ -105,12 +105,12 @@ class ModelDraft:
         return accumulator.result()
 
     def score_batch(
-        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None] | None = None
+        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
     ) -> list[DraftScore | DraftScoringError]:
         """Several ``[L_i]`` prompts in one batched forward (:mod:`specprefill_rag.draft.batch`); per prompt
         its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error.
 
-        Prompts the prefix cache can serve, and those with ``documents`` spans (``[S_i, 2]``, from the
+        Prompts the prefix cache can serve, and those with ``documents`` (their KV from the
         per-document cache), are scored alone (only what is not cached is computed, which is cheaper than a
         padded row); the rest share one forward.
         """
@@ -129,14 +129,14 @@ class ModelDraft:
             for p, s, single in zip(prompts, spans, alone)
         ]
 
-    def warm(self, input_ids: torch.Tensor, documents: torch.Tensor) -> int:
-        """Encode the ``[S, 2]`` spans' documents of the ``[L]`` prompt into the per-document cache (after its
-        prefix), without scoring; returns how many documents it holds for this prompt (0 without a cache).
+    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans) -> int:
+        """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (after their prefix),
+        without scoring; returns how many documents it holds for this prompt (0 without a cache).
         """
         return _warm(self.model, self.model.config.num_hidden_layers, self.document_cache, input_ids, documents)
 
-    def _uses_documents(self, documents: torch.Tensor | None) -> bool:
-        return documents is not None and self.document_cache is not None and documents.numel() > 0
+    def _uses_documents(self, documents: DocumentSpans | None) -> bool:
+        return documents is not None and self.document_cache is not None and documents.spans.numel() > 0
 
     def _has_cached_prefix(self, input_ids: torch.Tensor) -> bool:
         if self.prefix_cache is None:
@@ -168,15 +168,15 @@ class LayerPrefixDraft:
         return self.score_prompt(input_ids).importance
 
     @torch.inference_mode()
-    def score_prompt(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
+    def score_prompt(self, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
         """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied.
 
-        ``documents``: ``[S, 2]`` spans whose KV (the first ``n_layers`` layers) comes from the per-document
+        ``documents``: the documents whose KV (the first ``n_layers`` layers) comes from the per-document
         cache (``document_cache``; documents reaching into the query window are computed); None: jointly.
         """
         window = min(self.query_window, input_ids.numel())
         accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
-        if documents is not None and self.document_cache is not None and documents.numel():
+        if documents is not None and self.document_cache is not None and documents.spans.numel():
             draft = DraftIdentity.of(self.model, self.n_layers)
             until = input_ids.numel() - window
             assembled = assemble_prompt_kv(
@@ -203,17 +203,17 @@ class LayerPrefixDraft:
         reuse.remember(input_ids)
         return DraftScore(importance, start)
 
-    def warm(self, input_ids: torch.Tensor, documents: torch.Tensor) -> int:
-        """Encode the ``[S, 2]`` spans' documents of the ``[L]`` prompt into the per-document cache (its first
-        ``n_layers`` layers), without scoring; returns how many documents it holds for this prompt.
+    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans) -> int:
+        """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (its first ``n_layers``
+        layers), without scoring; returns how many documents it holds for this prompt.
         """
         return _warm(self.model, self.n_layers, self.document_cache, input_ids, documents)
 
     def score_batch(
-        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None] | None = None
+        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
     ) -> list[DraftScore | DraftScoringError]:
         """One prompt after another (a layer-prefix draft is not batched); each its score or its error;
-        ``documents``: per prompt its ``[S_i, 2]`` spans for the per-document cache, or None.
+        ``documents``: per prompt its documents for the per-document cache, or None.
         """
         spans = documents if documents is not None else [None] * len(prompts)
         return [_score_or_error(self.score_prompt, prompt, s) for prompt, s in zip(prompts, spans)]
@@ -221,17 +221,17 @@ class LayerPrefixDraft:
 
 @torch.inference_mode()
 def _warm(
-    model: Any, layers: int, store: DocumentStore | None, input_ids: torch.Tensor, documents: torch.Tensor
+    model: Any, layers: int, store: DocumentStore | None, input_ids: torch.Tensor, documents: DocumentSpans
 ) -> int:
     if store is None:
         return 0
-    spans, draft = check_spans(documents, input_ids.numel()), DraftIdentity.of(model, layers)
-    encode_documents(model, draft, input_ids, int(spans[0, 0]), spans, store)
-    return held_documents(draft, input_ids, int(spans[0, 0]), spans, store)
+    (spans, prefix_length), draft = documents.checked(input_ids.numel()), DraftIdentity.of(model, layers)
+    encode_documents(model, draft, input_ids, prefix_length, spans, store)
+    return held_documents(draft, input_ids, prefix_length, spans, store)
 
 
 def _score_or_error(
-    score: Any, input_ids: torch.Tensor, documents: torch.Tensor | None = None
+    score: Any, input_ids: torch.Tensor, documents: DocumentSpans | None = None
 ) -> DraftScore | DraftScoringError:
     try:
         return score(input_ids) if documents is None else score(input_ids, documents)

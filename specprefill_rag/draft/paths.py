@@ -21,8 +21,9 @@ import torch
 
 from ..errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
 from ..models.loading import model_lock, same_vocabulary
-from ..prompt.layout import PromptLayout, PromptSource, document_runs
+from ..prompt.layout import PromptLayout, PromptSource, document_runs, instructions_end
 from ..results import DraftPath
+from .assembly import DocumentSpans
 from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
 from .importance import DraftScore
 from .mapping import Reduce, map_importance
@@ -45,22 +46,22 @@ class TokenScorer(Protocol):
         """``[L]`` long ids -> ``[L]`` float32 importance."""
         ...
 
-    def score_prompt(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
+    def score_prompt(self, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
         """``[L]`` long ids -> importance and the leading tokens the draft's prefix cache supplied; with
-        ``documents`` (``[S, 2]`` spans), their KV from the per-document cache where the draft has one.
+        ``documents``, their KV from the per-document cache where the draft has one.
         """
         ...
 
     def score_batch(
-        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None] | None = None
+        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
     ) -> list[DraftScore | DraftScoringError]:
         """Several ``[L_i]`` prompts in one forward (the gateway's batches); each its result or its own error;
-        ``documents``: per prompt its ``[S_i, 2]`` spans for the per-document cache, or None.
+        ``documents``: per prompt its documents for the per-document cache, or None.
         """
         ...
 
-    def warm(self, input_ids: torch.Tensor, documents: torch.Tensor) -> int:
-        """Encode the ``[S, 2]`` spans' documents of ``[L]`` ids into the per-document cache; how many it holds."""
+    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans) -> int:
+        """Encode the ``documents`` of ``[L]`` ids into the per-document cache; how many it holds."""
         ...
 
 
@@ -69,9 +70,9 @@ def score_tokens(draft: TokenScorer, input_ids: torch.Tensor) -> torch.Tensor:
     return draft_score(draft, input_ids).importance
 
 
-def draft_score(draft: TokenScorer, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> DraftScore:
-    """:func:`score_tokens`, with the tokens the draft's caches supplied (``documents``: ``[S, 2]`` spans to
-    take from the per-document cache).
+def draft_score(draft: TokenScorer, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
+    """:func:`score_tokens`, with the tokens the draft's caches supplied (``documents``: to take from the
+    per-document cache).
     """
     device = next(draft.model.parameters()).device
     with model_lock(draft.model):
@@ -94,9 +95,14 @@ def score_layout(
     return replace(scored, importance=scoring.finish(prepared, scored.importance))
 
 
-def document_spans(prepared: DraftInput) -> torch.Tensor:
-    """``[S, 2]`` long spans of the documents in the draft's own prompt (``prepared.draft_layout``)."""
-    return document_runs(prepared.draft_layout.document_index)
+def document_spans(prepared: DraftInput) -> DocumentSpans:
+    """The documents of the draft's own prompt (``prepared.draft_layout``) and their prefix: the tokens up to the
+    instructions, so labels (``Document [2] <title>``) and turn markers before a document stay out of its key.
+    """
+    layout = prepared.draft_layout
+    spans = document_runs(layout.document_index)
+    prefix_length = instructions_end(layout.roles, int(spans[0, 0])) if spans.numel() else None
+    return DocumentSpans(spans, prefix_length)
 
 
 def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) -> int:
@@ -105,7 +111,7 @@ def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) ->
     """
     prepared = scoring.prepare(layout)
     spans = document_spans(prepared)
-    if not spans.numel() or getattr(scoring.draft, "document_cache", None) is None:
+    if not spans.spans.numel() or getattr(scoring.draft, "document_cache", None) is None:
         return 0
     device = next(scoring.draft.model.parameters()).device
     with model_lock(scoring.draft.model):

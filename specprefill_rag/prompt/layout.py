@@ -99,6 +99,16 @@ def document_runs(document_index: torch.Tensor) -> torch.Tensor:
     return torch.stack([starts, ends], dim=1)
 
 
+def instructions_end(roles: torch.Tensor, first_document: int) -> int:
+    """The prompt's shared prefix before its documents: ``[L]`` roles -> the number of tokens up to the last
+    instruction token before ``first_document``. What follows it (labels, turn markers, a question put first)
+    depends on the request; the per-document draft cache keys documents by this prefix. 1 (the first token,
+    where attention sinks) when no instruction comes before the documents.
+    """
+    instructions = torch.nonzero(roles[:first_document] == Role.INSTRUCTION).flatten()
+    return int(instructions[-1]) + 1 if instructions.numel() else min(1, first_document)
+
+
 @dataclass(frozen=True)
 class Turn:
     """One chat message: a role name understood by chat templates and its content as segments.

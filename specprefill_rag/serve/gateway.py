@@ -20,6 +20,7 @@ import torch
 
 from ..config import GenerationParams
 from ..decode.stream import selected
+from ..draft.assembly import DocumentSpans
 from ..draft.importance import DraftScore
 from ..draft.paths import document_spans
 from ..engine import SpecPrefillEngine
@@ -95,10 +96,10 @@ class Gateway:
         self.queue.on_batch = self.metrics.batch
 
     def _score_batch(
-        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None] | None = None
+        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
     ) -> list[DraftScore | Exception]:
         """Blocking: one batched draft forward (in the queue's worker thread), results on the CPU. ``documents``:
-        per prompt its ``[S_i, 2]`` document spans to take from the per-document cache, or None.
+        per prompt its documents to take from the per-document cache, or None.
         """
         draft = self.engine.draft
         device = next(draft.model.parameters()).device

@@ -4,8 +4,8 @@ One worker task takes the waiting prompts (up to ``batch_size`` rows and ``batch
 tokens, oldest first) and scores them in a worker thread with one batched draft forward. A request
 whose caller went away (client disconnect, deadline) leaves the queue at once and is skipped. A batch
 that fails as a whole (e.g. out of memory) is retried one prompt at a time, so each request gets its
-own result or its own error. A prompt sent with its document spans (``[S, 2]``, in the draft's own
-prompt) is scored from the per-document draft cache; the batch function then gets each prompt's spans
+own result or its own error. A prompt sent with its documents (:class:`DocumentSpans`, in the draft's own
+prompt) is scored from the per-document draft cache; the batch function then gets each prompt's documents
 (or None) as a second argument, and only then, so a ``score_batch(prompts)`` of one argument still works.
 """
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..draft.assembly import DocumentSpans
 from ..draft.importance import DraftScore
 
 ScoreBatch = Callable[..., list["DraftScore | Exception"]]  # (prompts[, per-prompt spans or None]) -> results
@@ -53,7 +54,7 @@ class Scored:
 class _Job:
     input_ids: torch.Tensor
     future: asyncio.Future[Scored]
-    documents: torch.Tensor | None = None  # [S, 2] spans for the per-document draft cache
+    documents: DocumentSpans | None = None  # for the per-document draft cache
 
 
 class DraftQueue:
@@ -93,10 +94,10 @@ class DraftQueue:
             await asyncio.gather(self._worker, return_exceptions=True)
             self._worker = None
 
-    async def score(self, input_ids: torch.Tensor, documents: torch.Tensor | None = None) -> Scored:
+    async def score(self, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> Scored:
         """Wait for this ``[L]`` prompt's importance. Raises :class:`QueueFull`, or the draft's own error
-        for this prompt. Cancelling the caller takes the prompt out of the queue. ``documents``: ``[S, 2]``
-        spans of its documents, to take their draft KV from the per-document cache (None: drafted jointly).
+        for this prompt. Cancelling the caller takes the prompt out of the queue. ``documents``: where its
+        documents are, to take their draft KV from the per-document cache (None: drafted jointly).
         """
         if self.depth >= self.capacity:
             raise QueueFull(self.depth, self._retry_after_s())
@@ -176,7 +177,7 @@ class DraftQueue:
                 )
 
     def _score_all(
-        self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None]
+        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None]
     ) -> list[DraftScore | Exception]:
         """Score in one batch; when the batch fails as a whole, one prompt at a time (each its own outcome)."""
         try:
@@ -186,13 +187,13 @@ class DraftQueue:
                 return [error]
         return [self._score_one(prompt, spans) for prompt, spans in zip(prompts, documents)]
 
-    def _score_one(self, prompt: torch.Tensor, documents: torch.Tensor | None) -> DraftScore | Exception:
+    def _score_one(self, prompt: torch.Tensor, documents: DocumentSpans | None) -> DraftScore | Exception:
         try:
             return self._call([prompt], [documents])[0]
         except Exception as error:
             return error
 
-    def _call(self, prompts: list[torch.Tensor], documents: list[torch.Tensor | None]) -> list[DraftScore | Exception]:
+    def _call(self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None]) -> list[DraftScore | Exception]:
         """``score_batch(prompts)``, with ``documents`` as well when any prompt carries spans."""
         if all(spans is None for spans in documents):
             return self._score_batch(prompts)
