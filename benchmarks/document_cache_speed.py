@@ -1,0 +1,395 @@
+"""Per-document draft cache (issue #28): what a warm request costs, and what a skewed workload hits.
+
+``speed``: a corpus of SQuAD v1.1 paragraphs (read in place from ../shared/data) is warmed once with
+``engine.warm_documents``. Each request then draws a new combination of corpus paragraphs, in a new order,
+to about ``--lengths`` document tokens, with a question about one of them. Per request, side by side in one
+process and in an order that rotates from request to request, four arms over the same models:
+
+* ``full``: keep 1.0 (a plain full prefill; one per request, shared by both keep rates);
+* ``cold@k``: SpecPrefill at keep ``k``, the draft reading the whole prompt (draft prefix cache off);
+* ``cached@k``: the same with ``draft_document_cache=True`` (every document a moved hit).
+
+Every arm generates one token. Reported: TTFT and draft time per arm, and per request the ratios
+full / cached, cold / cached (TTFT) and cached / cold (draft time), as medians with min-max.
+
+``zipf``: ``--questions`` questions over a corpus of ``--corpus`` paragraphs; each question retrieves
+``--retrieved`` distinct paragraphs drawn with Zipf weights (rank ``r`` weighs ``r ** -s``) and is asked
+about one of them. The document cache is sized to about a tenth of the corpus's draft KV and starts
+empty (no warm-up): documents enter on first use and the least recently used leave. Per question, the
+cached engine and a cold one (draft joint, no caches) answer the same prompt (one token); reported: the
+share of documents served from the cache, TTFT and draft time medians of both.
+
+    python benchmarks/document_cache_speed.py speed --out benchmarks/results/document-cache-speed/speed
+    python benchmarks/document_cache_speed.py zipf --out benchmarks/results/document-cache-speed/zipf
+
+Both rewrite ``<out>.json`` (settings, every record) and ``<out>.md`` after every request and resume
+from the JSON (``--resume``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read at import: a model that is not installed fails, never downloads
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tasks  # noqa: E402
+
+from specprefill_rag import SpecPrefillEngine  # noqa: E402
+from specprefill_rag.models.loading import load_model  # noqa: E402
+
+RATIO = "{:.2f}"
+SYSTEM = "Answer the question using the documents. Answer with a short phrase."
+FIELDS = (
+    "ttft_ms",
+    "draft_ms",
+    "main_prefill_ms",
+    "prompt_tokens",
+    "document_tokens",
+    "kept_tokens",
+    "compressed",
+    "uncompressed_reason",
+    "draft_documents_cached",
+    "draft_document_cached_tokens",
+)
+
+
+def squad_paragraphs(seed: int) -> list[dict]:
+    """Every SQuAD dev paragraph with its first question and answers, shuffled by ``seed``."""
+    articles = json.loads((tasks.DATA / "squad" / "dev-v1.1.reconstructed.json").read_text())["data"]
+    paragraphs = [
+        {
+            "text": p["context"],
+            "question": p["qas"][0]["question"],
+            "answers": [a["text"] for a in p["qas"][0]["answers"]],
+        }
+        for article in articles
+        for p in article["paragraphs"]
+        if p["qas"]
+    ]
+    random.Random(seed).shuffle(paragraphs)
+    return paragraphs
+
+
+def record(result: Any) -> dict:
+    return {name: getattr(result.stats, name, None) for name in FIELDS}
+
+
+def spread(values: list[float], form: str = "{:,.0f}") -> str:
+    """Median (min-max) of ``values``, each written with ``form``."""
+    if not values:
+        return "-"
+    median, low, high = (form.format(v) for v in (statistics.median(values), min(values), max(values)))
+    return f"{median} ({low}-{high})"
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+    }
+
+
+def save(out: Path, report: dict, table: str) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(table)
+
+
+def load(out: Path, settings: dict, resume: bool) -> dict:
+    path = out.with_suffix(".json")
+    if resume and path.exists():
+        report = json.loads(path.read_text())
+        if report["settings"] != settings:
+            raise SystemExit(f"{path} was run with other settings: {report['settings']}")
+        return report
+    return {"settings": settings, "machine": [], "records": []}
+
+
+# -- speed ------------------------------------------------------------------------------------------
+
+
+def speed_engines(main, tokenizer, draft, keeps: list[float], cache_mb: int) -> dict[str, SpecPrefillEngine]:
+    """Each arm its own engine over the same models; the draft prefix cache off everywhere (cold drafts); each
+    cached arm its own document store (stores are shared per device and size)."""
+    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0)
+    engines = {"full": SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=1.0, **common)}
+    for number, keep in enumerate(keeps):
+        engines[f"cold@{keep:g}"] = SpecPrefillEngine.from_models(
+            main, tokenizer, draft, keep_rate=keep, document_cache_mb=0, **common
+        )
+        engines[f"cached@{keep:g}"] = SpecPrefillEngine.from_models(
+            main,
+            tokenizer,
+            draft,
+            keep_rate=keep,
+            document_cache_mb=cache_mb - number,
+            draft_document_cache=True,
+            **common,
+        )
+    return engines
+
+
+def draw(corpus: list[dict], tokens: int, count_tokens, rng: random.Random) -> tuple[list[str], dict]:
+    """Paragraphs of ``corpus`` in a random combination and order, about ``tokens`` document tokens, and the one
+    the question is about."""
+    picked, total = [], 0
+    for paragraph in rng.sample(corpus, len(corpus)):
+        if total >= tokens:
+            break
+        picked.append(paragraph)
+        total += count_tokens(paragraph["text"])
+    return [p["text"] for p in picked], rng.choice(picked)
+
+
+def run_speed(args) -> None:
+    settings = {
+        k: getattr(args, k) for k in ("main", "draft", "dtype", "lengths", "keeps", "repeats", "seed", "corpus")
+    }
+    report = load(args.out, settings, args.resume)
+    report["machine"].append(machine())
+    main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
+    tokenizer = main_loaded.tokenizer
+    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    corpus = squad_paragraphs(args.seed)[: args.corpus]
+    corpus_tokens = sum(count(p["text"]) for p in corpus)
+    cache_mb = 4096
+    engines = speed_engines(main_loaded.model, tokenizer, draft_loaded.model, args.keeps, cache_mb)
+    warmed = {}
+    for keep in args.keeps:  # each cached engine its own store (sized apart, so not shared)
+        engine = engines[f"cached@{keep:g}"]
+        warmed[f"cached@{keep:g}"] = engine.warm_documents([p["text"] for p in corpus], SYSTEM)
+    report["corpus"] = {"paragraphs": len(corpus), "tokens": corpus_tokens, "warmed": warmed}
+    print(json.dumps(report["corpus"]), flush=True)
+    done = {(r["length"], r["repeat"]) for r in report["records"]}
+    rng = random.Random(args.seed)
+    number = 0
+    for length in args.lengths:
+        for repeat in range(args.repeats):
+            documents, target = draw(corpus, length, count, rng)
+            number += 1
+            if (length, repeat) in done:
+                continue
+            names = list(engines)
+            order = names[number % len(names) :] + names[: number % len(names)]
+            row: dict[str, Any] = {"length": length, "repeat": repeat, "order": order, "documents": len(documents)}
+            for name in order:
+                result = engines[name].generate(target["question"], documents, SYSTEM, max_new_tokens=1)
+                row[name] = record(result)
+            report["records"].append(row)
+            save(args.out, report, speed_table(report))
+            print(
+                json.dumps({"length": length, "repeat": repeat} | {n: round(row[n]["ttft_ms"]) for n in order}),
+                flush=True,
+            )
+
+
+def speed_table(report: dict) -> str:
+    settings, records = report["settings"], report["records"]
+    lines = [
+        "Warm requests: every document served from the per-document draft cache, in a new combination and order.",
+        f"Settings: `{json.dumps(settings)}`; corpus: `{json.dumps(report.get('corpus'))}`",
+        f"Machine: `{json.dumps(report['machine'])}`",
+        "",
+        "| doc tokens asked | prompt tokens | keep | n | TTFT full ms | TTFT cold ms | TTFT cached ms | "
+        "full / cached | cold / cached | draft ms cold | draft ms cached | cached / cold draft | documents cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for length in settings["lengths"]:
+        rows = [r for r in records if r["length"] == length]
+        if not rows:
+            continue
+        for keep in settings["keeps"]:
+            cold, cached = f"cold@{keep:g}", f"cached@{keep:g}"
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        f"{length:,}",
+                        spread([r["full"]["prompt_tokens"] for r in rows]),
+                        f"{keep:g}",
+                        str(len(rows)),
+                        spread([r["full"]["ttft_ms"] for r in rows]),
+                        spread([r[cold]["ttft_ms"] for r in rows]),
+                        spread([r[cached]["ttft_ms"] for r in rows]),
+                        spread([r["full"]["ttft_ms"] / r[cached]["ttft_ms"] for r in rows], RATIO),
+                        spread([r[cold]["ttft_ms"] / r[cached]["ttft_ms"] for r in rows], RATIO),
+                        spread([r[cold]["draft_ms"] for r in rows]),
+                        spread([r[cached]["draft_ms"] for r in rows]),
+                        spread([r[cached]["draft_ms"] / r[cold]["draft_ms"] for r in rows], RATIO),
+                        spread([r[cached]["draft_documents_cached"] / r["documents"] for r in rows], RATIO),
+                    ]
+                )
+                + " |"
+            )
+    lines.append("")
+    lines.append("Cells: median (min-max) over requests; ratios are per request (arms side by side), then summarised.")
+    return "\n".join(lines) + "\n"
+
+
+# -- zipf -------------------------------------------------------------------------------------------
+
+
+def zipf_questions(corpus: list[dict], questions: int, retrieved: int, exponent: float, seed: int) -> list[dict]:
+    """Per question: ``retrieved`` distinct corpus indices drawn with weights ``rank ** -exponent`` (rank = index
+    + 1), in the order drawn, and one of them asked about."""
+    rng = random.Random(seed)
+    weights = [(rank + 1) ** -exponent for rank in range(len(corpus))]
+    drawn = []
+    for _ in range(questions):
+        picked: list[int] = []
+        while len(picked) < retrieved:
+            index = rng.choices(range(len(corpus)), weights)[0]
+            if index not in picked:
+                picked.append(index)
+        drawn.append({"documents": picked, "about": rng.choice(picked)})
+    return drawn
+
+
+def run_zipf(args) -> None:
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "main",
+            "draft",
+            "dtype",
+            "keep",
+            "corpus",
+            "questions",
+            "retrieved",
+            "exponent",
+            "seed",
+            "cache_share",
+        )
+    }
+    report = load(args.out, settings, args.resume)
+    report["machine"].append(machine())
+    main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
+    tokenizer = main_loaded.tokenizer
+    corpus = squad_paragraphs(args.seed)[: args.corpus]
+    corpus_tokens = sum(len(tokenizer(p["text"], add_special_tokens=False).input_ids) for p in corpus)
+    config = draft_loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    bytes_per_token = (
+        2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * draft_loaded.model.dtype.itemsize
+    )
+    cache_mb = max(1, round(args.cache_share * corpus_tokens * bytes_per_token / 2**20))
+    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
+    cached = SpecPrefillEngine.from_models(
+        main_loaded.model,
+        tokenizer,
+        draft_loaded.model,
+        document_cache_mb=cache_mb,
+        draft_document_cache=True,
+        **common,
+    )
+    cold = SpecPrefillEngine.from_models(
+        main_loaded.model, tokenizer, draft_loaded.model, document_cache_mb=0, **common
+    )
+    report["corpus"] = {"paragraphs": len(corpus), "tokens": corpus_tokens, "cache_mb": cache_mb}
+    if report["records"]:  # a resumed run starts with an empty cache: its first questions are marked
+        report.setdefault("restarts", []).append(len(report["records"]))
+    questions = zipf_questions(corpus, args.questions, args.retrieved, args.exponent, args.seed)
+    for number, question in enumerate(questions):
+        if number < len(report["records"]):
+            continue
+        documents = [corpus[i]["text"] for i in question["documents"]]
+        about = corpus[question["about"]]
+        row: dict[str, Any] = {"question": number, "documents": question["documents"]}
+        for name, engine in (("cached", cached), ("cold", cold))[:: 1 if number % 2 else -1]:
+            row[name] = record(engine.generate(about["question"], documents, SYSTEM, max_new_tokens=1))
+        row["cache_bytes"] = cached.document_cache.nbytes
+        report["records"].append(row)
+        save(args.out, report, zipf_table(report))
+        print(
+            json.dumps(
+                {
+                    "q": number,
+                    "hit": row["cached"]["draft_documents_cached"],
+                    "cached": round(row["cached"]["ttft_ms"]),
+                    "cold": round(row["cold"]["ttft_ms"]),
+                }
+            ),
+            flush=True,
+        )
+
+
+def zipf_table(report: dict) -> str:
+    records, settings = report["records"], report["settings"]
+    hits = sum(r["cached"]["draft_documents_cached"] for r in records)
+    asked = sum(len(r["documents"]) for r in records)
+    distinct = len({d for r in records for d in r["documents"]})
+    lines = [
+        f"Settings: `{json.dumps(settings)}`; corpus: `{json.dumps(report.get('corpus'))}`",
+        f"Machine: `{json.dumps(report['machine'])}`",
+        "",
+        "| questions | documents asked | distinct documents | served from the cache | hit rate | TTFT cached ms | "
+        "TTFT cold ms | cold / cached TTFT | draft ms cached | draft ms cold |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        "| "
+        + " | ".join(
+            [
+                str(len(records)),
+                str(asked),
+                str(distinct),
+                str(hits),
+                f"{hits / asked:.2f}" if asked else "-",
+                spread([r["cached"]["ttft_ms"] for r in records]),
+                spread([r["cold"]["ttft_ms"] for r in records]),
+                spread([r["cold"]["ttft_ms"] / r["cached"]["ttft_ms"] for r in records], RATIO),
+                spread([r["cached"]["draft_ms"] for r in records]),
+                spread([r["cold"]["draft_ms"] for r in records]),
+            ]
+        )
+        + " |",
+        "",
+        "Cells: median (min-max) over questions; the cold/cached ratio is per question (both engines answer the "
+        "same prompt, alternating which goes first), then summarised. The hit rate counts documents served from "
+        "the cache over documents asked; the cache starts empty and has no warm-up.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    studies = parser.add_subparsers(dest="study", required=True)
+    for name in ("speed", "zipf"):
+        sub = studies.add_parser(name)
+        sub.add_argument("--main", default="qwen2.5-coder-1.5b")
+        sub.add_argument("--draft", default="qwen2.5-coder-0.5b")
+        sub.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+        sub.add_argument("--seed", type=int, default=0)
+        sub.add_argument("--threads", type=int, default=2)
+        sub.add_argument("--resume", action="store_true")
+        sub.add_argument("--out", type=Path, required=True)
+    speed = studies.choices["speed"]
+    speed.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000, 8000], help="document tokens per prompt")
+    speed.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
+    speed.add_argument("--repeats", type=int, default=3)
+    speed.add_argument("--corpus", type=int, default=80, help="paragraphs warmed and drawn from")
+    zipf = studies.choices["zipf"]
+    zipf.add_argument("--keep", type=float, default=0.1)
+    zipf.add_argument("--corpus", type=int, default=500)
+    zipf.add_argument("--questions", type=int, default=100)
+    zipf.add_argument("--retrieved", type=int, default=10)
+    zipf.add_argument("--exponent", type=float, default=1.0)
+    zipf.add_argument("--cache-share", type=float, default=0.1, help="cache size as a share of the corpus's draft KV")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    (run_speed if args.study == "speed" else run_zipf)(args)
+
+
+if __name__ == "__main__":
+    main()
