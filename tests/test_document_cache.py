@@ -231,6 +231,18 @@ def test_without_instructions_the_prefix_is_the_first_token():
     assert instructions_end(roles, 3) == 2
 
 
+def test_a_prompt_that_opens_with_a_document_is_drafted_jointly(tiny_model, tokenizer, sharp_draft):
+    """A plain completion without a template can start with document text: no prefix to encode it after, so the
+    draft reads it whole (was a 400 naming the spans)."""
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2, draft_document_cache=True
+    )
+    layout = engine.text_layout(" ".join(random_documents(2, 60, seed=22)) + " Which one?")
+    assert int(layout.document_index[0]) >= 0
+    stats = engine.generate_layout(layout, GenerationParams(max_new_tokens=1)).stats
+    assert stats.compressed and stats.draft_documents_cached == 0
+
+
 @pytest.mark.parametrize("prefix_length", [0, 6])
 def test_a_prefix_past_the_first_document_is_refused(engine, sharp_draft, prefix_length):
     layout = layout_of(engine, random_documents(1, 30))

@@ -95,14 +95,17 @@ def score_layout(
     return replace(scored, importance=scoring.finish(prepared, scored.importance))
 
 
-def document_spans(prepared: DraftInput) -> DocumentSpans:
+def document_spans(prepared: DraftInput) -> DocumentSpans | None:
     """The documents of the draft's own prompt (``prepared.draft_layout``) and their prefix: the tokens up to the
     instructions, so labels (``Document [2] <title>``) and turn markers before a document stay out of its key.
+    None (the draft reads the prompt jointly) without documents, or when the prompt opens with one (a plain
+    completion without a template): there is no prefix to encode documents after.
     """
     layout = prepared.draft_layout
     spans = document_runs(layout.document_index)
-    prefix_length = instructions_end(layout.roles, int(spans[0, 0])) if spans.numel() else None
-    return DocumentSpans(spans, prefix_length)
+    if not spans.numel() or int(spans[0, 0]) == 0:
+        return None
+    return DocumentSpans(spans, instructions_end(layout.roles, int(spans[0, 0])))
 
 
 def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) -> int:
@@ -111,7 +114,7 @@ def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) ->
     """
     prepared = scoring.prepare(layout)
     spans = document_spans(prepared)
-    if not spans.spans.numel() or getattr(scoring.draft, "document_cache", None) is None:
+    if spans is None or getattr(scoring.draft, "document_cache", None) is None:
         return 0
     device = next(scoring.draft.model.parameters()).device
     with model_lock(scoring.draft.model):

@@ -106,7 +106,7 @@ def instructions_end(roles: torch.Tensor, first_document: int) -> int:
     where attention sinks) when no instruction comes before the documents.
     """
     instructions = torch.nonzero(roles[:first_document] == Role.INSTRUCTION).flatten()
-    return int(instructions[-1]) + 1 if instructions.numel() else min(1, first_document)
+    return int(instructions[-1]) + 1 if instructions.numel() else 1
 
 
 @dataclass(frozen=True)
