@@ -362,7 +362,20 @@ def evaluate(
         "gold_document_kept": float(any(int(d) in sample["gold_documents"] for d in document_index.unique())),
         "kept_share": document_ids.numel() / document_tokens,
         "prefill_tokens": int(prefill.kept.numel()),
+        "kept_document_runs": position_runs(prefill.kept[document_index >= 0]),
     }
+
+
+def position_runs(positions: torch.Tensor) -> list[list[int]]:
+    """``[K]`` sorted positions as ``[start, end)`` runs (compact: kept tokens come in chunks), for comparing two
+    methods' kept tokens afterwards (Jaccard)."""
+    runs: list[list[int]] = []
+    for position in positions.tolist():
+        if runs and runs[-1][1] == position:
+            runs[-1][1] += 1
+        else:
+            runs.append([position, position + 1])
+    return runs
 
 
 # -- study ------------------------------------------------------------------------------------------
