@@ -14,12 +14,24 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from .config import AUTO, DEFAULT_MODEL
+from .config import AUTO, DEFAULT_MODEL, GenerationParams
 from .errors import SpecPrefillError
 from .prompt.layout import Document
 from .serve.settings import GatewaySettings
 
 DEFAULT_INSTRUCTIONS = "Answer the question using the documents. Be brief."
+# GenerationParams fields that `ask` offers as options (tool calling and output formats belong to chats)
+ASK_DECODING = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+)
 
 
 def read_documents(paths: Sequence[str]) -> list[Document]:
@@ -73,8 +85,7 @@ def parser() -> argparse.ArgumentParser:
         default=AUTO,
         help="shorter prompts are not compressed ('auto': from the draft's cost against the main model's)",
     )
-    ask.add_argument("--max-new-tokens", type=int, default=128)
-    ask.add_argument("--temperature", type=float, default=0.0)
+    add_field_options(ask, GenerationParams.model_fields, ASK_DECODING)
     ask.add_argument("--device", default="cpu")
     ask.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     ask.add_argument("--json", action="store_true", help="print one JSON object with the answer and the stats")
@@ -118,11 +129,23 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve", help="run the OpenAI-compatible SpecPrefill gateway", argument_default=argparse.SUPPRESS
     )
-    for name, info in GatewaySettings.model_fields.items():
-        serve.add_argument(
-            option_name(name, info.annotation), dest=name, help=_described(info), **_option_kind(info.annotation)
-        )
+    add_field_options(serve, GatewaySettings.model_fields, tuple(GatewaySettings.model_fields))
     serve.add_argument("--log-level", dest="log_level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_field_options(command: argparse.ArgumentParser, fields: dict[str, FieldInfo], names: Sequence[str]) -> None:
+    """One option per settings field in ``names`` (its type, choices and description); an option not given is
+    left out of the parsed arguments, so the field keeps its default.
+    """
+    for name in names:
+        info = fields[name]
+        command.add_argument(
+            option_name(name, info.annotation),
+            dest=name,
+            help=_described(info),
+            default=argparse.SUPPRESS,
+            **_option_kind(info.annotation),
+        )
 
 
 def option_name(field: str, annotation: Any) -> str:
@@ -205,7 +228,7 @@ def run_ask(args: argparse.Namespace) -> int:
         min_prompt_tokens=args.min_prompt_tokens,
         device=args.device,
     )
-    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    params = {name: getattr(args, name) for name in ASK_DECODING if hasattr(args, name)}
     result = None
     for chunk in engine.stream(args.question, documents, args.instructions or None, **params):
         if args.stream and not args.json:
@@ -213,7 +236,13 @@ def run_ask(args: argparse.Namespace) -> int:
         result = chunk.result or result
     assert result is not None
     if args.json:
-        payload = {"answer": result.text, "finish_reason": result.finish_reason, "stats": result.stats.as_dict()}
+        payload: dict[str, Any] = {
+            "answer": result.text,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.as_dict(),
+        }
+        if result.logprobs is not None:
+            payload["logprobs"] = [entry.as_openai() for entry in result.logprobs]
         print(json.dumps(payload, indent=2))
         return 0
     if not args.stream:

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from specprefill_rag.cli import main
+from specprefill_rag.cli import ASK_DECODING, main, parser
+from specprefill_rag.config import GenerationParams
 from specprefill_rag.testing import random_documents
 
 
@@ -26,6 +27,35 @@ def test_ask_json_reports_numeric_stats(tmp_path, tiny_model_dir, capsys):
     assert isinstance(payload["answer"], str)
     assert stats["compressed"] is True and 0.2 <= stats["keep_rate"] < 1.0
     assert isinstance(stats["ttft_ms"], float) and stats["completion_tokens"] <= 5
+
+
+def test_ask_takes_the_decoding_settings_and_returns_logprobs(tmp_path, tiny_model_dir, capsys):
+    docs = write_documents(tmp_path)
+    model = str(tiny_model_dir)
+    argv = ["ask", "--question", "When?", "--docs", *docs, "--main", model, "--draft", model, "--json"]
+    options = ["--max-new-tokens", "3", "--logprobs", "--top-logprobs", "2", "--top-p", "0.9", "--seed", "7"]
+    assert main([*argv, *options]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert 1 <= len(payload["logprobs"]) <= 3
+    assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 for entry in payload["logprobs"])
+
+
+def test_ask_options_are_the_generation_params_fields():
+    """Generated from GenerationParams: each option's help holds the field's description; an option not given
+    is left out, so the field's default applies."""
+    assert not hasattr(parser().parse_args(["ask", "--question", "q", "--docs", "f"]), "top_p")
+    ask = parser()._subparsers._group_actions[0].choices["ask"]
+    options = {action.dest: action for action in ask._actions}
+    for name in ASK_DECODING:
+        assert (GenerationParams.model_fields[name].description or "") in options[name].help
+
+
+@pytest.mark.parametrize("option", [["--top-p", "1.5"], ["--top-logprobs", "21"], ["--temperature", "-1"]])
+def test_ask_refuses_decoding_settings_out_of_bounds(tmp_path, tiny_model_dir, capsys, option):
+    docs = write_documents(tmp_path)
+    model = str(tiny_model_dir)
+    assert main(["ask", "--question", "Q?", "--docs", *docs, "--main", model, "--draft", model, *option]) == 2
+    assert option[0].lstrip("-").replace("-", "_") in capsys.readouterr().err
 
 
 def test_ask_keep_rate_auto_reports_the_chosen_share(tmp_path, tiny_model_dir, capsys):
