@@ -113,11 +113,16 @@ STUDIES: dict[str, Study] = {
     "document-cache-quality": Study(
         "per-document draft KV (issue #28) against joint draft scoring, answered by the main model: the real "
         "pair's answers with the draft's importance from the cache (every document a moved hit, blend repair) and "
-        "from one joint pass, same samples; in progress (resume with quality.py --resume)",
+        "from one joint pass, same samples, 30 per task (`benchmarks/document_cache_report.py` pairs them)",
         "docs/guide/document-cache.md",
-        "2-core AMD EPYC without AVX512, float32, shared with CI runs (scores only; its seconds are contended)",
+        "2-core AMD EPYC: hotpotqa without AVX512 in float32, shared with CI runs; the others with AVX512-BF16 in "
+        "bfloat16, beside this session's benchmarks (scores only; their seconds are contended)",
         "shared",
-        runs={"hotpotqa": "HotpotQA distractor, the first samples of 30 (n in the file), keep 0.1 and 0.3"},
+        runs={
+            "hotpotqa": "HotpotQA distractor, keep 0.1 and 0.3; run before labels left the cache key (prefix "
+            "through the first label)",
+            "squad": "SQuAD, the answer paragraph among 5, keep 0.1 and 0.3; kept tokens recorded from sample 14",
+        },
     ),
     "draft-cache": Study(
         "draft prefix cache: warm against cold questions of a 5-question chat at 2k and 4k tokens",
