@@ -29,6 +29,7 @@ from the JSON (``--resume``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -46,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks  # noqa: E402
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
+from specprefill_rag.draft.repair import DEFAULT_REPAIR, DocumentRepair  # noqa: E402
 from specprefill_rag.models.loading import load_model  # noqa: E402
 
 RATIO = "{:.2f}"
@@ -121,24 +123,32 @@ def load(out: Path, settings: dict, resume: bool) -> dict:
 # -- speed ------------------------------------------------------------------------------------------
 
 
-def speed_engines(main, tokenizer, draft, keeps: list[float], cache_mb: int) -> dict[str, SpecPrefillEngine]:
+def speed_engines(
+    main, tokenizer, draft, keeps: list[float], cache_mb: int, repairs: list[str]
+) -> dict[str, SpecPrefillEngine]:
     """Each arm its own engine over the same models; the draft prefix cache off everywhere (cold drafts); each
-    cached arm its own document store (stores are shared per device and size)."""
+    cached arm its own document store (stores are shared per device and size). ``repairs`` other than the
+    default (``blend``) get arms ``cached-<repair>@k``, the repair set on the engine's draft object (no engine
+    setting chooses it)."""
     common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0)
     engines = {"full": SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=1.0, **common)}
-    for number, keep in enumerate(keeps):
+    sizes = iter(range(cache_mb, 0, -1))
+    for keep in keeps:
         engines[f"cold@{keep:g}"] = SpecPrefillEngine.from_models(
             main, tokenizer, draft, keep_rate=keep, document_cache_mb=0, **common
         )
-        engines[f"cached@{keep:g}"] = SpecPrefillEngine.from_models(
-            main,
-            tokenizer,
-            draft,
-            keep_rate=keep,
-            document_cache_mb=cache_mb - number,
-            draft_document_cache=True,
-            **common,
-        )
+        for repair in repairs:
+            name = f"cached@{keep:g}" if repair == DEFAULT_REPAIR.kind else f"cached-{repair}@{keep:g}"
+            engines[name] = SpecPrefillEngine.from_models(
+                main,
+                tokenizer,
+                draft,
+                keep_rate=keep,
+                document_cache_mb=next(sizes),
+                draft_document_cache=True,
+                **common,
+            )
+            engines[name].draft.repair = DocumentRepair(repair)  # type: ignore[attr-defined]
     return engines
 
 
@@ -166,11 +176,11 @@ def run_speed(args) -> None:
     corpus = squad_paragraphs(args.seed)[: args.corpus]
     corpus_tokens = sum(count(p["text"]) for p in corpus)
     cache_mb = 4096
-    engines = speed_engines(main_loaded.model, tokenizer, draft_loaded.model, args.keeps, cache_mb)
+    engines = speed_engines(main_loaded.model, tokenizer, draft_loaded.model, args.keeps, cache_mb, args.repairs)
     warmed = {}
-    for keep in args.keeps:  # each cached engine its own store (sized apart, so not shared)
-        engine = engines[f"cached@{keep:g}"]
-        warmed[f"cached@{keep:g}"] = engine.warm_documents([p["text"] for p in corpus], SYSTEM)
+    for name, engine in engines.items():  # each cached engine its own store (sized apart, so not shared)
+        if name.startswith("cached"):
+            warmed[name] = engine.warm_documents([p["text"] for p in corpus], SYSTEM)
     report["corpus"] = {"paragraphs": len(corpus), "tokens": corpus_tokens, "warmed": warmed}
     print(json.dumps(report["corpus"]), flush=True)
     done = {(r["length"], r["repeat"]) for r in report["records"]}
@@ -203,16 +213,17 @@ def speed_table(report: dict) -> str:
         f"Settings: `{json.dumps(settings)}`; corpus: `{json.dumps(report.get('corpus'))}`",
         f"Machine: `{json.dumps(report['machine'])}`",
         "",
-        "| doc tokens asked | prompt tokens | keep | n | TTFT full ms | TTFT cold ms | TTFT cached ms | "
+        "| doc tokens asked | prompt tokens | keep | repair | n | TTFT full ms | TTFT cold ms | TTFT cached ms | "
         "full / cached | cold / cached | draft ms cold | draft ms cached | cached / cold draft | documents cached |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for length in settings["lengths"]:
         rows = [r for r in records if r["length"] == length]
         if not rows:
             continue
-        for keep in settings["keeps"]:
-            cold, cached = f"cold@{keep:g}", f"cached@{keep:g}"
+        for keep, repair in itertools.product(settings["keeps"], settings.get("repairs", ["blend"])):
+            cold = f"cold@{keep:g}"
+            cached = f"cached@{keep:g}" if repair == DEFAULT_REPAIR.kind else f"cached-{repair}@{keep:g}"
             lines.append(
                 "| "
                 + " | ".join(
@@ -220,6 +231,7 @@ def speed_table(report: dict) -> str:
                         f"{length:,}",
                         spread([r["full"]["prompt_tokens"] for r in rows]),
                         f"{keep:g}",
+                        repair,
                         str(len(rows)),
                         spread([r["full"]["ttft_ms"] for r in rows]),
                         spread([r[cold]["ttft_ms"] for r in rows]),
@@ -374,11 +386,15 @@ def main(argv: list[str] | None = None) -> None:
         sub.add_argument("--threads", type=int, default=2)
         sub.add_argument("--resume", action="store_true")
         sub.add_argument("--out", type=Path, required=True)
+        sub.add_argument("--report", action="store_true", help="rewrite <out>.md from <out>.json; run nothing")
     speed = studies.choices["speed"]
     speed.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000, 8000], help="document tokens per prompt")
     speed.add_argument("--keeps", type=float, nargs="+", default=[0.1, 0.3])
     speed.add_argument("--repeats", type=int, default=3)
     speed.add_argument("--corpus", type=int, default=80, help="paragraphs warmed and drawn from")
+    speed.add_argument(
+        "--repairs", nargs="+", default=["blend"], choices=["naive", "epic", "blend"], help="cached arms' repairs"
+    )
     zipf = studies.choices["zipf"]
     zipf.add_argument("--keep", type=float, default=0.1)
     zipf.add_argument("--corpus", type=int, default=500)
@@ -387,6 +403,10 @@ def main(argv: list[str] | None = None) -> None:
     zipf.add_argument("--exponent", type=float, default=1.0)
     zipf.add_argument("--cache-share", type=float, default=0.1, help="cache size as a share of the corpus's draft KV")
     args = parser.parse_args(argv)
+    if args.report:
+        report = json.loads(args.out.with_suffix(".json").read_text())
+        args.out.with_suffix(".md").write_text((speed_table if args.study == "speed" else zipf_table)(report))
+        return
     torch.set_num_threads(args.threads)
     (run_speed if args.study == "speed" else run_zipf)(args)
 
