@@ -124,6 +124,15 @@ STUDIES: dict[str, Study] = {
             "squad": "SQuAD, the answer paragraph among 5, keep 0.1 and 0.3; kept tokens recorded from sample 14",
         },
     ),
+    "document-cache-speed": Study(
+        "per-document draft KV (issue #28), warm requests: every document a cache hit in a new combination and "
+        "order, TTFT and draft time against full prefill and a cold SpecPrefill draft at 2k/4k/8k, keep 0.1 and 0.3; "
+        "a repair comparison at 4k; a Zipf workload with a cache a tenth of the corpus",
+        "docs/guide/document-cache.md",
+        f"{EPYC}, bfloat16, two torch threads, run alone (the session's other benchmarks queued after it)",
+        "quiet",
+        runs={"speed": "SQuAD paragraphs, 80 warmed; 3 requests per length, arms side by side in a rotating order"},
+    ),
     "draft-cache": Study(
         "draft prefix cache: warm against cold questions of a 5-question chat at 2k and 4k tokens",
         "docs/benchmarks/prefix-cache.md",
