@@ -59,7 +59,6 @@ def rows_of(path: Path) -> list[str]:
             + " | ".join(
                 [
                     path.stem,
-                    settings.get("dtype", "?"),
                     f"{keep:g}",
                     str(len(samples)),
                     f"{full_correct / len(samples):.2f}",
@@ -82,10 +81,10 @@ def main() -> None:
     parser.add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args()
     print(
-        "| task | dtype | keep | n | full correct | joint correct | cache correct | cache - joint (95% CI) | "
+        "| task | keep | n | full correct | joint correct | cache correct | cache - joint (95% CI) | "
         "retention joint / cache | answer kept joint / cache | Jaccard of kept tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for path in args.runs:
         for row in rows_of(path):
             print(row)
