@@ -12,6 +12,7 @@ Methods (all share one prompt layout and one main model):
   specprefill-la1  the same draft, look-ahead 1
   specprefill-documents  the same draft from the per-document draft cache (issue #28): each document encoded
                    alone after the prompt's prefix first, then the prompt scored with every document a hit
+                   (blend repair); specprefill-documents-naive: the same without repair
   specprefill-auto the same draft's importance, budget chosen per sample by keep_rate="auto"
                    (ImportanceMass): its rows' "keep" is the mass share (--auto-shares), "kept share"
                    the average share it chose; with several --auto-floors/--auto-ceilings, one method
@@ -59,6 +60,7 @@ from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.decode.detokenize import IncrementalText
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
 from specprefill_rag.draft.paths import draft_scoring, score_layout, warm_layout
+from specprefill_rag.draft.repair import NAIVE, DocumentRepair
 from specprefill_rag.models.loading import shared_model
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 from specprefill_rag.prompt.layout import PromptLayout
@@ -165,14 +167,20 @@ def extra_draft(engine: SpecPrefillEngine, spec: str, look_ahead: int = 8) -> Ca
     return draft_scoring(scorer, draft.tokenizer, engine.tokenizer, look_ahead).importance
 
 
-def document_cache_draft(engine: SpecPrefillEngine) -> Callable[[PromptLayout], torch.Tensor]:
+def document_cache_draft(
+    engine: SpecPrefillEngine, repair: DocumentRepair | None = None
+) -> Callable[[PromptLayout], torch.Tensor]:
     """Importance from the per-document draft cache (``draft_document_cache``, issue #28): the layout's documents
     are encoded first, each alone after the prompt's prefix (as a corpus warmed at ingestion), then the prompt is
-    scored with every document a cache hit, its keys moved to its position, with the engine's repair."""
+    scored with every document a cache hit, its keys moved to its position, with ``repair`` (default: the
+    engine's). Every repair shares the engine's store: a document's cached KV does not depend on the repair."""
+    scoring = engine.draft_scoring
+    if repair is not None:
+        scoring = replace(scoring, draft=replace(engine.draft, repair=repair))
 
     def importance(layout: PromptLayout) -> torch.Tensor:
-        warm_layout(engine.draft_scoring, layout)
-        return score_layout(engine.draft_scoring, layout, documents=True).importance
+        warm_layout(scoring, layout)
+        return score_layout(scoring, layout, documents=True).importance
 
     return importance
 
@@ -189,6 +197,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
         "specprefill": lambda: engine.draft_scoring.importance,  # direct or mapped, as the engine chose
         "specprefill-la1": lambda: replace(engine.draft_scoring, draft=one_step, look_ahead=1).importance,
         "specprefill-documents": lambda: document_cache_draft(engine),
+        "specprefill-documents-naive": lambda: document_cache_draft(engine, NAIVE),
         "self": lambda: token_scorer(LayerPrefixDraft(model, default_self_layers(model), 13, 16)),
         **{
             self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, 13, w)))
@@ -639,7 +648,7 @@ def write_tables(report: dict, out: Path, metrics: list[str]) -> None:
 # self: what draft="self" means for the main model (40% of its layers, window 16: chosen on the --seed 1
 # SQuAD split with SmolLM2-135M, where it is self-12-w16, the name earlier tables use)
 ALL_METHODS = ["specprefill", "specprefill-la1", "self", "contiguous", "longllmlingua", "random", "first"]
-OPTIONAL_METHODS = ["specprefill-documents"]  # run only when named
+OPTIONAL_METHODS = ["specprefill-documents", "specprefill-documents-naive"]  # run only when named
 
 
 def compressor_default(args: argparse.Namespace) -> str:
