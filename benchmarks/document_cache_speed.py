@@ -166,8 +166,11 @@ def draw(corpus: list[dict], tokens: int, count_tokens, rng: random.Random) -> t
 
 def run_speed(args) -> None:
     settings = {
-        k: getattr(args, k) for k in ("main", "draft", "dtype", "lengths", "keeps", "repeats", "seed", "corpus")
+        k: getattr(args, k)
+        for k in ("main", "draft", "dtype", "lengths", "keeps", "repeats", "seed", "corpus", "repairs")
     }
+    if args.repairs == ["blend"]:  # runs from before --repairs recorded no repairs
+        settings.pop("repairs")
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)

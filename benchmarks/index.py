@@ -133,7 +133,11 @@ STUDIES: dict[str, Study] = {
         "docs/guide/document-cache.md",
         f"{EPYC}, bfloat16, two torch threads, run alone (the session's other benchmarks queued after it)",
         "quiet",
-        runs={"speed": "SQuAD paragraphs, 80 warmed; 3 requests per length, arms side by side in a rotating order"},
+        runs={
+            "speed": "SQuAD paragraphs, 80 warmed; 3 requests per length, arms side by side in a rotating order",
+            "speed-repairs": "the same at 4k, keep 0.1, blend against naive (no repair); a test suite at nice 10 "
+            "shared the cores for the first two minutes (warm-up and part of request 1), then was paused",
+        },
     ),
     "draft-cache": Study(
         "draft prefix cache: warm against cold questions of a 5-question chat at 2k and 4k tokens",
