@@ -18,9 +18,24 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from io import BufferedReader
+from pathlib import Path
 from typing import Literal
 
 _DONE = b"data: [DONE]"
+# The proxy's receive buffer on its connection to the server (the kernel doubles it for its bookkeeping). With it,
+# what the server can have written beyond what the proxy has read is bounded: see ``server_lead_bytes``.
+UPSTREAM_RECEIVE_BUFFER = 64 * 1024
+_WRITE_BUFFER = 64 * 1024  # asyncio's default high-water mark: uvicorn stops writing a response beyond it
+_READER_BUFFER = 64 * 1024  # the relay's BufferedReader (8 KiB by default) and a chunk in hand, generously
+
+
+def server_lead_bytes() -> int:
+    """At most how many bytes of a response the server can have written that the proxy has not yet read: its
+    socket's send buffer (which the kernel grows up to the third value of ``net.ipv4.tcp_wmem``), uvicorn's write
+    buffer, and the proxy's receive buffer and reader. However fast the server is, a streamed response longer than
+    this is still unfinished, on the server's side, when the proxy has read its first events."""
+    send_buffer_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    return send_buffer_max + _WRITE_BUFFER + 2 * UPSTREAM_RECEIVE_BUFFER + _READER_BUFFER
 
 
 @dataclass
@@ -86,10 +101,16 @@ class FaultProxy(socketserver.ThreadingTCPServer):
         return fault
 
     def connect_upstream(self) -> socket.socket | None:
+        """A connection to the server whose receive buffer is fixed at ``UPSTREAM_RECEIVE_BUFFER`` (the kernel
+        would otherwise grow it to megabytes while the proxy is not reading); None if the server refuses."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UPSTREAM_RECEIVE_BUFFER)
         try:
-            return self.track(socket.create_connection(("127.0.0.1", self.upstream_port)))
+            sock.connect(("127.0.0.1", self.upstream_port))
         except ConnectionRefusedError:
+            sock.close()
             return None
+        return self.track(sock)
 
     def track(self, sock: socket.socket) -> socket.socket:
         with self._lock:

@@ -21,7 +21,7 @@ from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.backends.vllm import VLLMServerError
 from specprefill_rag.testing import random_documents
 from tests.leaks import nothing_left_behind
-from tests.vllm.fault_proxy import Fault, FaultProxy
+from tests.vllm.fault_proxy import Fault, FaultProxy, server_lead_bytes
 from tests.vllm.server import free_port, server_command, wait_until_serving
 
 MODES = ("sync", "async")
@@ -33,12 +33,16 @@ PATIENT = 60.0  # the client's timeout for every request that is not meant to ti
 IMPATIENT = 15.0
 EVENTS = 2  # the stream's events the proxy forwards before a fault
 SHORT = GenerationParams(max_new_tokens=32)  # more events than EVENTS: the endless model never stops early
-# The killed stream: the proxy's thread kills the server the moment it has forwarded EVENTS events, so the kill
-# lands mid-stream unless the server wrote the ~1,000 remaining tokens in between: about 10 s of decoding here
-# (~100 tokens/s), against one thread's wake-up from the proxy's read to the signal.
-KILLED = GenerationParams(max_new_tokens=1000)
+# The killed stream: the proxy kills the server once it has read and forwarded EVENTS events. A stream of 1,000
+# tokens took the server 2-4 s here, and once its whole stream sat in the socket buffers before the proxy got to the
+# kill (CI, stop 35). So the stream is longer in bytes than all the server can have written beyond what the proxy has
+# read (fault_proxy.server_lead_bytes: about 4.4 MB with Linux's default 4 MiB send-buffer limit): however fast the
+# server decodes, it is still writing when it dies. Each event is at least EVENT_BYTES (274 measured: the event's
+# JSON with the model's path, one token's text and id).
+EVENT_BYTES = 200
+KILLED = GenerationParams(max_new_tokens=24_000)
 FIRST = GenerationParams(max_new_tokens=4)
-CONTEXT = 2048  # the prompt and KILLED
+CONTEXT = 26 * 1024  # the prompt and KILLED
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +89,8 @@ class Server:
     def start(self) -> None:
         # Every request recomputes its prompt: a prefix-cache hit rounds differently, and the tiny model's
         # near-zero logits could then pick another token than the reference.
-        options = ("--max-model-len", str(CONTEXT), "--no-enable-prefix-caching")
+        # Prefill in chunks: a profile run over the whole context is not needed for the tiny model.
+        options = ("--max-model-len", str(CONTEXT), "--max-num-batched-tokens", "2048", "--no-enable-prefix-caching")
         self.process = subprocess.Popen(
             server_command(self.folder, self.port, *options),
             stdout=subprocess.DEVNULL,
@@ -184,6 +189,8 @@ def test_dropped_mid_stream(mode, proxy, patient, layout, reference):
 
 
 def test_killed_mid_stream_refused_then_restarted(server, proxy, patient, tiny_folder, layout, reference):
+    lead = server_lead_bytes()
+    assert KILLED.max_new_tokens * EVENT_BYTES > lead, f"the killed stream must be longer than {lead} bytes"
     direct = _engine(server.url, tiny_folder, PATIENT)  # no proxy: the dead server's port itself refuses
     fault = proxy.arm(Fault(after_events=EVENTS, then="relay", on_cut=server.kill))
     message = _fails(patient, layout, "sync", KILLED, "(failed mid-stream|closed the stream) after")
