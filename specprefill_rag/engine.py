@@ -41,6 +41,7 @@ from .draft.hooks import decoder_layers
 from .draft.model import LayerPrefixDraft, ModelDraft
 from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring, warm_layout
 from .draft.prefix_cache import DraftPrefixCache, shared_prefix_cache
+from .draft.repair import DocumentRepair
 from .errors import ContextLengthError, InvalidRequestError
 from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_model
 from .pipeline import Budget, DraftCost, Pipeline
@@ -147,7 +148,15 @@ class SpecPrefillEngine:
                 )
             window, cache = config.self_draft_window, _prefix_cache(config, main.model)
             documents = _document_cache(config, main.model)
-            scorer: Any = LayerPrefixDraft(main.model, n_layers, config.pool_kernel, window, cache, documents)
+            scorer: Any = LayerPrefixDraft(
+                main.model,
+                n_layers,
+                config.pool_kernel,
+                window,
+                cache,
+                documents,
+                DocumentRepair(config.document_repair),
+            )
             scoring: DirectScoring | MappedScoring = DirectScoring(
                 scorer, main.context_length, 1, config.max_draft_tokens, path="self"
             )
@@ -163,6 +172,7 @@ class SpecPrefillEngine:
                 draft_eos,
                 cache,
                 _document_cache(config, drafting.model),
+                DocumentRepair(config.document_repair),
             )
             scoring = draft_scoring(
                 scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens
@@ -239,7 +249,8 @@ class SpecPrefillEngine:
         engine = cls.__new__(cls)
         cache = _prefix_cache(config, draft.model)
         documents = _document_cache(config, draft.model)
-        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache, documents)
+        repair = DocumentRepair(config.document_repair)
+        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache, documents, repair)
         scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead, config.max_draft_tokens)
         floor = REMOTE_MAIN_MIN_PROMPT_TOKENS if config.min_prompt_tokens == AUTO else config.min_prompt_tokens
         engine._assemble(config, tokenizer, backend, scoring, None, floor)

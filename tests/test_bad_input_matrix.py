@@ -486,6 +486,13 @@ ROWS += [
     ),
     Row(
         "SpecPrefillEngine(...)",
+        "document_repair: unknown",
+        lambda s: s.configure(document_repair="cacheblend"),
+        ValidationError,
+        "document_repair\n.*'naive', 'epic' or 'blend'",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
         "draft_document_cache without a cache",
         lambda s: s.configure(draft_document_cache=True, document_cache_mb=0),
         ValidationError,

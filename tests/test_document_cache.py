@@ -189,6 +189,34 @@ def test_two_documents_moved_stay_close_to_joint_with_blend(engine, sharp_draft)
     assert errors["blend"] < 1e-5 < errors["naive"]  # every token recomputed in context: the joint KV again
 
 
+def test_the_engine_setting_picks_the_repair(tiny_model, tokenizer, sharp_draft):
+    """``document_repair`` reaches the engine's draft: it scores as a draft built with that repair, and the
+    repairs differ on two documents moved."""
+    documents = random_documents(2, 60, seed=8)
+    scores = {}
+    for kind in ("naive", "epic", "blend"):
+        engine = SpecPrefillEngine.from_models(
+            tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2, document_repair=kind
+        )
+        assert engine.warm_documents(documents[::-1]) == 2
+        layout = layout_of(engine, documents)
+        first = int(document_runs(layout.document_index)[0, 0])
+        spans = DocumentSpans(document_runs(layout.document_index), instructions_end(layout.roles, first))
+        scored = engine.draft.score_prompt(layout.input_ids, spans)
+        built = ModelDraft(
+            sharp_draft, 2, 13, frozenset(), document_cache=engine.document_cache, repair=DocumentRepair(kind)
+        )
+        assert scored.documents_cached == 2
+        torch.testing.assert_close(scored.importance, built.score_prompt(layout.input_ids, spans).importance)
+        scores[kind] = scored.importance
+    assert not torch.allclose(scores["naive"], scores["blend"])
+
+
+def test_a_self_draft_engine_takes_the_repair_setting(tiny_model, tokenizer):
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, None, draft="self:1", document_repair="naive")
+    assert engine.draft.repair == NAIVE
+
+
 def test_warm_documents_fills_the_cache_for_later_requests(tiny_model, tokenizer, sharp_draft):
     engine = SpecPrefillEngine.from_models(
         tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2, draft_document_cache=True

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from ..config import DocumentRepairKind
 from ..errors import InvalidRequestError
-
-RepairKind = Literal["naive", "epic", "blend"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +36,7 @@ class DocumentRepair:
         probe_layers: ``blend``: leading layers run jointly over the prompt to find the deviating tokens.
     """
 
-    kind: RepairKind = "blend"
+    kind: DocumentRepairKind = "blend"
     first_tokens: int = 16
     share: float = 0.15
     probe_layers: int = 2
