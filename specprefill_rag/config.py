@@ -184,6 +184,7 @@ class CompressionSettings(BaseModel):
     )
     auto_keep_share: float = Field(
         DEFAULT_AUTO_KEEP_SHARE,
+        strict=True,
         gt=0.0,
         le=1.0,
         description="keep_rate='auto': share of the documents' importance mass (above the median chunk) to keep. "
@@ -191,6 +192,7 @@ class CompressionSettings(BaseModel):
     )
     auto_keep_floor: float = Field(
         DEFAULT_AUTO_KEEP_FLOOR,
+        strict=True,
         gt=0.0,
         le=1.0,
         description="keep_rate='auto': least share of document tokens kept (also for flat importance). Default tuned "
@@ -198,15 +200,23 @@ class CompressionSettings(BaseModel):
     )
     auto_keep_ceiling: float = Field(
         DEFAULT_AUTO_KEEP_CEILING,
+        strict=True,
         gt=0.0,
         le=1.0,
         description="keep_rate='auto': most share of document tokens kept. Default tuned with auto_keep_share.",
     )
     max_document_tokens: int | None = Field(
-        None, ge=0, description="Hard cap on kept document tokens; with keep_rate, the tighter budget wins."
+        None,
+        strict=True,
+        ge=0,
+        description="Hard cap on kept document tokens; with keep_rate, the tighter budget wins.",
     )
     look_ahead: int = Field(
-        8, ge=1, le=64, description="Queries: last prompt token + look_ahead-1 draft tokens (not for 'self' drafts)."
+        8,
+        strict=True,
+        ge=1,
+        le=64,
+        description="Queries: last prompt token + look_ahead-1 draft tokens (not for 'self' drafts).",
     )
     min_prompt_tokens: MinPromptTokens = Field(
         AUTO,
@@ -215,7 +225,7 @@ class CompressionSettings(BaseModel):
         "pays); 1,024 with a main model on vLLM.",
     )
     protect_tail_tokens: int = Field(
-        64, ge=1, description="For raw prompts without roles: the last tokens that are always kept."
+        64, strict=True, ge=1, description="For raw prompts without roles: the last tokens that are always kept."
     )
     positions: Positions = Field(
         "original",
@@ -276,19 +286,23 @@ class SpecPrefillConfig(CompressionSettings):
     draft: str | None = Field(None, description=DRAFT_DESCRIPTION)
     max_draft_tokens: int | None = Field(
         None,
+        strict=True,
         ge=1,
         description="Most prompt tokens one request may send through the draft (its memory grows with them; "
         "docs: Resource bounds); None = the draft's context. Longer prompts get a DraftLimitError.",
     )
     self_draft_window: int = Field(
         16,
+        strict=True,
         ge=1,
         le=512,
         description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt "
         "tokens.",
     )
-    pool_kernel: int = Field(13, ge=1, description="Average-pooling kernel along the prompt (odd).")
-    chunk_size: int = Field(32, ge=1, description="Document tokens are kept or dropped in chunks of this size.")
+    pool_kernel: int = Field(13, strict=True, ge=1, description="Average-pooling kernel along the prompt (odd).")
+    chunk_size: int = Field(
+        32, strict=True, ge=1, description="Document tokens are kept or dropped in chunks of this size."
+    )
     tokenizer: str | None = Field(
         None,
         description="Main model on vLLM only: the served model's tokenizer (HF id, folder, .gguf or 'smollm2-135m'); "
@@ -296,18 +310,21 @@ class SpecPrefillConfig(CompressionSettings):
     )
     draft_cache_mb: int = Field(
         DEFAULT_DRAFT_CACHE_MB,
+        strict=True,
         ge=0,
         description="Draft prefix KV cache per device, in MiB (0 = off): a prompt that starts like one scored before "
         "(same documents, another question) has the draft prefill only the rest.",
     )
     main_cache_mb: int = Field(
         DEFAULT_MAIN_CACHE_MB,
+        strict=True,
         ge=0,
         description="In-process main model: prefix KV cache of sparse prompts, in MiB (0 = off), keyed by token ids "
         "and positions: a later turn of a conversation prefills only what is new.",
     )
     document_cache_mb: int = Field(
         DEFAULT_DOCUMENT_CACHE_MB,
+        strict=True,
         ge=0,
         description="Per-document draft KV cache per device, in MiB (0 = off), used by requests with "
         "draft_document_cache.",

@@ -486,6 +486,27 @@ ROWS += [
     ),
     Row(
         "SpecPrefillEngine(...)",
+        "chunk_size: str",
+        lambda s: s.configure(chunk_size="32"),
+        ValidationError,
+        "chunk_size\n.*valid integer.*input_value='32'",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
+        "max_draft_tokens: bool",
+        lambda s: s.configure(max_draft_tokens=True),
+        ValidationError,
+        "max_draft_tokens\n.*valid integer.*input_value=True",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
+        "auto_keep_share: str",
+        lambda s: s.configure(auto_keep_share="0.5"),
+        ValidationError,
+        "auto_keep_share\n.*valid number.*input_value='0.5'",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
         "document_repair: unknown",
         lambda s: s.configure(document_repair="cacheblend"),
         ValidationError,

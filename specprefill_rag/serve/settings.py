@@ -50,7 +50,7 @@ class GatewaySettings(CompressionSettings):
     )
     draft: str | None = Field(None, description=DRAFT_DESCRIPTION)
     host: str = Field("127.0.0.1", description="Address to bind; other than loopback, set api_key.")
-    port: int = Field(8100, ge=0, le=65535, description="Port to bind.")
+    port: int = Field(8100, strict=True, ge=0, le=65535, description="Port to bind.")
     api_key: SecretStr | None = Field(
         None,
         description="Bearer key every request but /health and /metrics must carry (the CLI's default: "
@@ -75,38 +75,52 @@ class GatewaySettings(CompressionSettings):
     )
     max_draft_tokens: int | None = Field(
         None,
+        strict=True,
         ge=1,
         description="Most prompt tokens one request may send through the draft (its memory; docs: "
         "Resource bounds); None: the draft's context. Longer prompts follow on_draft_error.",
     )
     draft_cache_mb: int = Field(
         DEFAULT_DRAFT_CACHE_MB,
+        strict=True,
         ge=0,
         description="Draft prefix KV cache, MiB (0 = off); budget it in the host's memory.",
     )
     document_cache_mb: int = Field(
         DEFAULT_DOCUMENT_CACHE_MB,
+        strict=True,
         ge=0,
         description="Per-document draft KV cache, MiB (0 = off), for requests with draft_document_cache.",
     )
     main_cache_mb: int = Field(
         DEFAULT_MAIN_CACHE_MB,
+        strict=True,
         ge=0,
         description="In-process main model only: prefix KV cache of sparse prompts, MiB (0 = off). A vLLM main uses "
         "its own prefix cache (the plugin keys its blocks by positions).",
     )
-    queue_size: int = Field(256, ge=1, description="Requests waiting for the draft at most; more get 429.")
+    queue_size: int = Field(256, strict=True, ge=1, description="Requests waiting for the draft at most; more get 429.")
     draft_batch_size: int | None = Field(
-        None, ge=1, description="Prompts per batched draft forward; None: 1 on CPU, 8 on a GPU."
+        None, strict=True, ge=1, description="Prompts per batched draft forward; None: 1 on CPU, 8 on a GPU."
     )
     draft_batch_tokens: int = Field(
-        32768, ge=1, description="Cap on batch rows x longest prompt in one draft forward (padding memory)."
+        32768,
+        strict=True,
+        ge=1,
+        description="Cap on batch rows x longest prompt in one draft forward (padding memory).",
     )
-    batch_window_ms: float = Field(0.0, ge=0.0, description="Wait this long for more requests before a draft batch.")
-    request_timeout_s: float = Field(600.0, gt=0.0, description="Deadline of one request: queue, draft and answer.")
-    upstream_timeout_s: float = Field(60.0, gt=0.0, description="Seconds to wait on the vLLM server per connect/read.")
+    batch_window_ms: float = Field(
+        0.0, strict=True, ge=0.0, description="Wait this long for more requests before a draft batch."
+    )
+    request_timeout_s: float = Field(
+        600.0, strict=True, gt=0.0, description="Deadline of one request: queue, draft and answer."
+    )
+    upstream_timeout_s: float = Field(
+        60.0, strict=True, gt=0.0, description="Seconds to wait on the vLLM server per connect/read."
+    )
     max_body_bytes: int | None = Field(
         None,
+        strict=True,
         ge=1024,
         le=1 << 34,
         description="Largest request body, bytes (more: 413, read no further). None: 32 bytes per token of the main "
@@ -114,6 +128,7 @@ class GatewaySettings(CompressionSettings):
     )
     max_concurrent_requests: int = Field(
         128,
+        strict=True,
         ge=1,
         le=65536,
         description="Requests in flight at once, of every kind (drafted, short, /tokenize, /v1/models); more get 429 "
@@ -121,6 +136,7 @@ class GatewaySettings(CompressionSettings):
     )
     max_connections: int = Field(
         1024,
+        strict=True,
         ge=1,
         le=65536,
         description="Open connections plus running requests at most (uvicorn's "
@@ -128,6 +144,7 @@ class GatewaySettings(CompressionSettings):
     )
     header_timeout_s: float = Field(
         10.0,
+        strict=True,
         gt=0.0,
         le=3600.0,
         description="A client must send a request's headers within this many seconds of "
@@ -135,6 +152,7 @@ class GatewaySettings(CompressionSettings):
     )
     body_timeout_s: float = Field(
         30.0,
+        strict=True,
         gt=0.0,
         le=3600.0,
         description="A client must send the whole body within this many seconds of its headers; else 408.",
