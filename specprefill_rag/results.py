@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -209,3 +209,28 @@ class StreamChunk:
     """Tool calls completed in this chunk (``text`` never holds their markup)."""
     logprobs: tuple[TokenLogprob, ...] | None = None
     """One per token of this chunk (``token_ids``), when the request asked for them; None otherwise."""
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
+    """A chat choice's ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``."""
+    return None if logprobs is None else {"content": [entry.as_openai() for entry in logprobs]}
+
+
+def legacy_logprobs(logprobs: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    """A text completion's ``logprobs`` (OpenAI's legacy shape): ``tokens``, ``token_logprobs``, ``top_logprobs``
+    (per token a ``{token: logprob}`` object of the most likely tokens and the sampled one, so up to ``logprobs``
+    + 1 entries; tokens of equal text share an entry) and ``text_offset`` (each token's start in the answer's text,
+    counting the tokens' texts from ``offset``, as vLLM does).
+    """
+    if logprobs is None:
+        return None
+    offsets = []
+    for entry in logprobs:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [entry.token for entry in logprobs],
+        "token_logprobs": [entry.logprob for entry in logprobs],
+        "top_logprobs": [{**{t.token: t.logprob for t in e.top_logprobs}, e.token: e.logprob} for e in logprobs],
+        "text_offset": offsets,
+    }

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import GenerationParams
-from ..results import InvalidToolCall, StreamChunk, TokenLogprob, ToolCall
+from ..results import InvalidToolCall, StreamChunk, TokenLogprob, ToolCall, chat_logprobs, legacy_logprobs
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:
@@ -46,31 +46,6 @@ def with_invalid_calls(
         return spec_prefill
     invalid = [invalid_tool_call_json(call) for call in chunk.result.invalid_tool_calls]
     return {**spec_prefill, "invalid_tool_calls": invalid}
-
-
-def chat_logprobs(logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any] | None:
-    """A chat choice's ``logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}, ...]}``."""
-    return None if logprobs is None else {"content": [entry.as_openai() for entry in logprobs]}
-
-
-def legacy_logprobs(logprobs: Sequence[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
-    """A text completion's ``logprobs`` (OpenAI's legacy shape): ``tokens``, ``token_logprobs``, ``top_logprobs``
-    (per token a ``{token: logprob}`` object of the most likely tokens and the sampled one, so up to ``logprobs``
-    + 1 entries; tokens of equal text share an entry) and ``text_offset`` (each token's start in the answer's text,
-    counting the tokens' texts from ``offset``, as vLLM does).
-    """
-    if logprobs is None:
-        return None
-    offsets = []
-    for entry in logprobs:
-        offsets.append(offset)
-        offset += len(entry.token)
-    return {
-        "tokens": [entry.token for entry in logprobs],
-        "token_logprobs": [entry.logprob for entry in logprobs],
-        "top_logprobs": [{**{t.token: t.logprob for t in e.top_logprobs}, e.token: e.logprob} for e in logprobs],
-        "text_offset": offsets,
-    }
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from specprefill_rag.config import (
     DRAFT_DESCRIPTION,
     CompressionSettings,
     GenerationParams,
+    LogprobSettings,
     SpecPrefillConfig,
     adapter_config,
 )
@@ -195,3 +196,8 @@ class SpecPrefillSettings(CompressionSettings):
             "top_p": self.top_p,
             "stop": self.stop,
         }
+
+
+def logprob_fields(model: LogprobSettings, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``logprobs`` and ``top_logprobs``: the call's options, else the model's."""
+    return {name: kwargs.get(name, getattr(model, name)) for name in LogprobSettings.model_fields}

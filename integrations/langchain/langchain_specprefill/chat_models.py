@@ -20,7 +20,7 @@ from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field
 
 from langchain_specprefill._sessions import Reply
-from langchain_specprefill._settings import CALL_OPTIONS, SpecPrefillSettings
+from langchain_specprefill._settings import CALL_OPTIONS, SpecPrefillSettings, logprob_fields
 from langchain_specprefill._tools import (
     TOOL_OPTIONS,
     ToolLike,
@@ -34,7 +34,7 @@ from langchain_specprefill._tools import (
 )
 from specprefill_rag.config import LogprobSettings, OutputFormat
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.results import GenerationResult, StreamChunk, TokenLogprob
+from specprefill_rag.results import GenerationResult, StreamChunk, TokenLogprob, chat_logprobs
 
 StructuredMethod = Literal["function_calling", "json_schema", "json_mode"]
 _METHODS = ("function_calling", "json_schema", "json_mode")
@@ -227,7 +227,7 @@ class ChatSpecPrefill(SpecPrefillSettings, LogprobSettings, BaseChatModel):
         ``top_logprobs``: the call's, else the model's.
         """
         output = check_output_format(kwargs.get("output_format"))
-        logprobs = {name: kwargs.get(name, getattr(self, name)) for name in LogprobSettings.model_fields}
+        logprobs = logprob_fields(self, kwargs)
         return {**logprobs, "output_format": output} if output is not None else logprobs
 
     def _chunks(
@@ -380,4 +380,4 @@ def logprobs_metadata(logprobs: Sequence[TokenLogprob] | None) -> dict[str, Any]
     """``{"logprobs": {"content": [...]}}`` in OpenAI's shape (ChatOpenAI's ``response_metadata`` key); empty when
     the request did not ask for them.
     """
-    return {} if logprobs is None else {"logprobs": {"content": [entry.as_openai() for entry in logprobs]}}
+    return {} if logprobs is None else {"logprobs": chat_logprobs(logprobs)}

@@ -293,12 +293,13 @@ LLM_CASES: list[tuple[str, Any, dict, type, str]] = [
     ("keep_rate: +inf", QUESTION, {"keep_rate": float("inf")}, InvalidRequestError, "keep_rate must be finite"),
     ("max_tokens: NaN", QUESTION, {"max_tokens": float("nan")}, InvalidRequestError, "max_tokens: "),
     ("unknown option", QUESTION, {"n": 2}, InvalidRequestError, "unknown call options \\['n'\\]"),
+    ("logprobs: str", QUESTION, {"logprobs": "yes"}, InvalidRequestError, "logprobs: .*valid boolean"),
     (
-        "logprobs: a chat option",
+        "top_logprobs without logprobs",
         QUESTION,
-        {"logprobs": True},
+        {"top_logprobs": 2},
         InvalidRequestError,
-        "unknown call options \\['logprobs'\\]",
+        "top_logprobs=2 needs logprobs=True; set logprobs=True too",
     ),
     (
         "huge: prompt over the context",
