@@ -1,10 +1,11 @@
 """The per-document draft cache against joint scoring, paired, from benchmarks/quality.py runs (issue #28).
 
-Reads runs made with ``--methods specprefill specprefill-documents`` and writes one table: per task and keep
-rate, the main model's correctness (``contains``) with joint scoring and with the cache, the paired
-difference (cache - joint) with its 95% bootstrap interval over samples, retention against the full prefill,
-whether the answer string survived in the kept tokens, and the Jaccard overlap of the two methods' kept
-document tokens (for samples whose records hold them).
+Reads runs made with ``--methods specprefill specprefill-documents [specprefill-documents-naive]`` and writes
+one table: per task, keep rate and repair (blend, or naive where the run has it), the main model's correctness
+(``contains``) with joint scoring and with the cache, the paired difference (cache - joint) with its 95%
+bootstrap interval over samples, retention against the full prefill, whether the answer string survived in
+the kept tokens, and the Jaccard overlap of the two methods' kept document tokens (for samples whose records
+hold them).
 
     python benchmarks/document_cache_report.py benchmarks/results/document-cache-quality/*.json
 """
@@ -21,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from quality import bootstrap_interval  # noqa: E402
 
-JOINT, CACHED = "specprefill", "specprefill-documents"
+JOINT = "specprefill"
+CACHED = {"specprefill-documents": "blend", "specprefill-documents-naive": "naive"}
 
 
 def positions(runs: list[list[int]]) -> set[int]:
@@ -39,41 +41,41 @@ def rows_of(path: Path) -> list[str]:
     full = {r["sample"]: r for r in records if r["method"] == "full"}
     rows = []
     for keep in settings["keep_rates"]:
-        samples = sorted(s for s in full if (s, JOINT, keep) in by and (s, CACHED, keep) in by)
-        if not samples:
-            continue
-        joint = [by[(s, JOINT, keep)] for s in samples]
-        cached = [by[(s, CACHED, keep)] for s in samples]
-        differences = [c["contains"] - j["contains"] for c, j in zip(cached, joint)]
-        low, high = bootstrap_interval(differences)
-        full_correct = sum(full[s]["contains"] for s in samples)
-        overlaps = [
-            jaccard(positions(j["kept_document_runs"]), positions(c["kept_document_runs"]))
-            for j, c in zip(joint, cached)
-            if "kept_document_runs" in j and "kept_document_runs" in c
-        ]
-        overlap = f"{statistics.mean(overlaps):.2f} (n={len(overlaps)})" if overlaps else "not recorded"
-        joint_right, cached_right = sum(j["contains"] for j in joint), sum(c["contains"] for c in cached)
-        rows.append(
-            "| "
-            + " | ".join(
-                [
-                    path.stem,
-                    f"{keep:g}",
-                    str(len(samples)),
-                    f"{full_correct / len(samples):.2f}",
-                    f"{joint_right / len(samples):.2f}",
-                    f"{cached_right / len(samples):.2f}",
-                    f"**{statistics.mean(differences):+.3f}** ({low:+.3f} to {high:+.3f})",
-                    f"{joint_right / full_correct:.0%} / {cached_right / full_correct:.0%}" if full_correct else "-",
-                    f"{statistics.mean(j['answer_kept'] for j in joint):.2f} / "
-                    f"{statistics.mean(c['answer_kept'] for c in cached):.2f}",
-                    overlap,
-                ]
-            )
-            + " |"
-        )
+        for method, repair in CACHED.items():
+            samples = sorted(s for s in full if (s, JOINT, keep) in by and (s, method, keep) in by)
+            if samples:
+                joint = [by[(s, JOINT, keep)] for s in samples]
+                cached = [by[(s, method, keep)] for s in samples]
+                full_correct = sum(full[s]["contains"] for s in samples)
+                rows.append(paired_row([path.stem, f"{keep:g}", repair], joint, cached, full_correct))
     return rows
+
+
+def paired_row(labels: list[str], joint: list[dict], cached: list[dict], full_correct: int) -> str:
+    """One table row from the same samples' joint and cached records (``full_correct``: the full prefill's)."""
+    n = len(joint)
+    differences = [c["contains"] - j["contains"] for c, j in zip(cached, joint)]
+    low, high = bootstrap_interval(differences)
+    overlaps = [
+        jaccard(positions(j["kept_document_runs"]), positions(c["kept_document_runs"]))
+        for j, c in zip(joint, cached)
+        if "kept_document_runs" in j and "kept_document_runs" in c
+    ]
+    overlap = f"{statistics.mean(overlaps):.2f} (n={len(overlaps)})" if overlaps else "not recorded"
+    joint_right, cached_right = sum(j["contains"] for j in joint), sum(c["contains"] for c in cached)
+    cells = [
+        *labels,
+        str(n),
+        f"{full_correct / n:.2f}",
+        f"{joint_right / n:.2f}",
+        f"{cached_right / n:.2f}",
+        f"**{statistics.mean(differences):+.3f}** ({low:+.3f} to {high:+.3f})",
+        f"{joint_right / full_correct:.0%} / {cached_right / full_correct:.0%}" if full_correct else "-",
+        f"{statistics.mean(j['answer_kept'] for j in joint):.2f} / "
+        f"{statistics.mean(c['answer_kept'] for c in cached):.2f}",
+        overlap,
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 def main() -> None:
@@ -81,10 +83,10 @@ def main() -> None:
     parser.add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args()
     print(
-        "| task | keep | n | full correct | joint correct | cache correct | cache - joint (95% CI) | "
+        "| task | keep | repair | n | full correct | joint correct | cache correct | cache - joint (95% CI) | "
         "retention joint / cache | answer kept joint / cache | Jaccard of kept tokens |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for path in args.runs:
         for row in rows_of(path):
             print(row)

@@ -114,15 +114,18 @@ STUDIES: dict[str, Study] = {
     ),
     "document-cache-quality": Study(
         "per-document draft KV (issue #28) against joint draft scoring, answered by the main model: the real "
-        "pair's answers with the draft's importance from the cache (every document a moved hit, blend repair) and "
-        "from one joint pass, same samples, 30 per task (`benchmarks/document_cache_report.py` pairs them)",
+        "pair's answers with the draft's importance from the cache (every document a moved hit, blend repair; "
+        "also no repair in hotpotqa-current) and from one joint pass, same samples, 30 per task "
+        "(`benchmarks/document_cache_report.py` pairs them)",
         "docs/guide/document-cache.md",
         "2-core AMD EPYC: hotpotqa without AVX512 in float32, shared with CI runs; the others with AVX512-BF16 in "
-        "bfloat16, beside this session's benchmarks (scores only; their seconds are contended)",
+        "bfloat16, beside other benchmarks or CI (scores only; their seconds are contended)",
         "shared",
         runs={
             "hotpotqa": "HotpotQA distractor, keep 0.1 and 0.3; run before labels left the cache key (prefix "
             "through the first label)",
+            "hotpotqa-current": "the same 30 HotpotQA samples with the current key (labels out of it), in bfloat16 "
+            "with AVX512-BF16, and the cache without repair (`specprefill-documents-naive`) beside blend",
             "squad": "SQuAD, the answer paragraph among 5, keep 0.1 and 0.3; kept tokens recorded from sample 14",
         },
     ),

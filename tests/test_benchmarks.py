@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -582,3 +583,25 @@ def test_agentic_search_ranks_by_bm25_and_breaks_ties_by_order():
     assert bm25_rank("when did the bridge open", paragraphs)[:2] == [1, 2]
     assert bm25_rank("nothing matches", paragraphs) == [0, 1, 2]
     assert query_of({"query": "x"}) == "x" and query_of({"q": "y"}) == "y"
+
+
+def test_document_cache_report_pairs_each_repair_with_joint_on_shared_samples(tmp_path):
+    from document_cache_report import rows_of
+
+    def record(sample, method, keep, contains, answer_kept=1):
+        return {"sample": sample, "method": method, "keep_rate": keep, "contains": contains, "answer_kept": answer_kept}
+
+    records = [record(s, "full", 1, 1) for s in range(4)]
+    records += [record(s, "specprefill", 0.1, 1) for s in range(4)]
+    records += [record(s, "specprefill-documents", 0.1, int(s != 0)) for s in range(4)]
+    records += [record(s, "specprefill-documents-naive", 0.1, int(s >= 2)) for s in range(3)]  # sample 3 missing
+    run = tmp_path / "task.json"
+    run.write_text(json.dumps({"settings": {"keep_rates": [0.1]}, "records": records}))
+
+    blend, naive = rows_of(run)
+    cells = [cell.strip() for cell in blend.strip("|").split("|")]
+    assert cells[:7] == ["task", "0.1", "blend", "4", "1.00", "1.00", "0.75"]
+    assert cells[7].startswith("**-0.250**")
+    cells = [cell.strip() for cell in naive.strip("|").split("|")]
+    assert cells[:7] == ["task", "0.1", "naive", "3", "1.00", "1.00", "0.33"]
+    assert cells[7].startswith("**-0.667**")
