@@ -788,13 +788,20 @@ class SpecPrefillEngine:
 
     # -- per-document draft cache ----------------------------------------------------------------
 
-    def warm_documents(self, documents: Sequence[DocumentLike], instructions: str | None = None) -> int:
+    def warm_documents(
+        self,
+        documents: Sequence[DocumentLike],
+        instructions: str | None = None,
+        *,
+        stop: threading.Event | None = None,
+    ) -> int:
         """Draft each document once into the per-document draft cache, after the prefix :meth:`layout` renders
         for ``instructions``, so later requests with ``draft_document_cache`` take their KV from it. Entries are
         keyed by that prefix: only requests with the same instructions (system message) find them.
 
-        Every document is checked before any is drafted. Stops before the cache would have to drop entries;
-        returns the documents drafted and held (0 when ``document_cache_mb`` is 0).
+        Every document is checked before any is drafted. Stops before the cache would have to drop entries, and
+        before the next document once ``stop`` is set (a caller's deadline); returns the documents drafted and
+        held (0 when ``document_cache_mb`` is 0).
         """
         checked = [as_document(document, i) for i, document in enumerate(check_documents(documents))]
         check_optional_text(instructions, "instructions", "system instructions")
@@ -803,6 +810,8 @@ class SpecPrefillEngine:
             return 0
         warmed, bytes_per_token = 0, 0.0
         for document in checked:
+            if stop is not None and stop.is_set():
+                break
             layout = self.layout(_WARM_QUESTION, [document], instructions)
             tokens, free = max(layout.n_document_tokens, 1), store.free_bytes()
             if bytes_per_token * tokens > free:

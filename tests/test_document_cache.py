@@ -2,18 +2,20 @@
 
 import asyncio
 import gc
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from transformers import DynamicCache
 
+from specprefill_rag import engine as engine_module
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.draft.assembly import DocumentSpans, assemble_prompt_kv
 from specprefill_rag.draft.document_cache import DocumentKVCache
 from specprefill_rag.draft.importance import DraftScore
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft.paths import DraftInput, document_spans, draft_score
+from specprefill_rag.draft.paths import DraftInput, document_spans, draft_score, warm_layout
 from specprefill_rag.draft.prefix_cache import DraftIdentity
 from specprefill_rag.draft.repair import BLEND, EPIC, NAIVE, DocumentRepair
 from specprefill_rag.engine import SpecPrefillEngine
@@ -291,6 +293,21 @@ def test_warm_documents_stops_at_the_cache_size(tiny_model, tokenizer, sharp_dra
     warmed = engine.warm_documents(random_documents(6, 50, seed=10))
     assert 1 <= warmed < 6 and len(engine.draft.document_cache) == 1 + warmed
     assert engine.draft.document_cache.nbytes <= engine.draft.document_cache.max_bytes
+
+
+def test_warm_documents_stops_before_the_next_document_once_told(tiny_model, tokenizer, sharp_draft, monkeypatch):
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2)
+    engine.draft.document_cache = DocumentKVCache(2**24)
+    stop = threading.Event()
+
+    def warm_then_stop(scoring, layout):
+        held = warm_layout(scoring, layout)
+        stop.set()  # as a caller's deadline passing while this document is drafted
+        return held
+
+    monkeypatch.setattr(engine_module, "warm_layout", warm_then_stop)
+    assert engine.warm_documents(random_documents(3, 30, seed=11), stop=stop) == 1
+    assert len(engine.draft.document_cache) == 2  # the prefix and the first document
 
 
 def test_without_a_cache_nothing_is_warmed(tiny_model, tokenizer, sharp_draft):

@@ -189,3 +189,23 @@ def test_the_mapped_path_sends_the_drafts_own_spans(tokenizer, tiny_model):
         assert warm(url, {"documents": documents, "instructions": SYSTEM}).json()["warmed"] == 2
         hit, tokens = cached(ask(url, documents[::-1], draft_document_cache=True))
         assert hit == 2 and tokens > 0
+
+
+def test_a_warm_past_the_request_deadline_is_a_504_and_drafts_no_more(engine, monkeypatch):
+    """The deadline, not the machine's speed, decides: the stand-in drafts only once the gateway has given up."""
+    real_warm = engine.warm_documents
+
+    def after_the_deadline(documents, instructions=None, *, stop):
+        assert stop.wait(timeout=60)  # set by the gateway when --request-timeout passes
+        return real_warm(documents, instructions, stop=stop)
+
+    monkeypatch.setattr(engine, "warm_documents", after_the_deadline)
+    held = len(engine.document_cache)
+    with running_gateway(engine, request_timeout_s=0.2) as url:
+        response = warm(url, {"documents": random_documents(2, 40, seed=288), "instructions": SYSTEM})
+        assert response.status_code == 504, response.text
+        message = response.json()["error"]["message"]
+        assert "0 of 2 drafted and held" in message and "--request-timeout" in message
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        assert 'specprefill_requests_total{endpoint="warm",outcome="timeout"} 1.0' in metrics
+    assert len(engine.document_cache) == held

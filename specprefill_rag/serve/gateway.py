@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -30,7 +31,7 @@ from ..pipeline import Budget, DraftCost
 from ..prompt.chat import ChatLayout
 from ..prompt.layout import Document, PromptLayout
 from ..results import DraftPath, Selection, StreamChunk
-from .errors import bad_request, draft_failed, queue_full
+from .errors import bad_request, deadline_exceeded, draft_failed, queue_full
 from .guard import Slots
 from .metrics import GatewayMetrics
 from .queue import DraftQueue, QueueFull
@@ -171,7 +172,9 @@ class Gateway:
 
     async def warm(self, request: WarmDocumentsRequest) -> dict[str, int]:
         """Draft ``request.documents`` into the per-document cache (off the event loop; each document under the
-        draft's lock, between the queue's batches). 400 when the gateway has no such cache or a document is bad.
+        draft's lock, between the queue's batches). 400 when the gateway has no such cache or a document is bad;
+        504 when ``--request-timeout`` passes first (the documents drafted by then stay held, the rest are not
+        drafted: the worker stops after the document in hand).
         """
         store = self.engine.document_cache
         if store is None:
@@ -181,10 +184,22 @@ class Gateway:
                 f"{DOCUMENT_CACHE_FIELD} true with each request)"
             )
         documents = [d if isinstance(d, str) else Document(d.text, d.title, d.id) for d in request.documents]
+        stop = threading.Event()
+        work = asyncio.ensure_future(
+            asyncio.to_thread(self.engine.warm_documents, documents, request.instructions, stop=stop)
+        )
         try:
-            warmed = await asyncio.to_thread(self.engine.warm_documents, documents, request.instructions)
+            done, _ = await asyncio.wait({work}, timeout=self.settings.request_timeout_s)
+            if not done:
+                stop.set()
+                warmed = await work
+                phase = f"warming documents ({warmed} of {len(documents)} drafted and held; send the rest again)"
+                raise deadline_exceeded(self.settings.request_timeout_s, phase)
+            warmed = work.result()
         except InvalidRequestError as error:
             raise bad_request(str(error), "documents") from None
+        finally:
+            stop.set()  # a cancelled request (client gone) stops the worker too
         held = {"warmed": warmed, "documents": len(documents), "held": len(store)}
         return {**held, "cache_bytes": store.nbytes, "cache_max_bytes": store.max_bytes}
 
