@@ -224,7 +224,9 @@ def main() -> None:
     if bool(args.main) != bool(args.draft):
         options.error("pass --main and --draft together (they must share a tokenizer)")
     (main_spec, draft_spec), (main_model, draft_model, tokenizer) = load_models(args)
-    settings = dict(keep_rate=args.keep_rate, min_prompt_tokens=0)
+    # main_cache_mb=0: the study is the draft's cache; questions over the same documents share sparse prefixes that
+    # the main model's prefix cache would otherwise serve in both arms
+    settings = dict(keep_rate=args.keep_rate, min_prompt_tokens=0, main_cache_mb=0)
     engines = {
         name: SpecPrefillEngine.from_models(main_model, tokenizer, draft_model, draft_cache_mb=size, **settings)
         for name, size in (("cold", 0), ("warm", DEFAULT_DRAFT_CACHE_MB))

@@ -149,7 +149,8 @@ def timing_engine(main_model, tokenizer, draft_model):
     """What :func:`run_length` times: an engine, or only a main backend for the GPU shapes (random ids, no
     tokenizer)."""
     if tokenizer is not None:
-        return SpecPrefillEngine.from_models(main_model, tokenizer, draft_model, min_prompt_tokens=0)
+        # main_cache_mb=0: every repeat prefills (the main prefix cache would serve repeats 2+ from repeat 1's KV)
+        return SpecPrefillEngine.from_models(main_model, tokenizer, draft_model, min_prompt_tokens=0, main_cache_mb=0)
     from specprefill_rag.backends.hf import HFBackend
 
     return argparse.Namespace(backend=HFBackend(main_model, frozenset()))

@@ -195,9 +195,16 @@ def load_engine(args) -> SpecPrefillEngine:
     else:
         main = load_model(args.main, "cpu", args.dtype)
         main_model, main_tokenizer = main.model, main.tokenizer
-    # draft_cache_mb=0: every repeat times a cold draft (the prefix cache would serve repeats 2+ from repeat 1's KV)
+    # draft_cache_mb=0, main_cache_mb=0: every repeat times a cold draft and a cold main prefill (the prefix caches
+    # would serve repeats 2+ from repeat 1's KV)
     return SpecPrefillEngine.from_models(
-        main_model, main_tokenizer, draft.model, draft_tokenizer=draft.tokenizer, min_prompt_tokens=0, draft_cache_mb=0
+        main_model,
+        main_tokenizer,
+        draft.model,
+        draft_tokenizer=draft.tokenizer,
+        min_prompt_tokens=0,
+        draft_cache_mb=0,
+        main_cache_mb=0,
     )
 
 

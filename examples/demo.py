@@ -20,10 +20,17 @@ INSTRUCTIONS = "Answer the question using only the documents. Be brief."
 QUESTION = "In what year was the Rosetta Stone found?"
 EXPECTED = "1799"
 PAIR = {"main": "qwen2.5-coder-1.5b", "draft": "qwen2.5-coder-0.5b"}
+# Every run cold: with the caches on, a repeat (and the full prefill after the warm-up, which shares its
+# first document) would be served from the draft's or the main model's prefix cache, not prefilled.
+COLD = {"draft_cache_mb": 0, "main_cache_mb": 0}
 
 
 def ttft_table(engine: SpecPrefillEngine, documents: list[str], keep_rates: list[float | str], repeats: int) -> None:
-    """Every keep rate ``repeats`` times, interleaved, then one row per keep rate."""
+    """Every keep rate ``repeats`` times, interleaved, then one row per keep rate. ``engine`` must run with both
+    prefix caches off (:data:`COLD`), else its timings would be cache hits: ``ValueError`` otherwise.
+    """
+    if engine.config.draft_cache_mb or engine.config.main_cache_mb:
+        raise ValueError("the demo times cold prefills: build the engine with draft_cache_mb=0 and main_cache_mb=0")
     layout = engine.layout(QUESTION, documents, INSTRUCTIONS)
     params = GenerationParams(max_new_tokens=32)
     print(f"Prompt: {len(layout)} tokens, {layout.n_document_tokens} of them in {len(documents)} documents")
@@ -46,9 +53,9 @@ def ttft_table(engine: SpecPrefillEngine, documents: list[str], keep_rates: list
         spread = f"{median:,.0f} ({min(ttfts):,.0f}-{max(ttfts):,.0f})"
         print(f"{name:<26}{results[-1].stats.keep_rate:>9.0%} {spread:>23} {full / median:>8.2f}x  {verdict}{answer}")
     print(
-        f"\nMedian of {repeats} run(s) each, interleaved; TTFT = draft + main prefill of the kept tokens. Every draft "
-        "here is cold\n(draft_cache_mb=0); with the default cache a second question over the same documents "
-        "drafts only the question."
+        f"\nMedian of {repeats} run(s) each, interleaved; TTFT = draft + main prefill of the kept tokens. Every run "
+        "here is cold\n(draft_cache_mb=0, main_cache_mb=0); with the default caches a second question over the same "
+        "documents drafts only the question."
     )
 
 
@@ -64,9 +71,9 @@ def main() -> None:
     documents = [path.read_text() for path in sorted(DOCUMENTS.glob("*.txt"))]
 
     print("SmolLM2-135M-Instruct (embedded), drafting with its own first 12 of 30 layers ('self')")
-    ttft_table(SpecPrefillEngine(draft_cache_mb=0), documents, keep_rates, args.repeats)
+    ttft_table(SpecPrefillEngine(**COLD), documents, keep_rates, args.repeats)
     try:
-        pair = SpecPrefillEngine(**PAIR, draft_cache_mb=0)
+        pair = SpecPrefillEngine(**PAIR, **COLD)
     except ModelLoadError:
         print(
             "\nFor the Qwen2.5-Coder-1.5B main with its 0.5B sibling as the draft, run `make models` "

@@ -4,6 +4,8 @@ import ast
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 import specprefill_rag
 from specprefill_rag.testing import build_model
 
@@ -38,11 +40,15 @@ def test_the_demo_runs_on_a_tiny_model(tokenizer, capsys):
     spec = importlib.util.spec_from_file_location("demo", EXAMPLES / "demo.py")
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
+    model = build_model(tokenizer, layers=2, max_positions=4096)
     engine = specprefill_rag.SpecPrefillEngine.from_models(
-        build_model(tokenizer, layers=2, max_positions=4096), tokenizer, draft="self", min_prompt_tokens=0
+        model, tokenizer, draft="self", min_prompt_tokens=0, **demo.COLD
     )
     documents = [path.read_text()[:300] for path in sorted(demo.DOCUMENTS.glob("*.txt"))]
-    demo.ttft_table(engine, documents, [1.0, 0.3, "auto"], repeats=1)
+    demo.ttft_table(engine, documents, [1.0, 0.3, "auto"], repeats=2)
     out = capsys.readouterr().out
     assert "full prefill" in out and "SpecPrefill keep 0.3" in out and "SpecPrefill keep auto" in out
     assert "Question: In what year was the Rosetta Stone found?" in out
+    cached = specprefill_rag.SpecPrefillEngine.from_models(model, tokenizer, draft="self", min_prompt_tokens=0)
+    with pytest.raises(ValueError, match="main_cache_mb=0"):  # its repeats would be prefix-cache hits
+        demo.ttft_table(cached, documents, [1.0], repeats=2)
