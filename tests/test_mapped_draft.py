@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specprefill_rag import DraftContextLengthError, GenerationParams, InvalidRequestError, SpecPrefillEngine
+from specprefill_rag.backends.vllm import check_server_tokenizer, tool_markers
 from specprefill_rag.draft.paths import MappedScoring
 from specprefill_rag.errors import TokenizerMismatchError
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout, mark_document
@@ -202,3 +203,34 @@ def test_in_process_vllm_checks_the_tokenizer_against_the_served_models(tokenize
         SpecPrefillEngine.for_vllm(FakeLLM(tokenizer), draft=draft_dir, **SETTINGS)
     engine = SpecPrefillEngine.for_vllm(FakeLLM(tokenizer), draft=draft_dir, tokenizer=str(tiny_model_dir), **SETTINGS)
     assert engine.draft_path == "mapped" and engine.tokenizer.get_vocab() == tokenizer.get_vocab()
+
+
+class Tokenizing:
+    """A vLLM server backend as check_server_tokenizer sees it: ``/tokenize`` with ``served``."""
+
+    model = "served"
+
+    def __init__(self, served):
+        self.served = served
+
+    def _request(self, method, path, body):
+        assert (method, path) == ("POST", "/tokenize") and body["add_special_tokens"] is False
+        return {"tokens": self.served(body["prompt"], add_special_tokens=False)["input_ids"]}
+
+
+def with_markers(markers):
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(markers)
+    return tokenizer
+
+
+def test_the_server_check_compares_the_tool_call_markers_ids():
+    local = with_markers(["<tool_call>", "</tool_call>"])
+    markers = tool_markers(local)
+    assert set(markers) == {"<tool_call>", "</tool_call>"}
+    check_server_tokenizer(Tokenizing(with_markers(["<tool_call>", "</tool_call>"])), local, markers)
+    swapped = Tokenizing(with_markers(["</tool_call>", "<tool_call>"]))  # the same text, other ids
+    with pytest.raises(TokenizerMismatchError, match="tool-call marker '<tool_call>'"):
+        check_server_tokenizer(swapped, local, markers)
+    # a server that splits the marker's text (mistral_common reads no control tokens from text) is not judged by it
+    check_server_tokenizer(Tokenizing(build_tokenizer()), local, markers)

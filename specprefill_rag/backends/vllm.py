@@ -322,9 +322,10 @@ class VLLMServerBackend:
 
     def adopt_tokenizer(self, tokenizer: Any, eos_ids: frozenset[int]) -> None:
         """Use the main model's tokenizer's end-of-sequence ids, after checking the server tokenizes as it does."""
-        check_server_tokenizer(self, tokenizer)
+        markers = tool_markers(tokenizer)
+        check_server_tokenizer(self, tokenizer, markers)
         self.eos_ids = eos_ids
-        self._markers = tool_markers(tokenizer)
+        self._markers = markers
 
     def _open(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
@@ -505,20 +506,41 @@ def connect(
 
 
 def check_server_tokenizer(
-    backend: VLLMServerBackend, tokenizer: Any, sample: str = "SpecPrefill checks 1, 2, 3."
+    backend: VLLMServerBackend,
+    tokenizer: Any,
+    markers: Mapping[str, int] | None = None,
+    sample: str = "SpecPrefill checks 1, 2, 3.",
 ) -> None:
-    """Raise when the server's tokenizer splits ``sample`` differently from the local one (skipped
-    when the server runs without a tokenizer).
+    """Raise when the server's tokenizer splits ``sample`` differently from the local one, or holds any of the
+    tool-call ``markers`` (text -> the local tokenizer's single id) as one token of another id, which a forced
+    tool call would then name. A server that splits a marker's text is not judged by it: mistral_common (vLLM's
+    ``--tokenizer-mode mistral``) never reads control tokens from text. Skipped when the server runs without a
+    tokenizer.
     """
-    try:
-        served = backend._request(
-            "POST", "/tokenize", {"model": backend.model, "prompt": sample, "add_special_tokens": False}
-        )
-    except SpecPrefillError:
+    served = _served_tokens(backend, sample)
+    if served is None:
         return
     local = tokenizer(sample, add_special_tokens=False)["input_ids"]
-    if list(served.get("tokens", [])) != list(local):
+    if served != list(local):
         raise TokenizerMismatchError(
-            f"the server's model tokenizes differently from the local tokenizer ({served.get('tokens')} vs {local}); "
+            f"the server's model tokenizes differently from the local tokenizer ({served} vs {local}); "
             "pass tokenizer= with the served model's HF id or folder (a draft of another vocabulary is then mapped)"
         )
+    for marker, token in (markers or {}).items():
+        marker_ids = _served_tokens(backend, marker)
+        if marker_ids is not None and len(marker_ids) == 1 and marker_ids != [token]:
+            raise TokenizerMismatchError(
+                f"the server's model writes the tool-call marker {marker!r} as {marker_ids}, the local tokenizer as "
+                f"[{token}]; pass tokenizer= with the served model's HF id or folder"
+            )
+
+
+def _served_tokens(backend: VLLMServerBackend, text: str) -> list[int] | None:
+    """The server's ``/tokenize`` of ``text`` (no special tokens added); None when it has no tokenizer."""
+    try:
+        served = backend._request(
+            "POST", "/tokenize", {"model": backend.model, "prompt": text, "add_special_tokens": False}
+        )
+    except SpecPrefillError:
+        return None
+    return list(served.get("tokens", []))
