@@ -121,7 +121,8 @@ def tool_calls_json(calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
 def _response_format(output: OutputFormat) -> dict[str, Any]:
     """``response_format`` for a JSON output format."""
     if output.kind == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": "response", "schema": dict(output.schema or {})}}
+        schema = {"name": "response", "schema": dict(output.schema or {}), "strict": output.strict}
+        return {"type": "json_schema", "json_schema": schema}
     return {"type": "json_object"}
 
 

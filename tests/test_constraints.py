@@ -196,6 +196,27 @@ def test_strict_forbids_undeclared_keys_unless_off(compiler, chatml):
 
 
 @needs_xgrammar
+def test_a_vllm_main_gets_a_non_strict_schema_as_the_grammar_compiled_here():
+    """vLLM compiles its ``json`` option strictly, so strict=False goes as this grammar (EBNF) instead."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from specprefill_rag.backends.vllm import structured_outputs
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert structured_outputs(OutputFormat("json_schema", schema=schema)) == {"json": schema}
+    loose = structured_outputs(OutputFormat("json_schema", schema=schema, strict=False))
+    assert list(loose) == ["grammar"]
+    grammar = constraints.xgr.Grammar.from_ebnf(loose["grammar"])
+    assert _is_grammar_accept_string(grammar, '{"a": 1, "b": 2}')
+    assert not _is_grammar_accept_string(grammar, '{"b": 2}')  # the schema still holds: "a" is required
+    assert not _is_grammar_accept_string(grammar, '{"a": 1,' + " " * (constraints.MAX_WHITESPACE + 1) + '"b": 2}')
+    strict = constraints.json_grammar(OutputFormat("json_schema", schema=schema))
+    assert not _is_grammar_accept_string(constraints.xgr.Grammar.from_ebnf(strict), '{"a": 1, "b": 2}')
+    with pytest.raises(InvalidRequestError, match="cannot be compiled"):
+        constraints.json_grammar(OutputFormat("json_schema", schema={"type": "strnig"}, strict=False))
+
+
+@needs_xgrammar
 @pytest.mark.parametrize("parallel", [True, False])
 def test_hermes_walks_parse_as_tool_calls(qwen, parallel):
     compiler = ConstraintCompiler(qwen, len(qwen))

@@ -27,6 +27,7 @@ from specprefill_rag.gateway_client import GatewayClient, _StreamReader, complet
 from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.results import InvalidToolCall, SpecPrefillStats, ToolCall
 from specprefill_rag.serve.responses import CHAT, ResponseWriter, sse
+from specprefill_rag.serve.schema import ResponseFormat
 from specprefill_rag.testing import build_tokenizer, random_documents
 from tests.serve_helpers import MODEL, QUESTION, SYSTEM, running_gateway
 
@@ -354,6 +355,16 @@ def test_a_template_without_tool_calling_still_takes_tools_and_a_tool_history(to
             {"output_format": OutputFormat("json_schema", schema={"type": "object"})},
             marks=needs_xgrammar,
         ),
+        pytest.param(
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "object"}, "strict": False},
+                }
+            },
+            {"output_format": OutputFormat("json_schema", schema={"type": "object"}, strict=False)},
+            marks=needs_xgrammar,
+        ),
     ],
 )
 def test_tools_tool_choice_and_response_format_reach_the_decoding_params(client, script, fields, expected):
@@ -485,8 +496,11 @@ def test_client_body_merges_extra_fields_and_params():
     structured = gateway_client.body(messages, {}, GenerationParams(output_format=OutputFormat("json_schema", schema)))
     assert structured["response_format"] == {
         "type": "json_schema",
-        "json_schema": {"name": "response", "schema": schema},
+        "json_schema": {"name": "response", "schema": schema, "strict": True},
     }
+    loose = OutputFormat("json_schema", schema, strict=False)
+    sent = gateway_client.body(messages, {}, GenerationParams(output_format=loose))["response_format"]
+    assert ResponseFormat.model_validate(sent).output_format == loose  # what the gateway reads back
     with pytest.raises(InvalidRequestError, match="set each field once"):
         gateway_client.body(messages, {}, GenerationParams(max_new_tokens=8), {"max_tokens": 9})
     with pytest.raises(InvalidRequestError, match="no tools are sent"):

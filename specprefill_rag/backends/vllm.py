@@ -35,6 +35,7 @@ import httpx
 from ..aio import iterate_in_thread
 from ..arguments import check_number, shown
 from ..config import GenerationParams, OutputFormat
+from ..decode.constraints import json_grammar
 from ..decode.formats import marker_tokens, tool_call_structural_tag, validate_format
 from ..errors import InvalidRequestError, SpecPrefillError, TokenizerMismatchError
 from ..positions import (
@@ -100,9 +101,11 @@ def keys_blocks_in_process() -> bool:
 
 
 def structured_outputs(output_format: OutputFormat, markers: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """vLLM's ``structured_outputs`` for ``output_format``, which vLLM's xgrammar backend enforces: ``json``
-    (strict) or ``json_object``, and for a forced tool call the ``structural_tag`` (a JSON string) of
-    :func:`~specprefill_rag.decode.formats.tool_call_structural_tag`, the grammar an in-process main uses.
+    """vLLM's ``structured_outputs`` for ``output_format``, which vLLM's xgrammar backend enforces: ``json`` for a
+    strict schema, ``json_object``, the ``grammar`` of :func:`~specprefill_rag.decode.constraints.json_grammar`
+    for a schema with ``strict=False`` (vLLM compiles its ``json`` strictly), and for a forced tool call the
+    ``structural_tag`` (a JSON string) of :func:`~specprefill_rag.decode.formats.tool_call_structural_tag`, the
+    grammar an in-process main uses.
     ``markers``: the tool-call markers the served tokenizer writes as one token, with their ids
     (:func:`tool_markers`); a tool_call format needs them.
     """
@@ -110,6 +113,8 @@ def structured_outputs(output_format: OutputFormat, markers: Mapping[str, int] |
     if output_format.kind == "json_object":
         return {"json_object": True}
     if output_format.kind == "json_schema" and output_format.schema is not None:
+        if not output_format.strict:
+            return {"grammar": json_grammar(output_format)}
         return {"json": dict(output_format.schema)}
     if markers is None:
         raise InvalidRequestError(

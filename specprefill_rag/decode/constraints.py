@@ -152,18 +152,40 @@ class ConstraintCompiler:
             if fmt.kind == "tool_call":
                 tag = tool_call_structural_tag(fmt, self._markers)
                 return self._compiler.compile_structural_tag(json.dumps(tag))
-            schema = {"type": "object"} if fmt.kind == "json_object" else as_json(fmt.schema, "the JSON schema")
-            return self._compiler.compile_json_schema(
-                json.dumps(schema),
-                any_whitespace=True,
-                max_whitespace_cnt=MAX_WHITESPACE,
-                strict_mode=fmt.strict,
-            )
+            return self._compiler.compile_json_schema(_schema_text(fmt), **_json_options(fmt))
         except InvalidRequestError:
             raise
         except Exception as error:  # xgrammar raises RuntimeError, ValueError and pydantic's errors
-            reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            raise InvalidRequestError(f"the {fmt.kind} output format cannot be compiled: {reason}") from error
+            raise _not_compiled(fmt, error) from error
+
+
+def json_grammar(fmt: OutputFormat) -> str:
+    """The EBNF grammar of a ``json_object`` or ``json_schema`` ``fmt``, as :class:`ConstraintCompiler` compiles it
+    (``strict`` or not, at most :data:`MAX_WHITESPACE` whitespace characters in a row): for a server that
+    compiles grammars itself (a vLLM main, whose own JSON option is always strict).
+    """
+    _require_xgrammar()
+    validate_format(fmt)
+    try:
+        return str(xgr.Grammar.from_json_schema(_schema_text(fmt), **_json_options(fmt)))
+    except InvalidRequestError:
+        raise
+    except Exception as error:
+        raise _not_compiled(fmt, error) from error
+
+
+def _schema_text(fmt: OutputFormat) -> str:
+    schema = {"type": "object"} if fmt.kind == "json_object" else as_json(fmt.schema, "the JSON schema")
+    return json.dumps(schema)
+
+
+def _json_options(fmt: OutputFormat) -> dict[str, Any]:
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_WHITESPACE, "strict_mode": fmt.strict}
+
+
+def _not_compiled(fmt: OutputFormat, error: Exception) -> InvalidRequestError:
+    reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    return InvalidRequestError(f"the {fmt.kind} output format cannot be compiled: {reason}")
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -348,8 +348,10 @@ class ResponseFormat(_Strict):
     @property
     def output_format(self) -> OutputFormat | None:
         """What decoding enforces (None: plain text)."""
-        if self.json_schema is not None:
-            return OutputFormat("json_schema", schema=self.json_schema.schema_)
+        if self.json_schema is not None:  # strict unless false: unset, it is what vLLM's xgrammar backend does
+            return OutputFormat(
+                "json_schema", schema=self.json_schema.schema_, strict=self.json_schema.strict is not False
+            )
         return OutputFormat("json_object") if self.type == "json_object" else None
 
 
