@@ -204,7 +204,8 @@ class ChatSpecPrefill(SpecPrefillSettings, LogprobSettings, BaseChatModel):
     ) -> tuple[Runnable[LanguageModelInput, Any], Any]:
         """The answer constrained to JSON (for ``schema`` with json_schema); the parser of the answer's text."""
         if method == "json_schema":
-            output = OutputFormat("json_schema", schema=_json_schema(schema, strict))
+            # strict unless False, as the gateway reads response_format: unset, it is what vLLM's xgrammar does
+            output = OutputFormat("json_schema", schema=_json_schema(schema, strict), strict=strict is not False)
         else:
             output = OutputFormat("json_object")
         traced = {"kwargs": {"method": method, "strict": strict}, "schema": schema}

@@ -414,6 +414,14 @@ def test_json_methods_constrain_the_answer_and_parse_its_text(method):
     assert model.with_structured_output(None, method="json_mode").invoke("Weather?") == {"city": "Oslo", "celsius": -3}
 
 
+@pytest.mark.parametrize(("strict", "enforced"), [(None, True), (True, True), (False, False)])
+def test_json_schema_passes_strict_on(strict, enforced):
+    result = _result('{"city": "Oslo", "celsius": -3}')
+    model, session = scripted([StreamChunk(result.text, [], "stop", result.stats, result)])
+    model.with_structured_output(Weather, method="json_schema", strict=strict).invoke("Weather?")
+    assert session.calls[-1][1].output_format.strict is enforced
+
+
 def test_include_raw_returns_a_parsing_error_instead_of_raising():
     result = _result('{"city": "Oslo"}')  # celsius missing
     model, _ = scripted([StreamChunk(result.text, [], "stop", result.stats, result)])
