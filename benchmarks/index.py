@@ -127,6 +127,7 @@ STUDIES: dict[str, Study] = {
             "hotpotqa-current": "the same 30 HotpotQA samples with the current key (labels out of it), in bfloat16 "
             "with AVX512-BF16, and the cache without repair (`specprefill-documents-naive`) beside blend",
             "squad": "SQuAD, the answer paragraph among 5, keep 0.1 and 0.3; kept tokens recorded from sample 14",
+            "nq": "Natural Questions, the gold passage among 5 (~700 tokens), keep 0.1 and 0.3, blend and no repair",
         },
     ),
     "document-cache-speed": Study(
