@@ -5,7 +5,8 @@ one table: per task, keep rate and repair (blend, or naive where the run has it)
 (``contains``) with joint scoring and with the cache, the paired difference (cache - joint) with its 95%
 bootstrap interval over samples, retention against the full prefill, whether the answer string survived in
 the kept tokens, and the Jaccard overlap of the two methods' kept document tokens (for samples whose records
-hold them).
+hold them). Given several runs it adds pooled rows: every run's paired samples together, per keep rate and
+repair, so the tasks' samples give one tighter interval.
 
     python benchmarks/document_cache_report.py benchmarks/results/document-cache-quality/*.json
 """
@@ -34,21 +35,48 @@ def jaccard(a: set[int], b: set[int]) -> float:
     return len(a & b) / len(a | b) if a | b else 1.0
 
 
-def rows_of(path: Path) -> list[str]:
+Pairs = dict[tuple[float, str], tuple[list[dict], list[dict], int]]
+
+
+def pairs_of(path: Path) -> Pairs:
+    """Per (keep rate, repair): the joint and cached records of the samples both have, and how many of those
+    samples the full prefill answered.
+    """
     report = json.loads(path.read_text())
     settings, records = report["settings"], report["records"]
     by = {(r["sample"], r["method"], r["keep_rate"]): r for r in records}
     full = {r["sample"]: r for r in records if r["method"] == "full"}
-    rows = []
+    pairs: Pairs = {}
     for keep in settings["keep_rates"]:
         for method, repair in CACHED.items():
             samples = sorted(s for s in full if (s, JOINT, keep) in by and (s, method, keep) in by)
             if samples:
                 joint = [by[(s, JOINT, keep)] for s in samples]
                 cached = [by[(s, method, keep)] for s in samples]
-                full_correct = sum(full[s]["contains"] for s in samples)
-                rows.append(paired_row([path.stem, f"{keep:g}", repair], joint, cached, full_correct))
-    return rows
+                pairs[(keep, repair)] = (joint, cached, sum(full[s]["contains"] for s in samples))
+    return pairs
+
+
+def rows_of(path: Path) -> list[str]:
+    return [
+        paired_row([path.stem, f"{keep:g}", repair], joint, cached, full_correct)
+        for (keep, repair), (joint, cached, full_correct) in pairs_of(path).items()
+    ]
+
+
+def pooled_rows(paths: list[Path]) -> list[str]:
+    """One row per (keep rate, repair) over every run's paired samples together (each sample counted once;
+    the interval resamples samples across tasks).
+    """
+    pooled: dict[tuple[float, str], tuple[list[dict], list[dict], int, list[str]]] = {}
+    for path in paths:
+        for key, (joint, cached, full_correct) in pairs_of(path).items():
+            all_joint, all_cached, all_full, tasks = pooled.setdefault(key, ([], [], 0, []))
+            pooled[key] = (all_joint + joint, all_cached + cached, all_full + full_correct, [*tasks, path.stem])
+    return [
+        paired_row([f"pooled ({', '.join(tasks)})", f"{keep:g}", repair], joint, cached, full_correct)
+        for (keep, repair), (joint, cached, full_correct, tasks) in sorted(pooled.items())
+    ]
 
 
 def paired_row(labels: list[str], joint: list[dict], cached: list[dict], full_correct: int) -> str:
@@ -89,6 +117,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for path in args.runs:
         for row in rows_of(path):
+            print(row)
+    if len(args.runs) > 1:
+        for row in pooled_rows(args.runs):
             print(row)
 
 

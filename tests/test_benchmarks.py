@@ -605,3 +605,24 @@ def test_document_cache_report_pairs_each_repair_with_joint_on_shared_samples(tm
     cells = [cell.strip() for cell in naive.strip("|").split("|")]
     assert cells[:7] == ["task", "0.1", "naive", "3", "1.00", "1.00", "0.33"]
     assert cells[7].startswith("**-0.667**")
+
+
+def test_document_cache_report_pools_the_paired_samples_of_every_run(tmp_path):
+    from document_cache_report import pooled_rows
+
+    def record(sample, method, keep, contains):
+        return {"sample": sample, "method": method, "keep_rate": keep, "contains": contains, "answer_kept": 1}
+
+    runs = []
+    for name, cached in (("a", [0, 1, 1]), ("b", [1, 1])):
+        records = [record(s, "full", 1, 1) for s in range(len(cached))]
+        records += [record(s, "specprefill", 0.1, 1) for s in range(len(cached))]
+        records += [record(s, "specprefill-documents", 0.1, c) for s, c in enumerate(cached)]
+        run = tmp_path / f"{name}.json"
+        run.write_text(json.dumps({"settings": {"keep_rates": [0.1]}, "records": records}))
+        runs.append(run)
+
+    (row,) = pooled_rows(runs)
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[:7] == ["pooled (a, b)", "0.1", "blend", "5", "1.00", "1.00", "0.80"]
+    assert cells[7].startswith("**-0.200**")
