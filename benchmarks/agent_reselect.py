@@ -4,8 +4,8 @@ The agent of ``benchmarks/agentic.py`` (one ``search`` tool over the question's 
 ``--top-k``), made to take two hops: step 1 and step 2 each force one search (``tool_choice="required"``),
 step 3 answers (``"none"``): with ``--answer-format json`` (the default) as a JSON object ``{"answer": ...}``
 enforced by the constrained decoder, with ``text`` its first line. (In text the 1.5B Coder mostly wrote another
-call as text or nothing at step 3, 2 of 20 right in every arm: the comparison said nothing.) Step 1 sees no tool result (prefilled whole: generated once
-per question); step 2 is the first turn that compresses result 1, so it is the same prompt and selection
+call as text or nothing at step 3, 2 of 20 right in every arm: the comparison said nothing.) Step 1 sees no
+tool result (prefilled whole: generated once per question); step 2 is the first turn that compresses result 1, so it is the same prompt and selection
 for both arms and runs once per keep rate, on the frozen engine. Step 3 holds both results:
 
 * ``frozen@k``: stable selection (``reselect=False``): result 1 keeps the tokens step 2 chose for it;
