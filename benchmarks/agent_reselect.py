@@ -5,8 +5,9 @@ The agent of ``benchmarks/agentic.py`` (one ``search`` tool over the question's 
 step 3 answers (``"none"``): with ``--answer-format json`` (the default) as a JSON object ``{"answer": ...}``
 enforced by the constrained decoder, with ``text`` its first line. (In text the 1.5B Coder mostly wrote another
 call as text or nothing at step 3, 2 of 20 right in every arm: the comparison said nothing.) Step 1 sees no
-tool result (prefilled whole: generated once per question); step 2 is the first turn that compresses result 1, so it is the same prompt and selection
-for both arms and runs once per keep rate, on the frozen engine. Step 3 holds both results:
+tool result (prefilled whole: generated once per question); step 2 is the first turn that compresses
+result 1, so it is the same prompt and selection for both arms and runs once per keep rate, on the frozen
+engine. Step 3 holds both results:
 
 * ``frozen@k``: stable selection (``reselect=False``): result 1 keeps the tokens step 2 chose for it;
   result 2 is scored against the step-3 query;
