@@ -508,3 +508,24 @@ def test_warm_documents_checks_every_document_first(tiny_model, tokenizer, sharp
     with pytest.raises(InvalidRequestError, match="instructions is empty"):
         engine.warm_documents(["one"], instructions=" ")
     assert len(store) == 0  # nothing was drafted
+
+
+def test_the_blend_probe_stops_once_its_last_layer_has_its_keys(tokenizer):
+    """The probe's joint KV equals a full forward's in its layers, and the last probe layer's attention and
+    MLP never run (they would only feed the layers after it)."""
+    from specprefill_rag.draft.assembly import _probe
+    from specprefill_rag.draft.hooks import decoder_layers
+
+    model = build_model(tokenizer, layers=4, seed=5, initializer_range=0.2)
+    ids = torch.randint(5, tokenizer.vocab_size, (40,))
+    ran = []
+    handle = decoder_layers(model)[1].mlp.register_forward_hook(lambda *_: ran.append(1))
+    try:
+        probed = _probe(model, ids, 2)
+    finally:
+        handle.remove()
+    full = joint_kv(model, ids)
+    assert not ran and len(probed) == 2
+    for (keys, values), layer in zip(probed, full.layers[:2]):
+        torch.testing.assert_close(keys, layer.keys)
+        torch.testing.assert_close(values, layer.values)

@@ -199,10 +199,27 @@ def _masked_attention(key_positions: torch.Tensor, query_positions: torch.Tensor
     return attention
 
 
+def _keys_then_stop(last_layer: int) -> Any:
+    """An SDPA attention that ends the forward pass (:class:`StopForward`) when layer ``last_layer`` calls it:
+    its keys and values are in the cache by then, and its attention and MLP would only feed the layers after.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if module.layer_idx == last_layer:
+            raise StopForward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    return attention
+
+
 def _probe(model: Any, input_ids: torch.Tensor, layers: int) -> KVLayers:
-    """Joint KV ``[1, H_kv, n, d]`` of the ``[n]`` ids through the first ``layers`` layers (a causal prefill)."""
+    """Joint KV ``[1, H_kv, n, d]`` of the ``[n]`` ids in the first ``layers`` layers (a causal prefill that
+    stops once the last of them has written its keys and values).
+    """
     past = _new_cache(model)
-    _forward(model, layers, input_ids, torch.arange(input_ids.numel(), device=input_ids.device), past)
+    with attention_dispatch(model, _keys_then_stop(layers - 1)):
+        _forward(model, layers, input_ids, torch.arange(input_ids.numel(), device=input_ids.device), past)
     return _kv_of(past, layers, 0, input_ids.numel())
 
 
