@@ -19,8 +19,16 @@ empty (no warm-up): documents enter on first use and the least recently used lea
 cached engine and a cold one (draft joint, no caches) answer the same prompt (one token); reported: the
 share of documents served from the cache, TTFT and draft time medians of both.
 
+``draft``: the draft alone (it also answers as the main model, one token; only draft times are read), per
+request over a new combination of corpus paragraphs: the cold joint draft, the cache seeing the documents
+for the first time (an empty store: every document a miss, encoded alone and stored, then assembled with
+blend repair), and the same prompt again from the now warm store with each repair in ``--repairs``; each
+with the time of the assembly's phases (documents encoded or looked up, blend's probe, the one forward of
+fresh and recomputed tokens, and the scored last token with the look-ahead).
+
     python benchmarks/document_cache_speed.py speed --out benchmarks/results/document-cache-speed/speed
     python benchmarks/document_cache_speed.py zipf --out benchmarks/results/document-cache-speed/zipf
+    python benchmarks/document_cache_speed.py draft --out benchmarks/results/document-cache-speed/draft-phases
 
 Both rewrite ``<out>.json`` (settings, every record) and ``<out>.md`` after every request and resume
 from the JSON (``--resume``).
@@ -36,6 +44,9 @@ import random
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks  # noqa: E402
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
+from specprefill_rag.draft import assembly  # noqa: E402
+from specprefill_rag.draft.model import ModelDraft  # noqa: E402
 from specprefill_rag.draft.repair import DEFAULT_REPAIR, DocumentRepair  # noqa: E402
 from specprefill_rag.models.loading import load_model  # noqa: E402
 
@@ -377,10 +390,118 @@ def zipf_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# -- draft ------------------------------------------------------------------------------------------
+
+PHASES = {  # the assembly's steps, timed where the draft calls them
+    "encode_documents": (assembly, "encode_documents"),  # documents looked up, or encoded alone and stored
+    "probe": (assembly, "_recomputed"),  # blend's joint probe and choice of tokens (nothing for naive)
+    "fresh_forward": (assembly, "_with_fresh"),  # labels, question and recomputed tokens, in context
+    "score": (ModelDraft, "_score_from"),  # the last token and the look-ahead, scored
+}
+
+
+@contextmanager
+def phase_timer() -> Iterator[dict[str, float]]:
+    """Milliseconds spent in each of :data:`PHASES` during the ``with`` body (the originals restored after)."""
+    spent = dict.fromkeys(PHASES, 0.0)
+    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in PHASES.items()}
+
+    def timed(name: str, function: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[name] += (time.perf_counter() - started) * 1000.0
+
+        return run
+
+    try:
+        for name, (owner, attribute) in PHASES.items():
+            setattr(owner, attribute, timed(name, originals[name]))
+        yield spent
+    finally:
+        for name, (owner, attribute) in PHASES.items():
+            setattr(owner, attribute, originals[name])
+
+
+def draft_arm(engine: SpecPrefillEngine, documents: list[str], question: str) -> dict:
+    with phase_timer() as spent:
+        result = engine.generate(question, documents, SYSTEM, max_new_tokens=1)
+    return record(result) | {"phases_ms": dict(spent)}
+
+
+def run_draft(args) -> None:
+    settings = {k: getattr(args, k) for k in ("draft", "dtype", "lengths", "keep", "repeats", "seed", "repairs")}
+    report = load(args.out, settings, args.resume)
+    report["machine"].append(machine())
+    loaded = load_model(args.draft, "cpu", args.dtype)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    corpus = squad_paragraphs(args.seed)[:200]
+    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
+    cold = SpecPrefillEngine.from_models(model, tokenizer, model, document_cache_mb=0, **common)
+    done = {(r["length"], r["repeat"]) for r in report["records"]}
+    rng = random.Random(args.seed)
+    for number, (length, repeat) in enumerate(itertools.product(args.lengths, range(args.repeats))):
+        documents, target = draw(corpus, length, count, rng)
+        if (length, repeat) in done:
+            continue
+        cached = SpecPrefillEngine.from_models(  # a new, empty store (stores are shared per device and size)
+            model, tokenizer, model, document_cache_mb=4096 - number, draft_document_cache=True, **common
+        )
+        row: dict[str, Any] = {"length": length, "repeat": repeat, "documents": len(documents)}
+        row["cold"] = draft_arm(cold, documents, target["question"])
+        row["first"] = draft_arm(cached, documents, target["question"])
+        for repair in args.repairs:
+            cached.draft.repair = DocumentRepair(repair)  # type: ignore[attr-defined]
+            row[f"warm-{repair}"] = draft_arm(cached, documents, target["question"])
+        report["records"].append(row)
+        save(args.out, report, draft_table(report))
+        print(json.dumps({"length": length, "repeat": repeat, "cold": round(row["cold"]["draft_ms"])}), flush=True)
+
+
+def draft_table(report: dict) -> str:
+    settings, records = report["settings"], report["records"]
+    arms = ["first", *(f"warm-{repair}" for repair in settings["repairs"])]
+    lines = [
+        "The draft's time on the per-document cache path against a cold joint draft (the same prompt, one process).",
+        f"Settings: `{json.dumps(settings)}`",
+        f"Machine: `{json.dumps(report['machine'])}`",
+        "",
+        "| doc tokens asked | prompt tokens | arm | n | draft ms | / cold draft | encode documents | probe | "
+        "fresh forward | score + look-ahead |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for length in settings["lengths"]:
+        rows = [r for r in records if r["length"] == length]
+        if not rows:
+            continue
+        prompt = spread([r["cold"]["prompt_tokens"] for r in rows])
+        lines.append(
+            f"| {length:,} | {prompt} | cold (joint) | {len(rows)} | {spread([r['cold']['draft_ms'] for r in rows])} "
+            "| 1 | - | - | - | - |"
+        )
+        for arm in arms:
+            phases = [spread([r[arm]["phases_ms"][name] for r in rows]) for name in PHASES]
+            ratio = spread([r[arm]["draft_ms"] / r["cold"]["draft_ms"] for r in rows], RATIO)
+            draft = spread([r[arm]["draft_ms"] for r in rows])
+            lines.append(
+                f"| {length:,} | {prompt} | {arm} | {len(rows)} | {draft} | {ratio} | " + " | ".join(phases) + " |"
+            )
+    lines += [
+        "",
+        "Arms: `first`: an empty store, every document encoded alone and stored, then assembled (blend);",
+        "`warm-<repair>`: the same prompt again, every document a hit. Cells: median (min-max) over requests, in ms;",
+        "ratios per request.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     studies = parser.add_subparsers(dest="study", required=True)
-    for name in ("speed", "zipf"):
+    for name in ("speed", "zipf", "draft"):
         sub = studies.add_parser(name)
         sub.add_argument("--main", default="qwen2.5-coder-1.5b")
         sub.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -398,6 +519,11 @@ def main(argv: list[str] | None = None) -> None:
     speed.add_argument(
         "--repairs", nargs="+", default=["blend"], choices=["naive", "epic", "blend"], help="cached arms' repairs"
     )
+    draft = studies.choices["draft"]
+    draft.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000], help="document tokens per prompt")
+    draft.add_argument("--keep", type=float, default=0.1)
+    draft.add_argument("--repeats", type=int, default=3)
+    draft.add_argument("--repairs", nargs="+", default=["blend", "naive"], choices=["naive", "epic", "blend"])
     zipf = studies.choices["zipf"]
     zipf.add_argument("--keep", type=float, default=0.1)
     zipf.add_argument("--corpus", type=int, default=500)
@@ -408,10 +534,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.report:
         report = json.loads(args.out.with_suffix(".json").read_text())
-        args.out.with_suffix(".md").write_text((speed_table if args.study == "speed" else zipf_table)(report))
+        tables = {"speed": speed_table, "zipf": zipf_table, "draft": draft_table}
+        args.out.with_suffix(".md").write_text(tables[args.study](report))
         return
     torch.set_num_threads(args.threads)
-    (run_speed if args.study == "speed" else run_zipf)(args)
+    {"speed": run_speed, "zipf": run_zipf, "draft": run_draft}[args.study](args)
 
 
 if __name__ == "__main__":

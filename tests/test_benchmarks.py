@@ -626,3 +626,28 @@ def test_document_cache_report_pools_the_paired_samples_of_every_run(tmp_path):
     cells = [cell.strip() for cell in row.strip("|").split("|")]
     assert cells[:7] == ["pooled (a, b)", "0.1", "blend", "5", "1.00", "1.00", "0.80"]
     assert cells[7].startswith("**-0.200**")
+
+
+def test_the_draft_phase_timer_counts_each_phase_and_restores_the_originals():
+    import document_cache_speed as study
+
+    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in study.PHASES.items()}
+    with study.phase_timer() as spent:
+        assert all(getattr(owner, attribute) is not originals[name] for name, (owner, attribute) in study.PHASES.items())
+        study.assembly._recomputed(None, None, torch.zeros((0, 2), dtype=torch.long), [], study.DocumentRepair("naive"))
+    assert all(getattr(owner, attribute) is originals[name] for name, (owner, attribute) in study.PHASES.items())
+    assert spent["probe"] > 0 and spent["encode_documents"] == spent["fresh_forward"] == spent["score"] == 0
+
+
+def test_the_draft_table_reads_each_arm_against_the_cold_draft():
+    import document_cache_speed as study
+
+    def arm(draft_ms):
+        return {"draft_ms": draft_ms, "prompt_tokens": 2100, "phases_ms": dict.fromkeys(study.PHASES, 1.0)}
+
+    settings = {"lengths": [2000], "repairs": ["blend"]}
+    records = [{"length": 2000, "cold": arm(1000.0), "first": arm(1200.0), "warm-blend": arm(300.0)}]
+    table = study.draft_table({"settings": settings, "machine": [], "records": records})
+    rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| 2,000")}
+    assert set(rows) == {"cold (joint)", "first", "warm-blend"}
+    assert "| 1.20 (1.20-1.20) |" in rows["first"] and "| 0.30 (0.30-0.30) |" in rows["warm-blend"]
