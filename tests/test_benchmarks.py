@@ -631,11 +631,14 @@ def test_document_cache_report_pools_the_paired_samples_of_every_run(tmp_path):
 def test_the_draft_phase_timer_counts_each_phase_and_restores_the_originals():
     import document_cache_speed as study
 
-    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in study.PHASES.items()}
+    def current():
+        return {name: getattr(owner, attribute) for name, (owner, attribute) in study.PHASES.items()}
+
+    originals = current()
     with study.phase_timer() as spent:
-        assert all(getattr(owner, attribute) is not originals[name] for name, (owner, attribute) in study.PHASES.items())
+        assert all(current()[name] is not originals[name] for name in originals)
         study.assembly._recomputed(None, None, torch.zeros((0, 2), dtype=torch.long), [], study.DocumentRepair("naive"))
-    assert all(getattr(owner, attribute) is originals[name] for name, (owner, attribute) in study.PHASES.items())
+    assert current() == originals
     assert spent["probe"] > 0 and spent["encode_documents"] == spent["fresh_forward"] == spent["score"] == 0
 
 
