@@ -146,6 +146,9 @@ STUDIES: dict[str, Study] = {
             "shared the cores for the first two minutes (warm-up and part of request 1), then was paused",
             "zipf": "500 SQuAD paragraphs, Zipf retrieval, cache a tenth of the corpus; 76 of 100 questions, resumed "
             "once at 58 with an empty cache; contended throughout (test suites, then CI): read the paired ratio",
+            "draft-phases": "the draft alone (0.5B) at 2k and 4k, keep 0.1: cold joint, first sight (empty store), "
+            "warm blend and naive, with the assembly's phases; after the cheaper blend probe; 2-core AMD EPYC without "
+            "AVX512, float32, one torch thread, beside another benchmark (contended: read the per-request ratios)",
         },
     ),
     "draft-cache": Study(
