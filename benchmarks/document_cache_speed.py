@@ -117,6 +117,13 @@ def machine() -> dict:
     }
 
 
+def table_head(title: str, settings: str, report: dict, columns: str) -> list[str]:
+    """A run's table up to its rows: the title, settings and machine lines, and the ``", "``-separated columns."""
+    names = columns.split(", ")
+    header = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    return [title, settings, f"Machine: `{json.dumps(report['machine'])}`", "", *header]
+
+
 def save(out: Path, report: dict, table: str) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
@@ -224,15 +231,13 @@ def run_speed(args) -> None:
 
 def speed_table(report: dict) -> str:
     settings, records = report["settings"], report["records"]
-    lines = [
+    lines = table_head(
         "Warm requests: every document served from the per-document draft cache, in a new combination and order.",
         f"Settings: `{json.dumps(settings)}`; corpus: `{json.dumps(report.get('corpus'))}`",
-        f"Machine: `{json.dumps(report['machine'])}`",
-        "",
-        "| doc tokens asked | prompt tokens | keep | repair | n | TTFT full ms | TTFT cold ms | TTFT cached ms | "
-        "full / cached | cold / cached | draft ms cold | draft ms cached | cached / cold draft | documents cached |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        report,
+        "doc tokens asked, prompt tokens, keep, repair, n, TTFT full ms, TTFT cold ms, TTFT cached ms, full / cached, "
+        "cold / cached, draft ms cold, draft ms cached, cached / cold draft, documents cached",
+    )
     for length in settings["lengths"]:
         rows = [r for r in records if r["length"] == length]
         if not rows:
@@ -464,15 +469,13 @@ def run_draft(args) -> None:
 def draft_table(report: dict) -> str:
     settings, records = report["settings"], report["records"]
     arms = ["first", *(f"warm-{repair}" for repair in settings["repairs"])]
-    lines = [
+    lines = table_head(
         "The draft's time on the per-document cache path against a cold joint draft (the same prompt, one process).",
         f"Settings: `{json.dumps(settings)}`",
-        f"Machine: `{json.dumps(report['machine'])}`",
-        "",
-        "| doc tokens asked | prompt tokens | arm | n | draft ms | / cold draft | encode documents | probe | "
-        "fresh forward | score + look-ahead |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        report,
+        "doc tokens asked, prompt tokens, arm, n, draft ms, / cold draft, encode documents, probe, fresh forward, "
+        "score + look-ahead",
+    )
     for length in settings["lengths"]:
         rows = [r for r in records if r["length"] == length]
         if not rows:
