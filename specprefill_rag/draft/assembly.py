@@ -206,7 +206,7 @@ def _keys_then_stop(last_layer: int) -> Any:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        if module.layer_idx == last_layer:
+        if getattr(module, "layer_idx", None) == last_layer:  # without one, stop_after_layers ends the pass
             raise StopForward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
