@@ -24,7 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import bootstrap_interval  # noqa: E402
 
 JOINT = "specprefill"
-CACHED = {"specprefill-documents": "blend", "specprefill-documents-naive": "naive"}
+CACHED = {
+    "specprefill-documents": "blend",
+    "specprefill-documents-naive": "naive",
+    "specprefill-documents-blend05": "blend 5%",
+}
 
 
 def positions(runs: list[list[int]]) -> set[int]:
