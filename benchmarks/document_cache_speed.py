@@ -61,6 +61,7 @@ from specprefill_rag import SpecPrefillEngine  # noqa: E402
 from specprefill_rag.draft import assembly  # noqa: E402
 from specprefill_rag.draft.model import ModelDraft  # noqa: E402
 from specprefill_rag.draft.repair import DEFAULT_REPAIR, DocumentRepair  # noqa: E402
+from specprefill_rag.errors import InvalidRequestError  # noqa: E402
 from specprefill_rag.models.loading import load_model  # noqa: E402
 
 RATIO = "{:.2f}"
@@ -143,6 +144,24 @@ def load(out: Path, settings: dict, resume: bool) -> dict:
 # -- speed ------------------------------------------------------------------------------------------
 
 
+def repair_of(spec: str) -> DocumentRepair:
+    """A ``--repairs`` entry: ``naive``, ``epic``, ``blend`` or ``blend:<share>`` (blend computing that share of
+    the cached document tokens again)."""
+    kind, _, share = spec.partition(":")
+    if share and kind != "blend":
+        raise argparse.ArgumentTypeError(f"only blend takes a share, not {spec!r}")
+    return DocumentRepair(kind, share=float(share)) if share else DocumentRepair(kind)  # type: ignore[arg-type]
+
+
+def repair_spec(spec: str) -> str:
+    """``--repairs``' type: the spec itself, once :func:`repair_of` accepts it."""
+    try:
+        repair_of(spec)
+    except (ValueError, InvalidRequestError) as error:
+        raise argparse.ArgumentTypeError(f"{spec!r}: {error}") from error
+    return spec
+
+
 def speed_engines(
     main, tokenizer, draft, keeps: list[float], cache_mb: int, repairs: list[str]
 ) -> dict[str, SpecPrefillEngine]:
@@ -168,7 +187,7 @@ def speed_engines(
                 draft_document_cache=True,
                 **common,
             )
-            engines[name].draft.repair = DocumentRepair(repair)  # type: ignore[attr-defined]
+            engines[name].draft.repair = repair_of(repair)  # type: ignore[attr-defined]
     return engines
 
 
@@ -459,7 +478,7 @@ def run_draft(args) -> None:
         row["cold"] = draft_arm(cold, documents, target["question"])
         row["first"] = draft_arm(cached, documents, target["question"])
         for repair in args.repairs:
-            cached.draft.repair = DocumentRepair(repair)  # type: ignore[attr-defined]
+            cached.draft.repair = repair_of(repair)  # type: ignore[attr-defined]
             row[f"warm-{repair}"] = draft_arm(cached, documents, target["question"])
         report["records"].append(row)
         save(args.out, report, draft_table(report))
@@ -520,13 +539,13 @@ def main(argv: list[str] | None = None) -> None:
     speed.add_argument("--repeats", type=int, default=3)
     speed.add_argument("--corpus", type=int, default=80, help="paragraphs warmed and drawn from")
     speed.add_argument(
-        "--repairs", nargs="+", default=["blend"], choices=["naive", "epic", "blend"], help="cached arms' repairs"
+        "--repairs", nargs="+", default=["blend"], type=repair_spec, help="cached arms' repairs (blend:<share> too)"
     )
     draft = studies.choices["draft"]
     draft.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000], help="document tokens per prompt")
     draft.add_argument("--keep", type=float, default=0.1)
     draft.add_argument("--repeats", type=int, default=3)
-    draft.add_argument("--repairs", nargs="+", default=["blend", "naive"], choices=["naive", "epic", "blend"])
+    draft.add_argument("--repairs", nargs="+", default=["blend", "naive"], type=repair_spec, help="blend:<share> too")
     zipf = studies.choices["zipf"]
     zipf.add_argument("--keep", type=float, default=0.1)
     zipf.add_argument("--corpus", type=int, default=500)

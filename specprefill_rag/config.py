@@ -58,6 +58,7 @@ DRAFT_DESCRIPTION = (
 Positions = Literal["original", "contiguous"]
 DocumentRepairKind = Literal["naive", "epic", "blend"]
 """What the per-document draft cache computes again in context (:mod:`specprefill_rag.draft.repair`)."""
+DEFAULT_BLEND_SHARE = 0.15  # CacheBlend's share; docs/guide/document-cache.md measures 0.05 against it
 # Sampling temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them overflows float32 (1e-45 gives
 # inf and then NaN probabilities), and below 0.01 sampling is greedy in all but name. vLLM raises such values to
 # 0.01 with a warning; here nothing is changed silently, so they are refused with the fix (0 = greedy).
@@ -256,6 +257,15 @@ class CompressionSettings(BaseModel):
         "prefill at 4k tokens against blend's 3.5x, but 9 points under joint scoring at keep 0.1 over HotpotQA, NQ "
         "and NIAH, where blend was level with it; docs: Document cache).",
     )
+    document_repair_share: float = Field(
+        DEFAULT_BLEND_SHARE,
+        strict=True,
+        ge=0.0,
+        le=1.0,
+        description="document_repair='blend': share of the prompt's cached document tokens computed again in "
+        "context, in [0, 1]. The recompute is most of a warm draft's time, but on HotpotQA 0.05 scored 17 points "
+        "under joint scoring at keep 0.1 where 0.15 was level with it (docs: Document cache).",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="'auto' = bfloat16 on a CPU that computes it natively (AVX512-BF16 or AMX), float32 on other CPUs; "
@@ -265,6 +275,15 @@ class CompressionSettings(BaseModel):
     @model_validator(mode="after")
     def _auto_bounds(self) -> Self:
         check_auto_bounds(self.auto_keep_floor, self.auto_keep_ceiling)
+        return self
+
+    @model_validator(mode="after")
+    def _share_needs_blend(self) -> Self:
+        if "document_repair_share" in self.model_fields_set and self.document_repair != "blend":
+            raise ValueError(
+                f"document_repair_share applies to document_repair='blend' only, not {self.document_repair!r}; "
+                "leave it unset or use document_repair='blend'"
+            )
         return self
 
     def compression(self) -> dict[str, Any]:

@@ -155,7 +155,7 @@ class SpecPrefillEngine:
                 window,
                 cache,
                 documents,
-                DocumentRepair(config.document_repair),
+                DocumentRepair.of(config),
             )
             scoring: DirectScoring | MappedScoring = DirectScoring(
                 scorer, main.context_length, 1, config.max_draft_tokens, path="self"
@@ -172,7 +172,7 @@ class SpecPrefillEngine:
                 draft_eos,
                 cache,
                 _document_cache(config, drafting.model),
-                DocumentRepair(config.document_repair),
+                DocumentRepair.of(config),
             )
             scoring = draft_scoring(
                 scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens
@@ -249,7 +249,7 @@ class SpecPrefillEngine:
         engine = cls.__new__(cls)
         cache = _prefix_cache(config, draft.model)
         documents = _document_cache(config, draft.model)
-        repair = DocumentRepair(config.document_repair)
+        repair = DocumentRepair.of(config)
         scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache, documents, repair)
         scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead, config.max_draft_tokens)
         floor = REMOTE_MAIN_MIN_PROMPT_TOKENS if config.min_prompt_tokens == AUTO else config.min_prompt_tokens

@@ -514,6 +514,20 @@ ROWS += [
     ),
     Row(
         "SpecPrefillEngine(...)",
+        "document_repair_share: above 1",
+        lambda s: s.configure(document_repair_share=1.5),
+        ValidationError,
+        "document_repair_share\n.*less than or equal to 1",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
+        "document_repair_share without blend",
+        lambda s: s.configure(document_repair="naive", document_repair_share=0.05),
+        ValidationError,
+        "document_repair_share applies to document_repair='blend' only, not 'naive'",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
         "draft_document_cache without a cache",
         lambda s: s.configure(draft_document_cache=True, document_cache_mb=0),
         ValidationError,

@@ -654,3 +654,14 @@ def test_the_draft_table_reads_each_arm_against_the_cold_draft():
     rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| 2,000")}
     assert set(rows) == {"cold (joint)", "first", "warm-blend"}
     assert "| 1.20 (1.20-1.20) |" in rows["first"] and "| 0.30 (0.30-0.30) |" in rows["warm-blend"]
+
+
+def test_a_repairs_entry_names_a_repair_and_blend_takes_a_share():
+    import document_cache_speed as study
+
+    assert study.repair_of("naive") == study.DocumentRepair("naive")
+    assert study.repair_of("blend:0.05") == study.DocumentRepair("blend", share=0.05)
+    assert study.repair_spec("blend:0.05") == "blend:0.05"
+    for bad in ("naive:0.05", "blend:2", "cacheblend", "blend:x"):
+        with pytest.raises(study.argparse.ArgumentTypeError):
+            study.repair_spec(bad)

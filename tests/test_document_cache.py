@@ -214,6 +214,38 @@ def test_the_engine_setting_picks_the_repair(tiny_model, tokenizer, sharp_draft)
     assert not torch.allclose(scores["naive"], scores["blend"])
 
 
+def test_the_blend_share_setting_reaches_every_draft_path(tiny_model, tokenizer, sharp_draft):
+    """``document_repair_share`` sets how much blend recomputes, for a draft model and a ``self`` draft alike."""
+    engines = [
+        SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, document_repair_share=0.05),
+        SpecPrefillEngine.from_models(tiny_model, tokenizer, None, draft="self:1", document_repair_share=0.05),
+    ]
+    assert [engine.draft.repair for engine in engines] == [DocumentRepair("blend", share=0.05)] * 2
+    default = SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft)
+    assert default.draft.repair == DocumentRepair("blend", share=0.15)
+
+
+def test_the_engine_blend_share_decides_how_close_to_joint_scores(tiny_model, tokenizer):
+    """Blend's share is the share of cached document tokens computed in context: share 1 scores as the joint
+    draft, a small share does not. Four layers: blend's two probe layers are joint already."""
+    deep_draft = build_model(tokenizer, layers=4, seed=3, initializer_range=0.2)
+    documents = random_documents(2, 60, seed=8)
+    errors = {}
+    for share in (0.05, 1.0):
+        engine = SpecPrefillEngine.from_models(
+            tiny_model, tokenizer, deep_draft, min_prompt_tokens=0, look_ahead=2, document_repair_share=share
+        )
+        engine.warm_documents(documents[::-1])
+        layout = layout_of(engine, documents)
+        first = int(document_runs(layout.document_index)[0, 0])
+        spans = DocumentSpans(document_runs(layout.document_index), instructions_end(layout.roles, first))
+        scored = engine.draft.score_prompt(layout.input_ids, spans)
+        joint = ModelDraft(deep_draft, 2, 13, frozenset()).score_prompt(layout.input_ids)
+        assert scored.documents_cached == 2
+        errors[share] = float((scored.importance - joint.importance).abs().max())
+    assert errors[1.0] < 1e-5 < errors[0.05]
+
+
 def test_a_self_draft_engine_takes_the_repair_setting(tiny_model, tokenizer):
     engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, None, draft="self:1", document_repair="naive")
     assert engine.draft.repair == NAIVE

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import DocumentRepairKind
+from ..config import DEFAULT_BLEND_SHARE, CompressionSettings, DocumentRepairKind
 from ..errors import InvalidRequestError
 
 
@@ -38,7 +38,7 @@ class DocumentRepair:
 
     kind: DocumentRepairKind = "blend"
     first_tokens: int = 16
-    share: float = 0.15
+    share: float = DEFAULT_BLEND_SHARE
     probe_layers: int = 2
 
     def __post_init__(self) -> None:
@@ -49,6 +49,11 @@ class DocumentRepair:
                 "document repair needs first_tokens >= 0, 0 <= share <= 1 and probe_layers >= 1, not "
                 f"{self.first_tokens}, {self.share}, {self.probe_layers}"
             )
+
+    @classmethod
+    def of(cls, settings: CompressionSettings) -> DocumentRepair:
+        """The repair ``settings`` ask for (``document_repair`` and, for blend, ``document_repair_share``)."""
+        return cls(settings.document_repair, share=settings.document_repair_share)
 
 
 NAIVE = DocumentRepair("naive")
