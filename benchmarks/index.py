@@ -129,6 +129,8 @@ STUDIES: dict[str, Study] = {
             "through the first label)",
             "hotpotqa-current": "the same 30 HotpotQA samples with the current key (labels out of it), in bfloat16 "
             "with AVX512-BF16, and the cache without repair (`specprefill-documents-naive`) beside blend",
+            "hotpotqa-blend05": "the same 30 HotpotQA samples, blend recomputing 5% of the document tokens "
+            "(`document_repair_share=0.05`) against joint scoring; AVX512-BF16, bfloat16",
             "squad": "SQuAD, the answer paragraph among 5, keep 0.1 and 0.3; kept tokens recorded from sample 14",
             "nq": "Natural Questions, the gold passage among 5 (~700 tokens), keep 0.1 and 0.3, blend and no repair",
             "niah-4k": "a needle among 5 essay documents (~4k tokens), blend and no repair; float32 on a 2-core AMD "
