@@ -129,6 +129,9 @@ STUDIES: dict[str, Study] = {
             "through the first label)",
             "hotpotqa-current": "the same 30 HotpotQA samples with the current key (labels out of it), in bfloat16 "
             "with AVX512-BF16, and the cache without repair (`specprefill-documents-naive`) beside blend",
+            "hotpotqa-fp32": "the same 30 HotpotQA samples with the current key in float32 (`--dtype auto` on a CPU "
+            "without AVX512-BF16), joint scoring and blend only: a replicate of hotpotqa-current in another dtype; "
+            "its run was left uncommitted by the session that made it and committed on 2026-12-05",
             "hotpotqa-blend05": "the same 30 HotpotQA samples, blend recomputing 5% of the document tokens "
             "(`document_repair_share=0.05`) against joint scoring; AVX512-BF16, bfloat16",
             "squad": "SQuAD, the answer paragraph among 5, keep 0.1 and 0.3; kept tokens recorded from sample 14",
