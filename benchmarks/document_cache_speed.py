@@ -63,6 +63,7 @@ from specprefill_rag.draft.model import ModelDraft  # noqa: E402
 from specprefill_rag.draft.repair import DEFAULT_REPAIR, DocumentRepair  # noqa: E402
 from specprefill_rag.errors import InvalidRequestError  # noqa: E402
 from specprefill_rag.models.loading import load_model  # noqa: E402
+from specprefill_rag.prompt.layout import document_runs, instructions_end  # noqa: E402
 
 RATIO = "{:.2f}"
 SYSTEM = "Answer the question using the documents. Answer with a short phrase."
@@ -351,9 +352,12 @@ def run_zipf(args) -> None:
         main_loaded.model, tokenizer, draft_loaded.model, document_cache_mb=0, **common
     )
     report["corpus"] = {"paragraphs": len(corpus), "tokens": corpus_tokens, "cache_mb": cache_mb}
-    if report["records"]:  # a resumed run starts with an empty cache: its first questions are marked
-        report.setdefault("restarts", []).append(len(report["records"]))
     questions = zipf_questions(corpus, args.questions, args.retrieved, args.exponent, args.seed)
+    if args.rerun_from is not None:
+        report["records"] = report["records"][: args.rerun_from]
+    if report["records"]:  # resumed: the store an uninterrupted run would hold now, drafted again
+        held = rebuild_store(cached, corpus, questions[: len(report["records"])], bytes_per_token)
+        report.setdefault("resumes", []).append({"at": len(report["records"]), "store": "rebuilt", "held": held})
     for number, question in enumerate(questions):
         if number < len(report["records"]):
             continue
@@ -376,6 +380,38 @@ def run_zipf(args) -> None:
             ),
             flush=True,
         )
+
+
+def rebuild_store(engine: SpecPrefillEngine, corpus: list[dict], asked: list[dict], bytes_per_token: int) -> int:
+    """Draft again into ``engine``'s empty document store what it held after ``asked`` (questions from
+    :func:`zipf_questions`), so a resumed run goes on as an uninterrupted one would; returns the documents held.
+
+    The store's least-recently-used order is replayed on entry sizes alone (each request looks up the prefix,
+    then its documents in prompt order; a miss is stored, the oldest entries leave past the budget), then the
+    documents left are warmed oldest first. An entry is its document drafted alone after the prefix, the same
+    KV whichever request stored it, so the rebuilt store holds what the uninterrupted one did (checked).
+    """
+    store = engine.document_cache
+    order: dict[int, int] = {}  # corpus index -> its entry's bytes, least recently used first
+    prefix_bytes, total = 0, 0
+    for question in asked:
+        documents = [corpus[i]["text"] for i in question["documents"]]
+        layout = engine.layout(corpus[question["about"]]["question"], documents, SYSTEM)
+        spans = document_runs(layout.document_index).tolist()
+        prefix_bytes = instructions_end(layout.roles, spans[0][0]) * bytes_per_token
+        for index, (start, end) in zip(question["documents"], spans):
+            if index in order:
+                order[index] = order.pop(index)
+                continue
+            order[index] = (end - start) * bytes_per_token
+            total += order[index]
+            while total + prefix_bytes > store.max_bytes:
+                total -= order.pop(next(iter(order)))
+    for index in order:
+        engine.warm_documents([corpus[index]["text"]], SYSTEM)
+    if len(store) != len(order) + 1 or store.nbytes != total + prefix_bytes:
+        raise SystemExit(f"rebuilt store: {len(store)} entries, {store.nbytes} bytes; replayed {len(order) + 1}")
+    return len(order)
 
 
 def zipf_table(report: dict) -> str:
@@ -553,6 +589,9 @@ def main(argv: list[str] | None = None) -> None:
     zipf.add_argument("--retrieved", type=int, default=10)
     zipf.add_argument("--exponent", type=float, default=1.0)
     zipf.add_argument("--cache-share", type=float, default=0.1, help="cache size as a share of the corpus's draft KV")
+    zipf.add_argument(
+        "--rerun-from", type=int, help="with --resume: drop the records from this question on and run them again"
+    )
     args = parser.parse_args(argv)
     if args.report:
         report = json.loads(args.out.with_suffix(".json").read_text())

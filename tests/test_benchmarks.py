@@ -665,3 +665,36 @@ def test_a_repairs_entry_names_a_repair_and_blend_takes_a_share():
     for bad in ("naive:0.05", "blend:2", "cacheblend", "blend:x"):
         with pytest.raises(study.argparse.ArgumentTypeError):
             study.repair_spec(bad)
+
+
+def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_model, tokenizer):
+    """The store is replayed on sizes and warmed again; it must equal, entry for entry and in LRU order, the
+    store that answering the same questions left, with documents evicted on the way."""
+    import document_cache_speed as study
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.testing import random_documents
+
+    texts = random_documents(24, 120, seed=11)
+    corpus = [{"text": text, "question": f"What is said in paragraph {i}?"} for i, text in enumerate(texts)]
+    asked = study.zipf_questions(corpus, questions=14, retrieved=4, exponent=0.5, seed=3)
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, tiny_model, min_prompt_tokens=0, look_ahead=1, document_cache_mb=1,
+        draft_document_cache=True, draft_cache_mb=0, main_cache_mb=0,
+    )  # fmt: skip
+    store = engine.document_cache
+    store.clear()
+    for question in asked:
+        documents = [corpus[i]["text"] for i in question["documents"]]
+        engine.generate(corpus[question["about"]]["question"], documents, study.SYSTEM, max_new_tokens=1)
+    uninterrupted = [(key, entry.nbytes) for key, entry in store._entries.items()]
+    evicted = len({i for q in asked for i in q["documents"]}) + 1 - len(uninterrupted)
+    store.clear()
+    bytes_per_token = 2 * 2 * 2 * 16 * 4  # keys and values, layers, KV heads, head dim, float32
+    held = study.rebuild_store(engine, corpus, asked, bytes_per_token)
+    rebuilt = [(key, entry.nbytes) for key, entry in store._entries.items()]
+    assert evicted > 0 and held == len(uninterrupted) - 1
+    assert dict(rebuilt) == dict(uninterrupted)
+    documents_in_order = [key for key, _ in uninterrupted if key[2] != b"prefix"]
+    assert [key for key, _ in rebuilt if key[2] != b"prefix"] == documents_in_order
+    store.clear()
