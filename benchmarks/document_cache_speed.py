@@ -355,6 +355,11 @@ def run_zipf(args) -> None:
     questions = zipf_questions(corpus, args.questions, args.retrieved, args.exponent, args.seed)
     if args.rerun_from is not None:
         report["records"] = report["records"][: args.rerun_from]
+        for mark in ("restarts", "resumes"):  # resumptions (runs before rebuilt stores: "restarts") of dropped records
+            kept = [r for r in report.get(mark, []) if (r if isinstance(r, int) else r["at"]) < args.rerun_from]
+            report.pop(mark, None)
+            if kept:
+                report[mark] = kept
     if report["records"]:  # resumed: the store an uninterrupted run would hold now, drafted again
         held = rebuild_store(cached, corpus, questions[: len(report["records"])], bytes_per_token)
         report.setdefault("resumes", []).append({"at": len(report["records"]), "store": "rebuilt", "held": held})
