@@ -136,8 +136,9 @@ STUDIES: dict[str, Study] = {
             "(`document_repair_share=0.05`) against joint scoring; AVX512-BF16, bfloat16",
             "squad": "SQuAD, the answer paragraph among 5, keep 0.1 and 0.3; kept tokens recorded from sample 14",
             "nq": "Natural Questions, the gold passage among 5 (~700 tokens), keep 0.1 and 0.3, blend and no repair",
-            "niah-4k": "a needle among 5 essay documents (~4k tokens), blend and no repair; float32 on a 2-core AMD "
-            "EPYC without AVX512; 15 of 30 samples (resumable)",
+            "niah-4k": "a needle among 5 essay documents (~4k tokens), blend and no repair; samples 0-14 in float32 on "
+            "a 2-core AMD EPYC without AVX512, 15-29 in bfloat16 on a 2-core Intel Xeon with AMX (each sample's arms "
+            "in one process)",
         },
     ),
     "document-cache-speed": Study(
