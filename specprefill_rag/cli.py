@@ -1,4 +1,9 @@
-"""Command line: ``specprefill-rag ask --question ... --docs FILE...`` and ``specprefill-rag serve ...``."""
+"""Command line: ``specprefill-rag ask --question ... --docs FILE...`` and ``specprefill-rag serve ...``.
+
+Both commands' settings options are generated from the settings classes (one option per field: its type,
+bounds checked by the class, description and default): ``ask`` from :class:`SpecPrefillConfig` and the
+decoding fields of :class:`GenerationParams`, ``serve`` from :class:`GatewaySettings`.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import SecretStr, ValidationError
 from pydantic.fields import FieldInfo
 
-from .config import AUTO, DEFAULT_MODEL, GenerationParams
+from .config import AUTO, GenerationParams, SpecPrefillConfig
 from .errors import SpecPrefillError
 from .prompt.layout import Document
 from .serve.settings import GatewaySettings
@@ -52,16 +57,6 @@ def read_documents(paths: Sequence[str]) -> list[Document]:
     return documents
 
 
-def keep_rate_option(text: str) -> float | str:
-    """``--keep-rate``: 'auto' or a number (its range is checked by the settings it goes to)."""
-    if text == AUTO:
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number in (0, 1] nor 'auto'") from None
-
-
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="specprefill-rag", description=__doc__)
     commands = root.add_subparsers(dest="command", required=True)
@@ -71,22 +66,8 @@ def parser() -> argparse.ArgumentParser:
     ask.add_argument(
         "--instructions", default=DEFAULT_INSTRUCTIONS, help="system instructions (kept whole; '' for none)"
     )
-    ask.add_argument(
-        "--keep-rate",
-        type=keep_rate_option,
-        default=0.3,
-        help="fraction of document tokens to prefill (0, 1], or 'auto' (chosen per prompt)",
-    )
-    ask.add_argument("--main", default=DEFAULT_MODEL, help="HF id, model folder, .gguf file or 'smollm2-135m'")
-    ask.add_argument("--draft", default=None, help="same forms as --main, or 'self:<n>' (default: 'self')")
-    ask.add_argument(
-        "--min-prompt-tokens",
-        type=_or_literal(int, [AUTO]),
-        default=AUTO,
-        help="shorter prompts are not compressed ('auto': from the draft's cost against the main model's)",
-    )
+    add_field_options(ask, SpecPrefillConfig.model_fields, tuple(SpecPrefillConfig.model_fields))
     add_field_options(ask, GenerationParams.model_fields, ASK_DECODING)
-    ask.add_argument("--device", default="cpu")
     ask.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     ask.add_argument("--json", action="store_true", help="print one JSON object with the answer and the stats")
     models = commands.add_parser("models", help="list or install the named models (`make models`)")
@@ -221,13 +202,7 @@ def run_ask(args: argparse.Namespace) -> int:
     from .engine import SpecPrefillEngine
 
     documents = read_documents(args.docs)
-    engine = SpecPrefillEngine(
-        main=args.main,
-        draft=args.draft,
-        keep_rate=args.keep_rate,
-        min_prompt_tokens=args.min_prompt_tokens,
-        device=args.device,
-    )
+    engine = SpecPrefillEngine(**{name: getattr(args, name) for name in SpecPrefillConfig.model_fields if name in args})
     params = {name: getattr(args, name) for name in ASK_DECODING if hasattr(args, name)}
     result = None
     for chunk in engine.stream(args.question, documents, args.instructions or None, **params):

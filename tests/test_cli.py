@@ -3,7 +3,7 @@ import json
 import pytest
 
 from specprefill_rag.cli import ASK_DECODING, main, parser
-from specprefill_rag.config import GenerationParams
+from specprefill_rag.config import GenerationParams, SpecPrefillConfig
 from specprefill_rag.testing import random_documents
 
 
@@ -48,6 +48,30 @@ def test_ask_options_are_the_generation_params_fields():
     options = {action.dest: action for action in ask._actions}
     for name in ASK_DECODING:
         assert (GenerationParams.model_fields[name].description or "") in options[name].help
+
+
+def test_ask_options_are_the_engine_settings_fields():
+    """Every SpecPrefillConfig field is an ``ask`` option with its description; one not given is left out, so the
+    engine's default applies, and one given reaches the engine's config."""
+    ask = parser()._subparsers._group_actions[0].choices["ask"]
+    options = {action.dest: action for action in ask._actions}
+    for name, info in SpecPrefillConfig.model_fields.items():
+        assert (info.description or "")[:40] in options[name].help.replace("%%", "%")
+    argv = ["ask", "--question", "q", "--docs", "f"]
+    assert not {"keep_rate", "main", "device"} & set(vars(parser().parse_args(argv)))
+    given = parser().parse_args([*argv, "--keep-rate", "auto", "--look-ahead", "4", "--draft-document-cache"])
+    assert (given.keep_rate, given.look_ahead, given.draft_document_cache) == ("auto", 4, True)
+
+
+def test_ask_passes_engine_settings_to_the_engine(tmp_path, tiny_model_dir, capsys):
+    docs = write_documents(tmp_path)
+    model = str(tiny_model_dir)
+    argv = ["ask", "--question", "When?", "--docs", *docs, "--main", model, "--draft", model, "--json"]
+    assert main([*argv, "--keep-rate", "0.5", "--min-prompt-tokens", "0", "--chunk-size", "8"]) == 0
+    stats = json.loads(capsys.readouterr().out)["stats"]
+    assert 0.45 < stats["keep_rate"] < 0.55 and stats["compressed"] is True  # the default keeps 0.3
+    assert main([*argv, "--chunk-size", "0"]) == 2
+    assert "chunk_size" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option", [["--top-p", "1.5"], ["--top-logprobs", "21"], ["--temperature", "-1"]])
