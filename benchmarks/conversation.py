@@ -468,8 +468,8 @@ def quality_summary(report: dict) -> dict:
 
 def quality_markdown(report: dict) -> str:
     lines = [
-        f"`contains` per turn, {len(report['conversations'])} conversations; frozen (stable selection, the "
-        "default) against `reselect=True`; turn 1 is shared (same prompt, same selection)",
+        f"`contains` per turn, {len(report['conversations'])} conversations; frozen (stable selection, "
+        "`reselect=False`) against `reselect=True` (the default); turn 1 is shared (same prompt, same selection)",
         "",
         "| keep | turn | n | frozen | reselected | frozen - reselected (95% CI) | answers differ "
         "| frozen reused spans | draft ms frozen / reselected |",
