@@ -146,14 +146,23 @@ STUDIES: dict[str, Study] = {
         "order, TTFT and draft time against full prefill and a cold SpecPrefill draft at 2k/4k/8k, keep 0.1 and 0.3; "
         "a repair comparison at 4k; a Zipf workload with a cache a tenth of the corpus",
         "docs/guide/document-cache.md",
-        f"{EPYC}, bfloat16, two torch threads, run alone (the session's other benchmarks queued after it)",
+        f"{EPYC}, bfloat16, two torch threads, run alone (the session's other benchmarks queued after it); the "
+        "`-xeon-amx` runs and `zipf`: a 2-core Intel Xeon with AMX, bfloat16, two torch threads, run alone",
         "quiet",
         runs={
             "speed": "SQuAD paragraphs, 80 warmed; 3 requests per length, arms side by side in a rotating order",
+            "speed-xeon-amx": "the same requests with the current code (the cheaper blend probe), blend and naive "
+            "side by side, on a 2-core Intel Xeon with AMX in bfloat16, run alone",
+            "draft-phases-xeon-amx": "the draft alone at 2k and 4k, keep 0.1, 3 requests per length, cold, first "
+            "sight, warm blend and naive with the assembly's phases; the Xeon with AMX, bfloat16, two torch threads, "
+            "run alone",
+            "zipf-warmed": "the Zipf workload of `zipf` with the 50 most popular paragraphs warmed before the first "
+            "question (`--warm-popular 50`); the Xeon with AMX, run alone",
             "speed-repairs": "the same at 4k, keep 0.1, blend against naive (no repair); a test suite at nice 10 "
             "shared the cores for the first two minutes (warm-up and part of request 1), then was paused",
-            "zipf": "500 SQuAD paragraphs, Zipf retrieval, cache a tenth of the corpus; 76 of 100 questions, resumed "
-            "once at 58 with an empty cache; contended throughout (test suites, then CI): read the paired ratio",
+            "zipf": "500 SQuAD paragraphs, Zipf retrieval, cache a tenth of the corpus, no warm-up; all 100 questions "
+            "in one run on the Xeon with AMX (an earlier partial run on the EPYC, 76 questions, was replaced); a "
+            "45-second test run shared the cores near question 15",
             "draft-phases": "the draft alone (0.5B) at 2k and 4k, keep 0.1: cold joint, first sight (empty store), "
             "warm blend and naive, with the assembly's phases; after the cheaper blend probe; 2-core AMD EPYC without "
             "AVX512, float32, one torch thread, beside another benchmark (contended: read the per-request ratios)",

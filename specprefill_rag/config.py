@@ -253,9 +253,9 @@ class CompressionSettings(BaseModel):
         "blend",
         description="With draft_document_cache: what of the cached documents the draft computes again in this "
         "prompt. 'blend': the 15% of cached document tokens whose KV deviates most (a 2-layer joint probe finds "
-        "them); 'epic': each document's first 16 tokens; 'naive': nothing (the fastest: 5.8x faster than a full "
-        "prefill at 4k tokens against blend's 3.5x, but 9 points under joint scoring at keep 0.1 over HotpotQA, NQ "
-        "and NIAH, where blend was level with it; docs: Document cache).",
+        "them); 'epic': each document's first 16 tokens; 'naive': nothing (the fastest: 4.7-5.8x faster than a "
+        "full prefill at 4k tokens against blend's 3.5-3.7x, but 8 points under joint scoring at keep 0.1 over "
+        "HotpotQA, NQ and NIAH, where blend was level with it; docs: Document cache).",
     )
     document_repair_share: float = Field(
         DEFAULT_BLEND_SHARE,
