@@ -393,9 +393,7 @@ def run_zipf(args) -> None:
 def warm_popular(engine: SpecPrefillEngine, corpus: list[dict], count: int) -> int:
     """Warm the ``count`` most popular paragraphs (the Zipf ranks 1..count) at ingestion, the most popular last
     (most recently used); returns the documents the store then holds."""
-    for index in reversed(range(count)):
-        engine.warm_documents([corpus[index]["text"]], SYSTEM)
-    return len(engine.document_cache) - 1
+    return sum(engine.warm_documents([corpus[index]["text"]], SYSTEM) for index in reversed(range(count)))
 
 
 def rebuild_store(

@@ -667,9 +667,11 @@ def test_a_repairs_entry_names_a_repair_and_blend_takes_a_share():
             study.repair_spec(bad)
 
 
-def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_model, tokenizer):
-    """The store is replayed on sizes and warmed again; it must equal, entry for entry and in LRU order, the
-    store that answering the same questions left, with documents evicted on the way."""
+@pytest.mark.parametrize("warmed", [0, 5])
+def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_model, tokenizer, warmed):
+    """The store is replayed on sizes and warmed again (after the run's own warm-up of the most popular paragraphs,
+    if any); it must equal, entry for entry and in LRU order, the store that answering the same questions left,
+    with documents evicted on the way."""
     import document_cache_speed as study
 
     from specprefill_rag import SpecPrefillEngine
@@ -684,44 +686,18 @@ def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_m
     )  # fmt: skip
     store = engine.document_cache
     store.clear()
+    assert study.warm_popular(engine, corpus, warmed) == warmed
     for question in asked:
         documents = [corpus[i]["text"] for i in question["documents"]]
         engine.generate(corpus[question["about"]]["question"], documents, study.SYSTEM, max_new_tokens=1)
     uninterrupted = [(key, entry.nbytes) for key, entry in store._entries.items()]
-    evicted = len({i for q in asked for i in q["documents"]}) + 1 - len(uninterrupted)
+    seen = set(range(warmed)) | {i for q in asked for i in q["documents"]}
     store.clear()
     bytes_per_token = 2 * 2 * 2 * 16 * 4  # keys and values, layers, KV heads, head dim, float32
-    held = study.rebuild_store(engine, corpus, asked, bytes_per_token)
+    held = study.rebuild_store(engine, corpus, asked, bytes_per_token, warmed)
     rebuilt = [(key, entry.nbytes) for key, entry in store._entries.items()]
-    assert evicted > 0 and held == len(uninterrupted) - 1
+    assert len(seen) + 1 > len(uninterrupted) and held == len(uninterrupted) - 1  # some were evicted
     assert dict(rebuilt) == dict(uninterrupted)
     documents_in_order = [key for key, _ in uninterrupted if key[2] != b"prefix"]
     assert [key for key, _ in rebuilt if key[2] != b"prefix"] == documents_in_order
-    store.clear()
-
-
-def test_a_resumed_zipf_run_with_a_warm_up_rebuilds_the_warmed_store_too(tiny_model, tokenizer):
-    import document_cache_speed as study
-
-    from specprefill_rag import SpecPrefillEngine
-    from specprefill_rag.testing import random_documents
-
-    corpus = [{"text": text, "question": "Why?"} for text in random_documents(16, 120, seed=12)]
-    asked = study.zipf_questions(corpus, questions=6, retrieved=3, exponent=1.0, seed=4)
-    engine = SpecPrefillEngine.from_models(
-        tiny_model, tokenizer, tiny_model, min_prompt_tokens=0, look_ahead=1, document_cache_mb=1,
-        draft_document_cache=True, draft_cache_mb=0, main_cache_mb=0,
-    )  # fmt: skip
-    store = engine.document_cache
-    store.clear()
-    assert study.warm_popular(engine, corpus, 5) == 5
-    for question in asked:
-        documents = [corpus[i]["text"] for i in question["documents"]]
-        engine.generate(corpus[question["about"]]["question"], documents, study.SYSTEM, max_new_tokens=1)
-    uninterrupted = [(key, entry.nbytes) for key, entry in store._entries.items()]
-    store.clear()
-    study.rebuild_store(engine, corpus, asked, 2 * 2 * 2 * 16 * 4, warmed=5)
-    rebuilt = [(key, entry.nbytes) for key, entry in store._entries.items()]
-    assert dict(rebuilt) == dict(uninterrupted)
-    assert [k for k, _ in rebuilt if k[2] != b"prefix"] == [k for k, _ in uninterrupted if k[2] != b"prefix"]
     store.clear()
