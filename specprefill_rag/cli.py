@@ -165,13 +165,16 @@ def _option_kind(annotation: Any) -> dict[str, Any]:
 def _or_literal(kind: type, literals: list[str]) -> Any:
     """An option type taking one of ``literals`` or a ``kind`` (``--keep-rate auto`` or ``--keep-rate 0.2``)."""
 
+    what = {float: "a number", int: "a whole number"}.get(kind, f"a {kind.__name__}")
+    words = " or ".join(repr(literal) for literal in literals)
+
     def parse(text: str) -> Any:
         if text in literals:
             return text
         try:
             return kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is neither a {kind.__name__} nor one of {literals}") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is neither {what} nor {words}") from None
 
     parse.__name__ = kind.__name__
     return parse

@@ -712,7 +712,7 @@ CLI_CASES = [
     (
         "--keep-rate: not a number",
         ["--keep-rate", "abc"],
-        "argument --keep-rate: 'abc' is neither a number .* nor 'auto'",
+        "argument --keep-rate: 'abc' is neither a number nor 'auto'",
     ),
     ("--keep-rate: NaN", ["--keep-rate", "nan"], "keep_rate\n.*finite number"),
     ("--keep-rate: inf", ["--keep-rate", "inf"], "keep_rate\n.*finite number"),
