@@ -164,7 +164,6 @@ def _option_kind(annotation: Any) -> dict[str, Any]:
 
 def _or_literal(kind: type, literals: list[str]) -> Any:
     """An option type taking one of ``literals`` or a ``kind`` (``--keep-rate auto`` or ``--keep-rate 0.2``)."""
-
     what = {float: "a number", int: "a whole number"}.get(kind, f"a {kind.__name__}")
     words = " or ".join(repr(literal) for literal in literals)
 
