@@ -333,12 +333,8 @@ def run_zipf(args) -> None:
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
     tokenizer = main_loaded.tokenizer
     corpus = squad_paragraphs(args.seed)[: args.corpus]
-    corpus_tokens = sum(len(tokenizer(p["text"], add_special_tokens=False).input_ids) for p in corpus)
-    config = draft_loaded.model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    bytes_per_token = (
-        2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * draft_loaded.model.dtype.itemsize
-    )
+    corpus_tokens = sum(document_tokens(tokenizer, corpus))
+    bytes_per_token = kv_bytes_per_token(draft_loaded.model)
     cache_mb = max(1, round(args.cache_share * corpus_tokens * bytes_per_token / 2**20))
     common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
     cached = SpecPrefillEngine.from_models(
@@ -390,6 +386,50 @@ def run_zipf(args) -> None:
         )
 
 
+def document_tokens(tokenizer: Any, corpus: list[dict]) -> list[int]:
+    """Each paragraph's token count, tokenized alone."""
+    return [len(tokenizer(p["text"], add_special_tokens=False).input_ids) for p in corpus]
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes of one token's draft KV (keys and values of every layer) in the model's dtype."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
+
+
+def replay_store(
+    requests: list[list[tuple[int, int]]], budget: int, pinned: dict[int, int] | None = None
+) -> tuple[int, dict[int, int]]:
+    """A document store replayed on entry sizes alone, as :class:`DocumentKVCache` keeps it.
+
+    Args:
+        requests: per request, its documents in prompt order as ``(document, entry bytes)``.
+        budget: the bytes the documents may hold (the store's bound less its prefix entry).
+        pinned: documents held from the start and never evicted (their bytes count against ``budget``).
+
+    Returns:
+        The lookups that hit, and the other documents held at the end with their bytes, least recently used first.
+    """
+    pinned = pinned or {}
+    held: dict[int, int] = {}
+    total, hits = sum(pinned.values()), 0
+    for request in requests:
+        for document, size in request:
+            if document in pinned or document in held:
+                hits += 1
+                if document in held:
+                    held[document] = held.pop(document)
+                continue
+            if sum(pinned.values()) + size > budget:
+                continue  # only pinned entries left to evict: the store keeps it out
+            held[document] = size
+            total += size
+            while total > budget:
+                total -= held.pop(next(iter(held)))
+    return hits, held
+
+
 def warm_popular(engine: SpecPrefillEngine, corpus: list[dict], count: int) -> int:
     """Warm the ``count`` most popular paragraphs (the Zipf ranks 1..count) at ingestion, the most popular last
     (most recently used); returns the documents the store then holds."""
@@ -408,27 +448,59 @@ def rebuild_store(
     KV whichever request stored it, so the rebuilt store holds what the uninterrupted one did (checked).
     """
     store = engine.document_cache
-    order: dict[int, int] = {}  # corpus index -> its entry's bytes, least recently used first
-    prefix_bytes, total = 0, 0
     ingested = [{"documents": list(reversed(range(warmed))), "about": 0}] if warmed else []
+    requests, prefix_bytes = [], 0
     for question in ingested + asked:
         documents = [corpus[i]["text"] for i in question["documents"]]
         layout = engine.layout(corpus[question["about"]]["question"], documents, SYSTEM)
         spans = document_runs(layout.document_index).tolist()
         prefix_bytes = instructions_end(layout.roles, spans[0][0]) * bytes_per_token
-        for index, (start, end) in zip(question["documents"], spans):
-            if index in order:
-                order[index] = order.pop(index)
-                continue
-            order[index] = (end - start) * bytes_per_token
-            total += order[index]
-            while total + prefix_bytes > store.max_bytes:
-                total -= order.pop(next(iter(order)))
-    for index in order:
+        requests.append([(i, (end - start) * bytes_per_token) for i, (start, end) in zip(question["documents"], spans)])
+    _, held = replay_store(requests, store.max_bytes - prefix_bytes)
+    for index in held:
         engine.warm_documents([corpus[index]["text"]], SYSTEM)
-    if len(store) != len(order) + 1 or store.nbytes != total + prefix_bytes:
-        raise SystemExit(f"rebuilt store: {len(store)} entries, {store.nbytes} bytes; replayed {len(order) + 1}")
-    return len(order)
+    if len(store) != len(held) + 1 or store.nbytes != sum(held.values()) + prefix_bytes:
+        raise SystemExit(f"rebuilt store: {len(store)} entries, {store.nbytes} bytes; replayed {len(held) + 1}")
+    return len(held)
+
+
+def run_replay(args) -> None:
+    """Hit rates of the Zipf workload's store replayed on entry sizes (no model runs): least recently used, and
+    with the ``--pin`` most popular paragraphs pinned (held from the start, never evicted)."""
+    settings = {k: getattr(args, k) for k in ("draft", "corpus", "questions", "retrieved", "exponent", "seed")}
+    settings.update(cache_share=args.cache_share, pin=args.pin)
+    draft = load_model(args.draft, "cpu", args.dtype)
+    corpus = squad_paragraphs(args.seed)[: args.corpus]
+    sizes = [tokens * kv_bytes_per_token(draft.model) for tokens in document_tokens(draft.tokenizer, corpus)]
+    budget = max(1, round(args.cache_share * sum(sizes) / 2**20)) * 2**20
+    questions = zipf_questions(corpus, args.questions, args.retrieved, args.exponent, args.seed)
+    requests = [[(i, sizes[i]) for i in question["documents"]] for question in questions]
+    asked = sum(len(request) for request in requests)
+    rows = []
+    for count in args.pin:
+        pinned: dict[int, int] = {}
+        for index in range(count):  # the most popular first, while they fit
+            if sum(pinned.values()) + sizes[index] <= budget:
+                pinned[index] = sizes[index]
+        hits, _ = replay_store(requests, budget, pinned)
+        rows.append({"pin": count, "pinned": len(pinned), "hits": hits, "asked": asked, "hit_rate": hits / asked})
+    report = {"settings": settings, "machine": [machine()], "records": rows}
+    save(args.out, report, replay_table(report))
+
+
+def replay_table(report: dict) -> str:
+    lines = [
+        f"Settings: `{json.dumps(report['settings'])}`",
+        "",
+        "| pinned (most popular first) | documents asked | hits | hit rate |",
+        "|---|---|---|---|",
+        *(f"| {r['pinned']} | {r['asked']:,} | {r['hits']:,} | {r['hit_rate']:.3f} |" for r in report["records"]),
+        "",
+        "The store replayed on entry sizes (paragraphs tokenized alone, the draft's KV bytes per token), without "
+        "its prefix entry; pinned paragraphs are held from the start and never evicted, the rest least recently "
+        "used first out. No model runs: hit rates, not times.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def zipf_table(report: dict) -> str:
@@ -581,7 +653,7 @@ def draft_table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     studies = parser.add_subparsers(dest="study", required=True)
-    for name in ("speed", "zipf", "draft"):
+    for name in ("speed", "zipf", "draft", "replay"):
         sub = studies.add_parser(name)
         sub.add_argument("--main", default="qwen2.5-coder-1.5b")
         sub.add_argument("--draft", default="qwen2.5-coder-0.5b")
@@ -606,11 +678,17 @@ def main(argv: list[str] | None = None) -> None:
     draft.add_argument("--repairs", nargs="+", default=["blend", "naive"], type=repair_spec, help="blend:<share> too")
     zipf = studies.choices["zipf"]
     zipf.add_argument("--keep", type=float, default=0.1)
-    zipf.add_argument("--corpus", type=int, default=500)
-    zipf.add_argument("--questions", type=int, default=100)
-    zipf.add_argument("--retrieved", type=int, default=10)
-    zipf.add_argument("--exponent", type=float, default=1.0)
-    zipf.add_argument("--cache-share", type=float, default=0.1, help="cache size as a share of the corpus's draft KV")
+    for workload in (zipf, studies.choices["replay"]):
+        workload.add_argument("--corpus", type=int, default=500)
+        workload.add_argument("--questions", type=int, default=100)
+        workload.add_argument("--retrieved", type=int, default=10)
+        workload.add_argument("--exponent", type=float, default=1.0)
+        workload.add_argument(
+            "--cache-share", type=float, default=0.1, help="cache size as a share of the corpus's draft KV"
+        )
+    studies.choices["replay"].add_argument(
+        "--pin", type=int, nargs="+", default=[0, 10, 20, 30, 40, 50], help="most popular paragraphs pinned"
+    )
     zipf.add_argument(
         "--warm-popular", type=int, default=0, help="warm the N most popular paragraphs before the first question"
     )
@@ -620,11 +698,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.report:
         report = json.loads(args.out.with_suffix(".json").read_text())
-        tables = {"speed": speed_table, "zipf": zipf_table, "draft": draft_table}
+        tables = {"speed": speed_table, "zipf": zipf_table, "draft": draft_table, "replay": replay_table}
         args.out.with_suffix(".md").write_text(tables[args.study](report))
         return
     torch.set_num_threads(args.threads)
-    {"speed": run_speed, "zipf": run_zipf, "draft": run_draft}[args.study](args)
+    {"speed": run_speed, "zipf": run_zipf, "draft": run_draft, "replay": run_replay}[args.study](args)
 
 
 if __name__ == "__main__":

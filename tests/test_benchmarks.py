@@ -701,3 +701,15 @@ def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_m
     documents_in_order = [key for key, _ in uninterrupted if key[2] != b"prefix"]
     assert [key for key, _ in rebuilt if key[2] != b"prefix"] == documents_in_order
     store.clear()
+
+
+def test_the_store_replay_evicts_the_least_recently_used_and_never_a_pinned_document():
+    from document_cache_speed import replay_store
+
+    requests = [[(1, 4), (2, 4)], [(1, 4), (3, 4)], [(1, 4), (2, 4)]]
+    hits, held = replay_store(requests, budget=10)
+    assert hits == 2 and list(held) == [1, 2]  # 1 hits twice; 2 leaves for 3 (1 was just used), 3 for 2
+    hits, held = replay_store(requests, budget=10, pinned={2: 4})
+    assert hits == 3 and list(held) == [1]  # 2 always hits; 1 and 3 take turns in the room the pin leaves
+    hits, held = replay_store([[(5, 8)]], budget=10, pinned={2: 4})
+    assert hits == 0 and held == {}  # no room beside the pinned entry: kept out, as the store does
