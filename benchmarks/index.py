@@ -210,9 +210,10 @@ STUDIES: dict[str, Study] = {
     "pair-quality": Study(
         "answer quality of every method on the real pair, same samples, keep 0.1 and 0.3 (the headline's scores)",
         PAIR_QUALITY,
-        f"{EPYC}, NIAH 4k samples 0-6 on an Intel Xeon; two studies at a time (the seconds recorded are contended)",
+        f"{EPYC}, NIAH 4k samples 0-6 on an Intel Xeon, LongBench samples 11-29 on an Intel Xeon with AMX; two studies "
+        "at a time (the seconds recorded are contended)",
         "shared",
-        runs={"niah-8k": "6 samples so far", "longbench": "LongBench F1, 11 samples so far"},
+        runs={"niah-8k": "6 samples so far", "longbench": "LongBench F1, 30 samples"},
     ),
     "pair-self-tuning": Study(
         "depth and query window of `draft='self'` on the 1.5B main (tuning split: HotpotQA, 20 samples, keep 0.3)",
