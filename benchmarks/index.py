@@ -210,10 +210,13 @@ STUDIES: dict[str, Study] = {
     "pair-quality": Study(
         "answer quality of every method on the real pair, same samples, keep 0.1 and 0.3 (the headline's scores)",
         PAIR_QUALITY,
-        f"{EPYC}, NIAH 4k samples 0-6 on an Intel Xeon, LongBench samples 11-29 on an Intel Xeon with AMX; two studies "
-        "at a time (the seconds recorded are contended)",
+        f"{EPYC}, NIAH 4k samples 0-6 on an Intel Xeon, NIAH 8k samples 6-17 and LongBench samples 11-29 on an "
+        "Intel Xeon with AMX; two studies at a time (the seconds recorded are contended)",
         "shared",
-        runs={"niah-8k": "6 samples so far", "longbench": "LongBench F1, 30 samples"},
+        runs={
+            "niah-8k": "18 of 30 samples (6-17 on an Intel Xeon with AMX); resumable",
+            "longbench": "LongBench F1, 30 samples",
+        },
     ),
     "pair-self-tuning": Study(
         "depth and query window of `draft='self'` on the 1.5B main (tuning split: HotpotQA, 20 samples, keep 0.3)",
