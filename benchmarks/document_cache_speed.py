@@ -325,9 +325,10 @@ def run_zipf(args) -> None:
             "exponent",
             "seed",
             "cache_share",
-            "warm_popular",
         )
     }
+    if args.warm_popular:  # named only when used, so runs made before the option existed still resume
+        settings["warm_popular"] = args.warm_popular
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
@@ -412,16 +413,17 @@ def replay_store(
         The lookups that hit, and the other documents held at the end with their bytes, least recently used first.
     """
     pinned = pinned or {}
+    pinned_bytes = sum(pinned.values())
     held: dict[int, int] = {}
-    total, hits = sum(pinned.values()), 0
+    total, hits = pinned_bytes, 0
     for request in requests:
         for document, size in request:
+            if document in held:
+                held[document] = held.pop(document)  # most recently used
             if document in pinned or document in held:
                 hits += 1
-                if document in held:
-                    held[document] = held.pop(document)
                 continue
-            if sum(pinned.values()) + size > budget:
+            if pinned_bytes + size > budget:
                 continue  # only pinned entries left to evict: the store keeps it out
             held[document] = size
             total += size
@@ -479,9 +481,10 @@ def run_replay(args) -> None:
     rows = []
     for count in args.pin:
         pinned: dict[int, int] = {}
+        room = budget
         for index in range(count):  # the most popular first, while they fit
-            if sum(pinned.values()) + sizes[index] <= budget:
-                pinned[index] = sizes[index]
+            if sizes[index] <= room:
+                pinned[index], room = sizes[index], room - sizes[index]
         hits, _ = replay_store(requests, budget, pinned)
         rows.append({"pin": count, "pinned": len(pinned), "hits": hits, "asked": asked, "hit_rate": hits / asked})
     report = {"settings": settings, "machine": [machine()], "records": rows}

@@ -693,8 +693,7 @@ def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_m
     uninterrupted = [(key, entry.nbytes) for key, entry in store._entries.items()]
     seen = set(range(warmed)) | {i for q in asked for i in q["documents"]}
     store.clear()
-    bytes_per_token = 2 * 2 * 2 * 16 * 4  # keys and values, layers, KV heads, head dim, float32
-    held = study.rebuild_store(engine, corpus, asked, bytes_per_token, warmed)
+    held = study.rebuild_store(engine, corpus, asked, study.kv_bytes_per_token(tiny_model), warmed)
     rebuilt = [(key, entry.nbytes) for key, entry in store._entries.items()]
     assert len(seen) + 1 > len(uninterrupted) and held == len(uninterrupted) - 1  # some were evicted
     assert dict(rebuilt) == dict(uninterrupted)
