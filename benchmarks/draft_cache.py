@@ -33,8 +33,8 @@ from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.config import DEFAULT_DRAFT_CACHE_MB
 from specprefill_rag.draft.model import ModelDraft
-from specprefill_rag.draft.prefix_cache import DraftPrefixCache
 from specprefill_rag.errors import ModelLoadError
+from specprefill_rag.kvcache.prefix_cache import PrefixKVCache
 from specprefill_rag.models.loading import load_model
 
 REAL_PAIR = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
@@ -115,7 +115,7 @@ def break_even(draft_model, tokenizer, length: int, shares: list[float]) -> list
     for share in shares:
         cached = min(int(share * length), length - 1)
         prompt = torch.cat([ids[:cached], ids[length + cached : 2 * length]])
-        warm = ModelDraft(draft_model, look_ahead=8, prefix_cache=DraftPrefixCache(2**40, min_reuse_share=0.0))
+        warm = ModelDraft(draft_model, look_ahead=8, prefix_cache=PrefixKVCache(2**40, min_reuse_share=0.0))
         warm.score(ids[: cached + 8] if cached < length - 1 else prompt)  # an entry sharing ``cached`` tokens
         drafts, times = {"cold": cold, "warm": warm}, {}
         for name in ("cold", "warm") if len(rows) % 2 == 0 else ("warm", "cold"):

@@ -40,9 +40,9 @@ from .draft.document_cache import DocumentKVCache, DocumentStore, shared_documen
 from .draft.hooks import decoder_layers
 from .draft.model import LayerPrefixDraft, ModelDraft
 from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring, warm_layout
-from .draft.prefix_cache import DraftPrefixCache, shared_prefix_cache
 from .draft.repair import DocumentRepair
 from .errors import ContextLengthError, InvalidRequestError
+from .kvcache.prefix_cache import PrefixKVCache, shared_prefix_cache
 from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_model
 from .pipeline import Budget, DraftCost, Pipeline
 from .prompt.chat import ChatLayout, ChatMessage, chat_layout
@@ -621,7 +621,7 @@ class SpecPrefillEngine:
             generated.close()
         yield decoding.finish()
 
-    # -- async generation (native on the event loop; see :mod:`specprefill_rag.aio`) ----------
+    # -- async generation (native on the event loop; see :mod:`specprefill_rag.backends.threads`) ----------
 
     def astream_layout(
         self,
@@ -825,7 +825,7 @@ class SpecPrefillEngine:
 _WARM_QUESTION = "?"  # the question comes after the documents: it never changes what is warmed
 
 
-def _prefix_cache(config: SpecPrefillConfig, draft_model: Any) -> DraftPrefixCache | None:
+def _prefix_cache(config: SpecPrefillConfig, draft_model: Any) -> PrefixKVCache | None:
     """The shared draft prefix cache for ``draft_model``'s device, or ``None`` when ``config`` turns it off."""
     return shared_prefix_cache(next(draft_model.parameters()).device, config.draft_cache_mb * 2**20)
 

@@ -234,3 +234,53 @@ def legacy_logprobs(logprobs: Sequence[TokenLogprob] | None, offset: int = 0) ->
         "top_logprobs": [{**{t.token: t.logprob for t in e.top_logprobs}, e.token: e.logprob} for e in logprobs],
         "text_offset": offsets,
     }
+
+
+LOGPROB_FLOOR = -9999.0  # how OpenAI and vLLM's server write a log-probability of -inf (JSON has no infinity)
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """One generated token's log-probability and the most likely tokens at its step, under the main model's
+    raw distribution (:class:`~specprefill_rag.config.LogprobSettings`).
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its log-probability.
+        top_ids: the ``params.top_logprobs`` most likely token ids, most likely first.
+        top_logprobs: their log-probabilities, in the same order.
+    """
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+    @classmethod
+    def from_candidates(cls, token_id: int, candidates: Mapping[int, float], top: int) -> StepLogprobs:
+        """From a server's ``{token id: log-probability}`` of one step, which holds the generated token and at
+        least the ``top`` most likely (vLLM: those, plus the generated token when it is not one of them). A
+        token its output constraint forbids (vLLM masks before computing them) has ``-inf``: written as
+        :data:`LOGPROB_FLOOR`, as vLLM's server and OpenAI write it.
+        """
+        if token_id not in candidates:
+            raise KeyError(f"the log-probabilities of a step do not include its token {token_id}")
+        floored = {token: max(value, LOGPROB_FLOOR) for token, value in candidates.items()}
+        best = sorted(floored.items(), key=lambda item: -item[1])[:top]
+        return cls(token_id, floored[token_id], tuple(i for i, _ in best), tuple(v for _, v in best))
+
+
+@dataclass
+class PrefillReport:
+    """What a backend tells about one request besides its tokens: its prefill, filled in by the time its
+    generator ends, and (``params.logprobs``) each token's log-probabilities, filled in as it yields them.
+
+    Attributes:
+        cached_tokens: leading prompt tokens (of the ``K`` prefilled) whose KV the main model's prefix cache
+            served, so they were not computed again; None when the backend does not report it.
+        logprobs: with ``params.logprobs``, entry ``i`` is the yielded token ``i``'s, appended before that
+            token is yielded; empty otherwise (nothing is computed).
+    """
+
+    cached_tokens: int | None = None
+    logprobs: list[StepLogprobs] = field(default_factory=list)

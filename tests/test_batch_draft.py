@@ -5,8 +5,8 @@ import torch
 
 from specprefill_rag.draft.importance import DraftScore
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft.prefix_cache import DraftPrefixCache
 from specprefill_rag.errors import DraftScoringError
+from specprefill_rag.kvcache.prefix_cache import PrefixKVCache
 from specprefill_rag.testing import random_documents
 
 
@@ -63,7 +63,7 @@ def test_layer_prefix_draft_scores_one_by_one_with_errors_per_prompt(tokenizer, 
 
 
 def test_prompts_the_prefix_cache_serves_are_scored_alone_from_it(tokenizer, tiny_model):
-    cache = DraftPrefixCache(max_bytes=1 << 26)
+    cache = PrefixKVCache(max_bytes=1 << 26)
     draft = ModelDraft(tiny_model, look_ahead=2, pool_kernel=13, prefix_cache=cache)
     documents, others = prompts_of(tokenizer, [60, 35])
     draft.score(documents)  # cached: the documents of an earlier question

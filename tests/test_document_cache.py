@@ -16,10 +16,10 @@ from specprefill_rag.draft.document_cache import DocumentKVCache
 from specprefill_rag.draft.importance import DraftScore
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
 from specprefill_rag.draft.paths import DraftInput, document_spans, draft_score, warm_layout
-from specprefill_rag.draft.prefix_cache import DraftIdentity
 from specprefill_rag.draft.repair import BLEND, EPIC, NAIVE, DocumentRepair
 from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.errors import InvalidRequestError
+from specprefill_rag.kvcache.prefix_cache import DraftIdentity
 from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.prompt.layout import Document, Role, document_runs, instructions_end
 from specprefill_rag.serve.queue import DraftQueue

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from specprefill_rag import GenerationParams, SpecPrefillConfig, SpecPrefillEngine
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft.prefix_cache import DraftIdentity, DraftPrefixCache, PrefixReuse, common_prefix_length
+from specprefill_rag.kvcache.prefix_cache import DraftIdentity, PrefixKVCache, PrefixReuse, common_prefix_length
 from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
 QUESTIONS = ["When did the bridge open?", "What is the capital of France?", "Who wrote the documents?"]
@@ -42,7 +42,7 @@ def scorers(model, cache):
 @pytest.mark.parametrize("kind", ["model-la1", "model-la4", "self-w5"])
 def test_hit_scores_as_a_cold_run(tiny_model, prompts, kind):
     first, second, _ = prompts
-    cold, cached = scorers(tiny_model, DraftPrefixCache(2**30))[kind]
+    cold, cached = scorers(tiny_model, PrefixKVCache(2**30))[kind]
     assert cached.score_prompt(first).cached_tokens == 0
     hit = cached.score_prompt(second)
     assert hit.cached_tokens == common_prefix_length(first, second) > 200
@@ -53,7 +53,7 @@ def test_hit_scores_as_a_cold_run(tiny_model, prompts, kind):
 def test_a_short_hit_attends_in_query_blocks_as_a_cold_run(tiny_model, prompts, monkeypatch, kind):
     first, _, other = prompts
     monkeypatch.setattr("specprefill_rag.draft.hooks.QUERY_BLOCK", 16)  # ~18 blocks of queries after the cached keys
-    cold, cached = scorers(tiny_model, DraftPrefixCache(2**30, min_reuse_share=0.0))[kind]
+    cold, cached = scorers(tiny_model, PrefixKVCache(2**30, min_reuse_share=0.0))[kind]
     cached.score_prompt(first)
     prompt = torch.cat([first[:10], other])
     hit = cached.score_prompt(prompt)
@@ -64,7 +64,7 @@ def test_a_short_hit_attends_in_query_blocks_as_a_cold_run(tiny_model, prompts, 
 @pytest.mark.parametrize("kind, reuse_at_most", [("model-la4", 1), ("self-w5", 5)])
 def test_the_same_prompt_again_recomputes_its_query_tokens(tiny_model, prompts, kind, reuse_at_most):
     first = prompts[0]
-    cold, cached = scorers(tiny_model, DraftPrefixCache(2**30))[kind]
+    cold, cached = scorers(tiny_model, PrefixKVCache(2**30))[kind]
     cached.score_prompt(first)
     again = cached.score_prompt(first)
     assert again.cached_tokens == first.numel() - reuse_at_most
@@ -73,7 +73,7 @@ def test_the_same_prompt_again_recomputes_its_query_tokens(tiny_model, prompts, 
 
 def test_a_hit_shares_the_entry_and_never_writes_into_it(tiny_model, prompts):
     first, second, _ = prompts
-    cache = DraftPrefixCache(2**30)
+    cache = PrefixKVCache(2**30)
     draft = ModelDraft(tiny_model, look_ahead=4, prefix_cache=cache)
     draft.score_prompt(first)
     (entry,) = cache._entries.values()
@@ -88,7 +88,7 @@ def test_a_hit_shares_the_entry_and_never_writes_into_it(tiny_model, prompts):
 
 def test_different_documents_never_hit(tiny_model, prompts):
     first, _, other = prompts
-    cache = DraftPrefixCache(2**30, min_reuse_share=0.0)
+    cache = PrefixKVCache(2**30, min_reuse_share=0.0)
     draft = ModelDraft(tiny_model, look_ahead=4, prefix_cache=cache)
     draft.score_prompt(first)
     assert draft.score_prompt(other).cached_tokens == common_prefix_length(first, other) < 5
@@ -104,7 +104,7 @@ def test_different_documents_never_hit(tiny_model, prompts):
 
 def test_a_prefix_cached_by_another_draft_never_hits(tokenizer, tiny_model, prompts):
     first = prompts[0]
-    cache = DraftPrefixCache(2**30, min_reuse_share=0.0)
+    cache = PrefixKVCache(2**30, min_reuse_share=0.0)
     twin = build_model(tokenizer, layers=2, seed=7)  # same shapes, other weights: a wrong hit would not crash
     ModelDraft(tiny_model, look_ahead=4, prefix_cache=cache).score_prompt(first)
     result = ModelDraft(twin, look_ahead=4, prefix_cache=cache).score_prompt(first)
@@ -116,7 +116,7 @@ def test_a_prefix_cached_by_another_draft_never_hits(tokenizer, tiny_model, prom
 
 
 def test_entries_of_a_collected_model_are_freed(tokenizer, prompts):
-    cache = DraftPrefixCache(2**30, min_reuse_share=0.0)
+    cache = PrefixKVCache(2**30, min_reuse_share=0.0)
     model = build_model(tokenizer, layers=1, seed=3)
     ModelDraft(model, look_ahead=1, prefix_cache=cache).score_prompt(prompts[0])
     assert len(cache) == 1 and cache.nbytes > 0
@@ -137,7 +137,7 @@ def entry_bytes(length, layers=2, heads=2, dim=4):
 
 def test_eviction_by_bytes_least_recently_used_first(tiny_model):
     draft = DraftIdentity.of(tiny_model, 2)
-    cache = DraftPrefixCache(max_bytes=entry_bytes(100) * 2 + entry_bytes(50), min_reuse_share=0.0)
+    cache = PrefixKVCache(max_bytes=entry_bytes(100) * 2 + entry_bytes(50), min_reuse_share=0.0)
     a, b, c = (torch.arange(100) + offset for offset in (0, 1000, 2000))
     for ids in (a, b):
         cache.store(tiny_model, draft, ids, fake_kv(ids))
@@ -153,7 +153,7 @@ def test_eviction_by_bytes_least_recently_used_first(tiny_model):
 
 def test_an_extended_prompt_replaces_its_prefix_entry(tiny_model):
     draft = DraftIdentity.of(tiny_model, 2)
-    cache = DraftPrefixCache(2**30, min_reuse_share=0.0)
+    cache = PrefixKVCache(2**30, min_reuse_share=0.0)
     turn_one, turn_two = torch.arange(60), torch.arange(90)
     cache.store(tiny_model, draft, turn_one, fake_kv(turn_one))
     cache.store(tiny_model, draft, turn_two, fake_kv(turn_two))
@@ -164,7 +164,7 @@ def test_an_extended_prompt_replaces_its_prefix_entry(tiny_model):
 
 def test_common_prefixes_under_half_the_prompt_are_misses(tiny_model):
     draft = DraftIdentity.of(tiny_model, 2)
-    cache = DraftPrefixCache(2**30)
+    cache = PrefixKVCache(2**30)
     cache.store(tiny_model, draft, torch.arange(100), fake_kv(torch.arange(100)))
     assert cache.lookup(draft, torch.cat([torch.arange(49), torch.full((51,), -1)]), 99) is None
     assert cache.lookup(draft, torch.cat([torch.arange(50), torch.full((50,), -1)]), 99).tokens == 50
@@ -172,7 +172,7 @@ def test_common_prefixes_under_half_the_prompt_are_misses(tiny_model):
 
 def test_concurrent_stores_and_lookups_stay_consistent(tiny_model):
     draft = DraftIdentity.of(tiny_model, 2)
-    cache = DraftPrefixCache(max_bytes=entry_bytes(64) * 5, min_reuse_share=0.0)
+    cache = PrefixKVCache(max_bytes=entry_bytes(64) * 5, min_reuse_share=0.0)
     shared = torch.arange(48)
     errors = []
 
@@ -210,7 +210,7 @@ def test_sliding_window_drafts_are_not_cached(tokenizer):
     )
     config._attn_implementation = "sdpa"
     model = MistralForCausalLM(config).eval()
-    cache = DraftPrefixCache(2**30, min_reuse_share=0.0)
+    cache = PrefixKVCache(2**30, min_reuse_share=0.0)
     reuse = PrefixReuse.begin(cache, model, 1, torch.arange(40), 39, needs_past=True)
     assert reuse.cache is None and reuse.cached_tokens == 0
 

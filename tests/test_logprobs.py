@@ -17,12 +17,13 @@ import torch
 
 import specprefill_rag.backends.hf as hf_backend
 from specprefill_rag import GenerationParams
-from specprefill_rag.backends.base import PrefillReport, SparsePrompt, StepLogprobs
+from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.backends.hf import HFBackend
 from specprefill_rag.backends.vllm import VLLMServerBackend, VLLMServerError
 from specprefill_rag.decode.detokenize import TokenPieces
 from specprefill_rag.gateway_client import find_gateway
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout
+from specprefill_rag.results import PrefillReport, StepLogprobs
 from specprefill_rag.testing import random_documents
 from tests.serve_helpers import MODEL, QUESTION, SYSTEM, chat_messages
 from tests.test_vllm_client import StandIn, handler_class, serve

@@ -5,10 +5,11 @@ import threading
 import pytest
 import torch
 
-from specprefill_rag.backends.base import PrefillReport, SparsePrompt
+from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.backends.hf import MAIN_MIN_REUSE_SHARE, HFBackend, position_keyed
 from specprefill_rag.config import GenerationParams
-from specprefill_rag.draft.prefix_cache import DraftPrefixCache
+from specprefill_rag.kvcache.prefix_cache import PrefixKVCache
+from specprefill_rag.results import PrefillReport
 
 PARAMS = GenerationParams(max_new_tokens=12)
 
@@ -35,7 +36,7 @@ def run(backend, prompt, params=PARAMS):
 
 
 def cache():
-    return DraftPrefixCache(64 * 2**20, MAIN_MIN_REUSE_SHARE)
+    return PrefixKVCache(64 * 2**20, MAIN_MIN_REUSE_SHARE)
 
 
 def test_position_keyed_differs_by_id_or_position():
@@ -104,7 +105,7 @@ def test_the_cache_stays_within_its_budget(tiny_model, turns):
         tiny_model.config.hidden_size // tiny_model.config.num_attention_heads
     )
     budget = int(one_prompt * bytes_per_token * 4 * 1.5)  # float32: room for one prompt, not two
-    store = DraftPrefixCache(budget, MAIN_MIN_REUSE_SHARE)
+    store = PrefixKVCache(budget, MAIN_MIN_REUSE_SHARE)
     backend = HFBackend(tiny_model, frozenset(), prefix_cache=store)
     for shift in range(3):
         run(backend, SparsePrompt(turns, torch.arange(turns.numel()) + shift, turns.numel() + shift))

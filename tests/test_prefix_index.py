@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specprefill_rag.draft import prefix_cache as draft_cache
-from specprefill_rag.draft.prefix_cache import DraftIdentity, DraftPrefixCache, common_prefix_length
-from specprefill_rag.draft.prefix_index import BLOCK_TOKENS, PrefixIndex, block_hashes
+from specprefill_rag.kvcache import prefix_cache as draft_cache
+from specprefill_rag.kvcache.prefix_cache import DraftIdentity, PrefixKVCache, common_prefix_length
+from specprefill_rag.kvcache.prefix_index import BLOCK_TOKENS, PrefixIndex, block_hashes
 
 
 def fake_kv(token_ids, layers=1):
@@ -45,7 +45,7 @@ token_lists = st.lists(st.integers(0, 2), min_size=1, max_size=70)  # 3 ids: lon
 @given(stored=st.lists(token_lists, min_size=1, max_size=12), asked=token_lists, share=st.sampled_from([0.0, 0.5]))
 def test_lookup_finds_the_longest_prefix_a_scan_finds(tiny_model, stored, asked, share):
     draft = DraftIdentity.of(tiny_model, 1)
-    cache = DraftPrefixCache(2**30, min_reuse_share=share)
+    cache = PrefixKVCache(2**30, min_reuse_share=share)
     kept = []
     for ids in map(torch.tensor, stored):
         cache.store(tiny_model, draft, ids, fake_kv(ids))
@@ -66,7 +66,7 @@ def test_a_lookup_compares_ids_only_with_entries_that_share_the_longest_prefix(t
     """Thousands of cached prompts that share a template: a new prompt is compared with none of them,
     and a follow-up question with only the prompt it follows (a scan compared with every entry)."""
     draft = DraftIdentity.of(tiny_model, 1)
-    cache = DraftPrefixCache(2**30)
+    cache = PrefixKVCache(2**30)
     template = torch.arange(40)
     for number in range(2000):
         ids = torch.cat([template, torch.full((200,), 1000 + number)])
@@ -84,7 +84,7 @@ def test_a_lookup_compares_ids_only_with_entries_that_share_the_longest_prefix(t
 @pytest.mark.parametrize("length", [BLOCK_TOKENS - 1, BLOCK_TOKENS, 2 * BLOCK_TOKENS + 1])
 def test_prompts_around_a_block_boundary_hit_in_full(tiny_model, length):
     draft = DraftIdentity.of(tiny_model, 1)
-    cache = DraftPrefixCache(2**30)
+    cache = PrefixKVCache(2**30)
     ids = torch.arange(length)
     cache.store(tiny_model, draft, ids, fake_kv(ids))
     assert cache.lookup(draft, torch.cat([ids, torch.tensor([-1])]), length).tokens == length

@@ -12,7 +12,7 @@ import torch
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
 from specprefill_rag.draft.model import ModelDraft
-from specprefill_rag.draft.prefix_cache import DraftPrefixCache, common_prefix_length
+from specprefill_rag.kvcache.prefix_cache import PrefixKVCache, common_prefix_length
 from specprefill_rag.models.loading import embedded_gguf, gguf_folder, shared_model
 from specprefill_rag.selection import select_kept
 
@@ -103,7 +103,7 @@ def test_self_draft_on_real_model(engine):
 
 def cold_and_hit(model, first, second):
     """A cold draft's importance for ``second``, and a cached draft's after it scored ``first``."""
-    cached = ModelDraft(model, look_ahead=8, prefix_cache=DraftPrefixCache(2**31))
+    cached = ModelDraft(model, look_ahead=8, prefix_cache=PrefixKVCache(2**31))
     cached.score_prompt(first)
     return ModelDraft(model, look_ahead=8).score(second), cached.score_prompt(second)
 

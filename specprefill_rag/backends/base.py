@@ -7,13 +7,14 @@ It never knows how the tokens were chosen.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Generator
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from ..config import GenerationParams, OutputFormat
+from ..results import PrefillReport
 
 
 @dataclass(frozen=True)
@@ -49,56 +50,6 @@ class SparsePrompt:
         return cls.full(token_ids[kept])
 
 
-LOGPROB_FLOOR = -9999.0  # how OpenAI and vLLM's server write a log-probability of -inf (JSON has no infinity)
-
-
-@dataclass(frozen=True)
-class StepLogprobs:
-    """One generated token's log-probability and the most likely tokens at its step, under the main model's
-    raw distribution (:class:`~specprefill_rag.config.LogprobSettings`).
-
-    Attributes:
-        token_id: the generated token.
-        logprob: its log-probability.
-        top_ids: the ``params.top_logprobs`` most likely token ids, most likely first.
-        top_logprobs: their log-probabilities, in the same order.
-    """
-
-    token_id: int
-    logprob: float
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-
-    @classmethod
-    def from_candidates(cls, token_id: int, candidates: Mapping[int, float], top: int) -> StepLogprobs:
-        """From a server's ``{token id: log-probability}`` of one step, which holds the generated token and at
-        least the ``top`` most likely (vLLM: those, plus the generated token when it is not one of them). A
-        token its output constraint forbids (vLLM masks before computing them) has ``-inf``: written as
-        :data:`LOGPROB_FLOOR`, as vLLM's server and OpenAI write it.
-        """
-        if token_id not in candidates:
-            raise KeyError(f"the log-probabilities of a step do not include its token {token_id}")
-        floored = {token: max(value, LOGPROB_FLOOR) for token, value in candidates.items()}
-        best = sorted(floored.items(), key=lambda item: -item[1])[:top]
-        return cls(token_id, floored[token_id], tuple(i for i, _ in best), tuple(v for _, v in best))
-
-
-@dataclass
-class PrefillReport:
-    """What a backend tells about one request besides its tokens: its prefill, filled in by the time its
-    generator ends, and (``params.logprobs``) each token's log-probabilities, filled in as it yields them.
-
-    Attributes:
-        cached_tokens: leading prompt tokens (of the ``K`` prefilled) whose KV the main model's prefix cache
-            served, so they were not computed again; None when the backend does not report it.
-        logprobs: with ``params.logprobs``, entry ``i`` is the yielded token ``i``'s, appended before that
-            token is yielded; empty otherwise (nothing is computed).
-    """
-
-    cached_tokens: int | None = None
-    logprobs: list[StepLogprobs] = field(default_factory=list)
-
-
 class MainBackend(Protocol):
     """Runs the main model: sparse prefill, then decoding from position ``prompt_length``."""
 
@@ -122,7 +73,7 @@ class MainBackend(Protocol):
         """Yield generated token ids, the first right after prefill; stop at end-of-sequence
         (not yielded) or after ``params.max_new_tokens``. ``report``, when given, is filled in by the
         time the generator ends (closed early included); with ``params.logprobs`` each token's
-        :class:`StepLogprobs` is in ``report.logprobs`` before the token is yielded.
+        :class:`~specprefill_rag.results.StepLogprobs` is in ``report.logprobs`` before the token is yielded.
         """
         ...
 
@@ -131,6 +82,6 @@ class MainBackend(Protocol):
     ) -> AsyncGenerator[int, None]:
         """:meth:`generate` for an event loop: the same tokens, without blocking the loop. Closing the
         generator early (``aclose``) releases the request. In-process backends run :meth:`generate`
-        in a worker thread (:func:`specprefill_rag.aio.iterate_in_thread`).
+        in a worker thread (:func:`specprefill_rag.backends.threads.iterate_in_thread`).
         """
         ...

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from ..aio import iterate_in_thread
 from ..config import GenerationParams, OutputFormat
 from ..decode.constraints import ConstraintCompiler
 from ..decode.sampling import apply_penalties, log_probabilities, next_token, step_logprobs
-from ..draft.prefix_cache import DraftPrefixCache, PrefixReuse
 from ..errors import InvalidRequestError
-from .base import PrefillReport, SparsePrompt
+from ..kvcache.prefix_cache import PrefixKVCache, PrefixReuse
+from ..results import PrefillReport
+from .base import SparsePrompt
+from .threads import iterate_in_thread
 
 # Any reuse pays on the main model: a cached token skips every layer's MLP, the bulk of its cost.
 MAIN_MIN_REUSE_SHARE = 0.0
@@ -67,7 +68,7 @@ class HFBackend:
         eos_ids: frozenset[int],
         lock: threading.RLock | None = None,
         tokenizer: Any = None,
-        prefix_cache: DraftPrefixCache | None = None,
+        prefix_cache: PrefixKVCache | None = None,
     ) -> None:
         self.model = model
         self.prefix_cache = prefix_cache

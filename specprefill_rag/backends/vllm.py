@@ -32,7 +32,6 @@ from typing import Any, Literal
 
 import httpx
 
-from ..aio import iterate_in_thread
 from ..arguments import check_number, shown
 from ..config import GenerationParams, OutputFormat
 from ..decode.constraints import json_grammar
@@ -47,7 +46,9 @@ from ..positions import (
     cache_salt,
     encode_runs,
 )
-from .base import PrefillReport, SparsePrompt, StepLogprobs
+from ..results import PrefillReport, StepLogprobs
+from .base import SparsePrompt
+from .threads import iterate_in_thread
 from .vllm_wire import (
     StreamEvent,
     VLLMServerError,

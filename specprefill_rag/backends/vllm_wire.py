@@ -19,7 +19,7 @@ import httpx
 
 from ..arguments import check_text
 from ..errors import InvalidRequestError, SpecPrefillError
-from .base import PrefillReport, StepLogprobs
+from ..results import PrefillReport, StepLogprobs
 
 
 class VLLMServerError(SpecPrefillError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.base import StepLogprobs
+from ..results import StepLogprobs
 
 
 def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: float, frequency: float) -> torch.Tensor:

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..backends.base import PrefillReport, StepLogprobs
 from ..config import GenerationParams
 from ..errors import SpecPrefillError
 from ..prompt.layout import PromptLayout
@@ -24,8 +23,10 @@ from ..results import (
     FinishReason,
     GenerationResult,
     InvalidToolCall,
+    PrefillReport,
     Selection,
     SpecPrefillStats,
+    StepLogprobs,
     StreamChunk,
     TokenLogprob,
     ToolCall,

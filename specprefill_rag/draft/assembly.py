@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from ..errors import InvalidRequestError
+from ..kvcache.prefix_cache import DraftIdentity, KVLayers
 from .document_cache import DocumentKey, DocumentStore
 from .hooks import StopForward, attention_dispatch, stop_after_layers
-from .prefix_cache import DraftIdentity, KVLayers
 from .repair import NAIVE, DocumentRepair, first_tokens_of, kv_deviation, most_deviating
 from .rotation import rotary_inv_freq, rotate_keys
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .prefix_cache import DraftIdentity, KVLayers, _storage_bytes
+from ..kvcache.prefix_cache import DraftIdentity, KVLayers, _storage_bytes
 
 DocumentKey = tuple[DraftIdentity, bytes, bytes]  # draft, prefix digest, document-ids digest (or b"prefix")
 

@@ -1,7 +1,7 @@
 """Drafts that score a prompt: a separate small model (:class:`ModelDraft`, the paper's) or the main
 model's own first layers (:class:`LayerPrefixDraft`, ``draft="self"``).
 
-With a :class:`~specprefill_rag.draft.prefix_cache.DraftPrefixCache`, a prompt that starts like one
+With a :class:`~specprefill_rag.kvcache.prefix_cache.PrefixKVCache`, a prompt that starts like one
 scored before starts from that prefix's cached keys and values: the draft prefills only the remainder,
 whose queries still attend over every prompt key
 (:func:`~specprefill_rag.draft.hooks.attention_after_cached_keys`), so the scores are those of a cold run.
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import DraftScoringError
+from ..kvcache.prefix_cache import DraftIdentity, PrefixKVCache, PrefixReuse
 from .assembly import DocumentSpans, assemble_prompt_kv, encode_documents, held_documents
 from .batch import score_model_batch
 from .document_cache import DocumentStore
@@ -27,7 +28,6 @@ from .hooks import (
     stop_after_layers,
 )
 from .importance import DraftScore, ImportanceAccumulator
-from .prefix_cache import DraftIdentity, DraftPrefixCache, PrefixReuse
 from .repair import DEFAULT_REPAIR, DocumentRepair
 
 
@@ -50,7 +50,7 @@ class ModelDraft:
     look_ahead: int = 8
     pool_kernel: int = 13
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    prefix_cache: DraftPrefixCache | None = None
+    prefix_cache: PrefixKVCache | None = None
     document_cache: DocumentStore | None = None
     repair: DocumentRepair = DEFAULT_REPAIR  # what of the cached documents is computed again in context
 
@@ -159,7 +159,7 @@ class LayerPrefixDraft:
     n_layers: int
     pool_kernel: int = 13
     query_window: int = 1
-    prefix_cache: DraftPrefixCache | None = None
+    prefix_cache: PrefixKVCache | None = None
     document_cache: DocumentStore | None = None
     repair: DocumentRepair = DEFAULT_REPAIR  # what of the cached documents is computed again in context
 

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import DraftContextLengthError, DraftScoringError, InvalidRequestError
+from ..kvcache.prefix_cache import PrefixKVCache
 from ..models.loading import model_lock, same_vocabulary
 from ..prompt.layout import PromptLayout, PromptSource, document_runs, instructions_end
 from ..results import DraftPath
@@ -27,7 +28,6 @@ from .assembly import DocumentSpans
 from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
 from .importance import DraftScore
 from .mapping import Reduce, map_importance
-from .prefix_cache import DraftPrefixCache
 
 # max and mean chose the same chunks on every NIAH and SQuAD sample measured (SmolLM2-135M drafting for
 # the Qwen2.5 tokenizer; BENCHMARKS.md, "Cross-tokenizer drafts"); max maps a tokenizer onto itself exactly.
@@ -40,7 +40,7 @@ class TokenScorer(Protocol):
     """
 
     model: Any
-    prefix_cache: DraftPrefixCache | None
+    prefix_cache: PrefixKVCache | None
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long ids -> ``[L]`` float32 importance."""

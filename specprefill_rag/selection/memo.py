@@ -10,7 +10,7 @@ keeps those spans' tokens. Only new spans are drafted and selected. Another ques
 documents does not extend the earlier prompt (its question differs), so it is selected afresh, as RAG
 needs.
 
-Earlier prompts are found by chained block hashes of their ids (:mod:`specprefill_rag.draft.prefix_index`)
+Earlier prompts are found by chained block hashes of their ids (:mod:`specprefill_rag.kvcache.prefix_index`)
 and verified id by id. The memo is bounded in bytes, least recently used first out, and thread-safe.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..draft.prefix_index import PrefixIndex, block_hashes
+from ..kvcache.prefix_index import PrefixIndex, block_hashes
 from ..prompt.layout import document_runs
 
 # What a memo may hold: 64 MiB is ~5M prompt tokens of history (8 bytes an id, 4 a kept offset).

@@ -14,7 +14,7 @@ _SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0)
 
 class GatewayMetrics:
     """Requests by outcome, queue depth, draft time and batch size, kept share, TTFT, draft errors, and
-    the bytes and entries of the draft prefix cache (``draft_cache``: a ``DraftPrefixCache``, or ``None``) and
+    the bytes and entries of the draft prefix cache (``draft_cache``: a ``PrefixKVCache``, or ``None``) and
     of the per-document draft cache (``document_cache``: a ``DocumentStore``, or ``None``).
     """
 

@@ -281,8 +281,8 @@ def test_a_forced_tool_call_spells_the_markers_where_the_vocabulary_has_no_such_
 def test_server_keys_blocks_by_position_and_reports_cached_tokens(server):
     """The probe answer advertises position-keyed blocks, so no cache_salt goes out, and turn 2 of a
     conversation hits turn 1's blocks (usage.prompt_tokens_details.cached_tokens, blocking and async)."""
-    from specprefill_rag.backends.base import PrefillReport
     from specprefill_rag.backends.vllm import VLLMServerBackend
+    from specprefill_rag.results import PrefillReport
 
     backend = VLLMServerBackend(server, frozenset())
     assert backend.supports_sparse_prefill and backend.position_keyed_blocks

@@ -6,10 +6,11 @@ within float tolerance, with the same most likely tokens.
 import pytest
 import torch
 
-from specprefill_rag.backends.base import PrefillReport, SparsePrompt
+from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.backends.hf import HFBackend
 from specprefill_rag.backends.vllm import VLLMOfflineBackend, VLLMServerBackend
 from specprefill_rag.config import GenerationParams
+from specprefill_rag.results import PrefillReport
 from tests.vllm.server import openai_server
 
 PROMPT_LENGTH = 96

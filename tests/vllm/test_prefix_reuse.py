@@ -11,10 +11,11 @@ before the first dropped token; a user's own ``cache_salt`` still separates requ
 import pytest
 import torch
 
-from specprefill_rag.backends.base import PrefillReport, SparsePrompt
+from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.backends.hf import HFBackend
 from specprefill_rag.backends.vllm import VLLMOfflineBackend, keys_blocks_in_process, request_fields
 from specprefill_rag.config import GenerationParams
+from specprefill_rag.results import PrefillReport
 
 BLOCK = 128  # vLLM's CPU default block size (the shared engine does not set one)
 INSTRUCTIONS = 200  # leading tokens every turn keeps verbatim

@@ -9,11 +9,12 @@ from http.server import ThreadingHTTPServer
 import pytest
 import torch
 
-from specprefill_rag.backends.base import PrefillReport, SparsePrompt
+from specprefill_rag.backends.base import SparsePrompt
 from specprefill_rag.backends.vllm import VLLMServerBackend, sse_tokens
 from specprefill_rag.backends.vllm_wire import VLLMServerError
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.positions import POSITION_KEYED_BLOCKS, PROBE_MARKER
+from specprefill_rag.results import PrefillReport
 
 from ..stand_in import StandInHandler
 

@@ -2,7 +2,7 @@
 
 The draft's keys and values of a prompt's tokens depend only on the tokens before them (causal
 attention), so the KV of a prefix computed for one prompt is the KV any later prompt starting with
-the same token ids would compute. A :class:`DraftPrefixCache` keeps the prompt KV of scored prompts
+the same token ids would compute. A :class:`PrefixKVCache` keeps the prompt KV of scored prompts
 and hands a later prompt the longest common prefix with any of them: the draft then prefills only
 the remainder, and its queries attend over cached + new keys exactly as in a cold run.
 
@@ -100,7 +100,7 @@ def _storage_bytes(layers: KVLayers) -> int:
     return sum(storages.values())
 
 
-class DraftPrefixCache:
+class PrefixKVCache:
     """Prompt-prefix KV of a draft, least recently used first out once ``max_bytes`` is exceeded.
 
     Args:
@@ -205,13 +205,13 @@ class DraftPrefixCache:
             self._watched.discard(model_id)
 
 
-_shared: dict[tuple[str, int, float], DraftPrefixCache] = {}
+_shared: dict[tuple[str, int, float], PrefixKVCache] = {}
 _shared_lock = threading.Lock()
 
 
 def shared_prefix_cache(
     device: torch.device | str, max_bytes: int, min_reuse_share: float = MIN_REUSE_SHARE
-) -> DraftPrefixCache | None:
+) -> PrefixKVCache | None:
     """The process's cache for models on ``device`` with budget ``max_bytes``; ``None`` when ``max_bytes`` is 0.
 
     Engines with the same settings share one cache (and its budget); entries are keyed by model, so
@@ -223,7 +223,7 @@ def shared_prefix_cache(
     key = (str(torch.device(device)), max_bytes, min_reuse_share)
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = DraftPrefixCache(max_bytes, min_reuse_share)
+            _shared[key] = PrefixKVCache(max_bytes, min_reuse_share)
         return _shared[key]
 
 
@@ -243,7 +243,7 @@ def _start_from(past: Any, hit: PrefixHit) -> None:
 
 @dataclass
 class PrefixReuse:
-    """One scoring call's use of a :class:`DraftPrefixCache`.
+    """One scoring call's use of a :class:`PrefixKVCache`.
 
     ``past`` is the ``DynamicCache`` the draft runs with (``None`` when it needs none), holding the first
     ``cached_tokens`` prompt tokens' KV on a hit; after scoring, :meth:`remember` stores the prompt's KV.
@@ -251,14 +251,14 @@ class PrefixReuse:
 
     past: Any
     cached_tokens: int = 0
-    cache: DraftPrefixCache | None = None
+    cache: PrefixKVCache | None = None
     model: Any = None  # the draft's PreTrainedModel, once begun
     draft: DraftIdentity | None = None
 
     @classmethod
     def begin(
         cls,
-        cache: DraftPrefixCache | None,
+        cache: PrefixKVCache | None,
         model: Any,
         layers: int,
         token_ids: torch.Tensor,
