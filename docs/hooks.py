@@ -6,6 +6,8 @@ A page asks for generated text with an HTML comment on a line of its own:
   default, bounds, description); ``<!-- settings: package.module.Model flags=serve -->`` adds the
   ``specprefill-rag serve`` flag that sets each field.
 * ``<!-- bad-input -->``: the bad-input matrix, read from the tests that assert it.
+* ``<!-- modules -->``: the map of ``specprefill_rag/``, every module with the summary of its docstring,
+  grouped by subpackage in the order a request passes through them.
 * ``<!-- include: path/in/the/repo.md -->``: a Markdown file from outside ``docs/`` (the README, BENCHMARKS.md,
   the adapters' READMEs, the index of benchmark results), its relative links rewritten to the pages of this site.
 
@@ -34,7 +36,7 @@ import annotated_types
 ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger("mkdocs.hooks.specprefill")
 
-PLACEHOLDER = re.compile(r"^<!-- (settings|bad-input|include)(?::\s*(.*?))?\s*-->$", re.MULTILINE)
+PLACEHOLDER = re.compile(r"^<!-- (settings|bad-input|modules|include)(?::\s*(.*?))?\s*-->$", re.MULTILINE)
 # Repository files included into a page: where their text lives on this site.
 INCLUDED = {
     "README.md": "index.md",
@@ -66,6 +68,8 @@ def on_page_markdown(markdown, page, config, files):
             return settings_table(dotted.strip(), flags.strip() or None)
         if kind == "bad-input":
             return bad_input_page()
+        if kind == "modules":
+            return module_map_page()
         return include(argument, page.file.src_uri)
 
     return PLACEHOLDER.sub(expand, markdown)
@@ -268,6 +272,59 @@ def _parsed_vllm_rows(path: str) -> tuple[list[tuple[str, str, str]], int]:
     rows = [(VLLM_SURFACE, case, VLLM_LISTS[name]) for name, cases in found.items() for case in cases]
     # test_plugin_refuses_malformed_arguments runs ROWS; test_engine_refuses_the_request_and_keeps_serving both
     return rows, 2 * len(found["ROWS"]) + len(found["ADMISSION_ROWS"])
+
+
+# -- the module map from module docstrings --------------------------------------------------------
+
+PACKAGE = ROOT / "specprefill_rag"
+# The package's folders in the order a request passes through them: the top level (entry points and what
+# every step shares), the pipeline's steps, then what loads models and what serves them. A subpackage not
+# named here is still mapped, after these, so a new one is never left out.
+MODULE_ORDER = ("", "prompt", "draft", "selection", "kvcache", "backends", "decode", "models", "serve", "vllm_plugin")
+SPHINX_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")
+
+
+def module_summary(path: Path) -> str | None:
+    """The summary of a module's docstring (its first paragraph) on one line, Sphinx roles as code, or
+    None when the module has no docstring. Parsed, not imported: the vLLM plugin's modules import vLLM.
+    """
+    docstring = ast.get_docstring(ast.parse(path.read_text(), str(path)))
+    if not docstring or not docstring.strip():
+        return None
+    summary = " ".join(docstring.strip().split("\n\n")[0].split())
+
+    def role(match: re.Match) -> str:
+        short, target = match.groups()
+        return f"`{target.rsplit('.', 1)[-1] if short or target.startswith('.') else target}`"
+
+    return SPHINX_ROLE.sub(role, summary).replace("``", "`")
+
+
+def module_groups() -> list[tuple[str, list[Path]]]:
+    """``(folder, its modules)`` in :data:`MODULE_ORDER`: the folder relative to ``specprefill_rag/`` (``""``
+    for the top level) and its ``.py`` files, ``__init__.py`` first, then by name.
+    """
+    folders: dict[str, list[Path]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        folder = path.parent.relative_to(PACKAGE).as_posix()
+        folders.setdefault("" if folder == "." else folder, []).append(path)
+    order = {folder: rank for rank, folder in enumerate(MODULE_ORDER)}
+    ranked = sorted(folders, key=lambda folder: (order.get(folder, len(order)), folder))
+    return [(folder, sorted(folders[folder], key=lambda p: (p.name != "__init__.py", p.name))) for folder in ranked]
+
+
+def module_map_page() -> str:
+    """One section per folder of ``specprefill_rag/``: its package summary, then a table of its modules."""
+    out = []
+    for folder, paths in module_groups():
+        title = f"specprefill_rag/{folder}/" if folder else "specprefill_rag/"
+        out += ["", f"### `{title}`", ""]
+        package, modules = paths[0], [p for p in paths if p.name != "__init__.py"]
+        if package.name == "__init__.py":
+            out += [_cell(module_summary(package) or "(no docstring)"), ""]
+        out += ["| module | what it does |", "|---|---|"]
+        out += [f"| `{p.name}` | {_cell(module_summary(p) or '(no docstring)')} |" for p in modules]
+    return "\n".join(out).lstrip("\n")
 
 
 # -- files from outside docs/ ----------------------------------------------------------------------

@@ -89,3 +89,18 @@ class DraftOutOfMemoryError(DraftScoringError):
             "max_draft_tokens below that (see the docs, 'Resource bounds'), send fewer documents, or give the draft "
             "a device with more free memory"
         )
+
+
+# -- the servers this library talks to -------------------------------------------------------------
+
+
+class VLLMServerError(SpecPrefillError):
+    """The vLLM server is unreachable, lacks the plugin, or refused a request."""
+
+
+class VLLMServerTimeout(VLLMServerError):
+    """The vLLM server accepted the connection but did not answer (or went on answering) within the timeout."""
+
+
+class GatewayClientError(SpecPrefillError):
+    """The gateway is unreachable, failed (5xx), or answered something that is not an OpenAI stream."""

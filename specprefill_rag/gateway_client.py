@@ -21,7 +21,7 @@ import httpx
 from pydantic import SecretStr
 
 from .config import MAX_WARM_DOCUMENTS, WARM_DOCUMENTS_PATH, GenerationParams, OutputFormat
-from .errors import InvalidRequestError, SpecPrefillError
+from .errors import GatewayClientError, InvalidRequestError, SpecPrefillError
 from .results import (
     FinishReason,
     GenerationResult,
@@ -33,10 +33,7 @@ from .results import (
     TopLogprob,
 )
 
-
-class GatewayClientError(SpecPrefillError):
-    """The gateway is unreachable, failed (5xx), or answered something that is not an OpenAI stream."""
-
+# GatewayClientError lives in errors.py; imported above, it still imports from here (its old home).
 
 _STATS_FIELDS = {f.name for f in fields(SpecPrefillStats)}
 _INVALID_CALLS = "invalid_tool_calls"  # spec_prefill's list of the calls that did not decode

@@ -1,5 +1,7 @@
 """Draft scoring against a reference built from eager attention weights (the paper's formula)."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,13 +136,40 @@ def test_scoring_after_capture_leaves_model_outputs_unchanged(tokenizer, tiny_mo
     torch.testing.assert_close(before, after)
 
 
+@contextmanager
+def counting_forwards(model):
+    """The list gains one entry per forward call of ``model`` (the draft's prefill, then one per look-ahead
+    token it decodes) while the block runs.
+    """
+    calls: list[int] = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
 def test_draft_stops_look_ahead_at_eos(tokenizer, tiny_model):
     input_ids = prompt_ids(tokenizer)
     with torch.no_grad():
-        first = int(tiny_model(input_ids[None]).logits[0, -1].argmax())
-    only_last = ModelDraft(tiny_model, look_ahead=1).score(input_ids)
-    stopped = ModelDraft(tiny_model, look_ahead=4, eos_token_ids=frozenset({first})).score(input_ids)
-    torch.testing.assert_close(stopped, only_last)
+        greedy = tiny_model.generate(input_ids[None], max_new_tokens=2, do_sample=False)[0, input_ids.numel() :]
+    first, second = greedy.tolist()
+    assert first != second, "an end-of-sequence at the second token must not also be one at the first"
+
+    def score(look_ahead, eos=frozenset()):
+        """The draft's importance and how many forward passes it ran."""
+        with counting_forwards(tiny_model) as calls:
+            importance = ModelDraft(tiny_model, look_ahead=look_ahead, eos_token_ids=eos).score(input_ids)
+        return importance, len(calls)
+
+    (one, one_steps), (two, two_steps), (four, four_steps) = score(1), score(2), score(4)
+    assert (one_steps, two_steps, four_steps) == (1, 2, 4)
+    assert not torch.allclose(four, one, rtol=1e-3, atol=1e-6), "the look-ahead queries must change the scores"
+    at_first, first_steps = score(4, frozenset({first}))
+    at_second, second_steps = score(4, frozenset({second}))
+    assert (first_steps, second_steps) == (1, 2)
+    torch.testing.assert_close(at_first, one)
+    torch.testing.assert_close(at_second, two)
 
 
 def test_layer_prefix_draft_query_window_matches_reference(tokenizer, tiny_model):

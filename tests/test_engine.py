@@ -2,11 +2,14 @@
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
+from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
+from specprefill_rag.draft.model import LayerPrefixDraft
 from specprefill_rag.errors import ContextLengthError, InvalidRequestError
 from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.prompt.layout import Role
@@ -38,11 +41,30 @@ def test_keep_rate_one_equals_plain_greedy_generation(engine, tiny_model):
     assert not result.stats.compressed and result.stats.draft_ms == 0.0
 
 
-def test_compressed_request_keeps_question_and_template(engine):
+def constant_per_document(layout, document_importance: list[float]) -> torch.Tensor:
+    """``[L]`` importance: ``document_importance[d]`` on document ``d``'s tokens, 0 elsewhere."""
+    by_document = torch.tensor(document_importance)
+    on_document = layout.document_index >= 0
+    return torch.where(on_document, by_document[layout.document_index.clamp(min=0)], torch.zeros(()))
+
+
+def test_compressed_request_keeps_question_and_template(engine, monkeypatch):
     layout = engine.layout(QUESTION, random_documents(4, 80), instructions="Answer briefly.")
+    # The draft runs, then its importance is replaced by one that disagrees with position: the second
+    # document matters most, the first least, so keeping the earliest chunks would keep the wrong ones.
+    importance = constant_per_document(layout, [1.0, 4.0, 2.0, 3.0])
+    scored = engine.draft.score_prompt
+    monkeypatch.setattr(
+        engine.draft, "score_prompt", lambda ids, documents=None: replace(scored(ids, documents), importance=importance)
+    )
     result = engine.generate_layout(layout, GenerationParams(max_new_tokens=8))
     stats = result.stats
     kept = result.kept_positions
+    on_document = layout.document_index >= 0
+    kept_mask = torch.zeros(len(layout), dtype=torch.bool)
+    kept_mask[kept] = True
+    assert importance[kept_mask & on_document].min() >= importance[~kept_mask & on_document].max()
+    assert set(layout.document_index[kept_mask & on_document].tolist()) == {1}
     assert stats.compressed and stats.draft_ms > 0
     assert stats.prompt_tokens == len(layout) and stats.kept_tokens == kept.numel()
     assert stats.kept_document_tokens == stats.kept_tokens - (stats.prompt_tokens - stats.document_tokens)
@@ -79,16 +101,29 @@ def test_stop_string_ends_text_before_it(engine):
     assert stopped.finish_reason == "stop"
 
 
-def test_self_draft_scores_with_main_layers(tiny_model, tokenizer):
-    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft="self:1", keep_rate=0.3, min_prompt_tokens=0)
-    result = engine.generate(QUESTION, random_documents(3, 80), max_new_tokens=4)
+@pytest.mark.parametrize("n_layers", [1, 2])
+def test_self_draft_scores_with_main_layers(tiny_model, tokenizer, n_layers):
+    # The tiny model has 2 layers and the default share rounds to 1, so n=1 tells n from "all layers" and
+    # n=2 tells n from "the default share".
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, draft=f"self:{n_layers}", keep_rate=0.3, min_prompt_tokens=0
+    )
+    layout = engine.layout(QUESTION, random_documents(3, 80))
+    window = engine.config.self_draft_window
+    references = {
+        n: LayerPrefixDraft(tiny_model, n, engine.config.pool_kernel, query_window=window).score(layout.input_ids)
+        for n in (1, 2)
+    }
+    assert not torch.allclose(references[1], references[2], rtol=1e-3, atol=1e-6), "layer counts must score apart"
+    torch.testing.assert_close(engine.draft.score(layout.input_ids), references[n_layers])
+    result = engine.generate_layout(layout, GenerationParams(max_new_tokens=4))
     assert result.stats.compressed and 0.3 <= result.stats.keep_rate < 0.7
+    chunk_size = engine.config.chunk_size
+    expected = select_kept(references[n_layers], layout.document_index, keep_rate=0.3, chunk_size=chunk_size)
+    assert torch.equal(result.kept_positions, expected)
 
 
 def test_plain_self_draft_takes_the_default_share_of_layers_and_the_question_window(tiny_model, tokenizer):
-    from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
-    from specprefill_rag.draft.model import LayerPrefixDraft
-
     engine = SpecPrefillEngine.from_models(
         tiny_model, tokenizer, draft="self", self_draft_window=5, min_prompt_tokens=0
     )

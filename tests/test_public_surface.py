@@ -1,7 +1,10 @@
 """What users and clients depend on, listed: the package's names, the gateway's routes, request fields and
 metric names. A refactor may add to these; removing one is a breaking change and fails here."""
 
+import importlib
+
 import specprefill_rag
+import specprefill_rag.errors
 from specprefill_rag.serve import GatewaySettings, create_app
 from specprefill_rag.serve.schema import ChatCompletionRequest, CompletionRequest, SpecPrefillOptions
 from tests.serve_helpers import tiny_engine
@@ -65,6 +68,12 @@ SPEC_PREFILL_FIELDS = {
     "reselect",
     "draft_document_cache",
 }
+# Errors that moved into specprefill_rag.errors: their old modules still export them.
+MOVED_ERRORS = {
+    "VLLMServerError": ("specprefill_rag.backends.vllm_wire", "specprefill_rag.backends.vllm"),
+    "VLLMServerTimeout": ("specprefill_rag.backends.vllm_wire", "specprefill_rag.backends.vllm"),
+    "GatewayClientError": ("specprefill_rag.gateway_client",),
+}
 METRICS = {
     "specprefill_requests",
     "specprefill_queue_depth",
@@ -83,6 +92,14 @@ METRICS = {
 def test_public_names_stay():
     assert PUBLIC_NAMES <= set(specprefill_rag.__all__)
     assert all(hasattr(specprefill_rag, name) for name in specprefill_rag.__all__)
+
+
+def test_moved_errors_keep_their_old_import_paths():
+    for name, modules in MOVED_ERRORS.items():
+        error = getattr(specprefill_rag.errors, name)
+        assert issubclass(error, specprefill_rag.SpecPrefillError)
+        for module in modules:
+            assert getattr(importlib.import_module(module), name) is error, f"{module}.{name}"
 
 
 def test_request_fields_stay():

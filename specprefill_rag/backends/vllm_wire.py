@@ -18,16 +18,10 @@ from typing import Any, Literal, NamedTuple
 import httpx
 
 from ..arguments import check_text
-from ..errors import InvalidRequestError, SpecPrefillError
+from ..errors import InvalidRequestError, SpecPrefillError, VLLMServerError, VLLMServerTimeout
 from ..results import PrefillReport, StepLogprobs
 
-
-class VLLMServerError(SpecPrefillError):
-    """The vLLM server is unreachable, lacks the plugin, or refused a request."""
-
-
-class VLLMServerTimeout(VLLMServerError):
-    """The vLLM server accepted the connection but did not answer (or went on answering) within the timeout."""
+# VLLMServerError and VLLMServerTimeout live in errors.py; imported above, they still import from here (their old home).
 
 
 def _is_timeout(error: BaseException) -> bool:

@@ -1,3 +1,3 @@
-"""Models: loading a main model or draft (``loading``), the named models installed on demand
-(``store``) and the cache folder both keep their files in (``cache``).
+"""Models: loading a main model or draft (Hugging Face id or folder, GGUF file, named model), installing
+named models on demand, and the folder where converted and installed models are kept.
 """

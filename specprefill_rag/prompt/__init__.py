@@ -1,9 +1,8 @@
 """The prompt: documents and chat messages -> a token layout with the role of every token.
 
-``layout`` holds the data (:class:`Role`, :class:`Document`, :class:`Segment`, :class:`Turn`,
-:class:`PromptLayout`); ``documents`` checks what callers pass; ``render`` tokenizes with the chat
-template; ``chat`` finds the retrieved documents in framework messages; ``tokens`` keeps untrusted
-text from ever becoming control tokens.
+Every later step reads the roles: only document tokens may be dropped. Documents are found however
+callers pass them (arguments, framework messages, context inside a system message); untrusted text is
+tokenized as text, so it never yields control tokens; tools and tool calls are checked before rendering.
 """
 
 from .layout import Document, DocumentLike, PromptLayout, Role, Segment, Turn

@@ -1,6 +1,8 @@
-"""Thin subclasses of vLLM's model classes: identical computation, a check at engine start that the
-running model runner is one the plugin remaps positions for, and the Model Runner V2 hook
-``get_model_state_cls`` (vLLM's ``resolve_model_state_cls`` asks the model for it first).
+"""Thin subclasses of vLLM's model classes: identical computation, plus what the plugin needs at start.
+
+That is a check at engine start that the running model runner is one the plugin remaps positions for,
+and the Model Runner V2 hook ``get_model_state_cls`` (vLLM's ``resolve_model_state_cls`` asks the
+model for it first).
 """
 
 from __future__ import annotations
