@@ -6,12 +6,15 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.config import WARM_DOCUMENTS_PATH
+from specprefill_rag.positions import namespace_salt
 from specprefill_rag.serve import GatewaySettings
 from specprefill_rag.serve.tenancy import Tenancy
 from specprefill_rag.testing import random_documents
 
 from .serve_helpers import MODEL, SYSTEM, gateway_of, running_gateway
+from .test_vllm_client import handler_class, serve
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -138,6 +141,26 @@ def test_a_declared_tenant_is_its_own_within_the_key_when_the_operator_trusts_th
     with running_gateway(engine, api_key=KEY_A) as url:  # not trusted unless the operator says so
         ask(url, bearer(KEY_A, **{HEADER: "carol"}), documents)
         assert cached(ask(url, bearer(KEY_A, **{HEADER: "dave"}), documents))[0] > 0
+
+
+def test_a_vllm_main_gets_each_tenants_cache_salt(tiny_model_dir, key_file):
+    handler = handler_class(plugin=True)
+    server, main = serve(handler)
+    settings = {"draft": str(tiny_model_dir), "keep_rate": 0.3, "min_prompt_tokens": 0, "look_ahead": 2}
+    engine = SpecPrefillEngine.for_vllm(main, **settings)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    try:
+        with running_gateway(engine, api_key=KEY_A, api_key_file=key_file, cache_scope="tenant") as url:
+            for key in (KEY_A, KEY_B, KEY_A):
+                answer = httpx.post(url + "/v1/chat/completions", json=body, headers=bearer(key), timeout=60)
+                assert answer.status_code == 200, answer.text
+            tenant_a = gateway_of(url).tenancy.tenant({"authorization": f"Bearer {KEY_A}"})
+        with running_gateway(engine) as url:  # one tenant: no salt, as before
+            assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    finally:
+        server.shutdown()
+    first, second, third, open_gateway = (sent.get("cache_salt") for sent in handler.bodies[-4:])
+    assert first == third == namespace_salt(tenant_a) and second not in (None, first) and open_gateway is None
 
 
 def test_a_tenant_is_a_digest_never_the_key():

@@ -269,6 +269,8 @@ def _score_or_error(
     score: Any, input_ids: torch.Tensor, documents: DocumentSpans | None = None, namespace: str | None = None
 ) -> DraftScore | DraftScoringError:
     try:
+        if documents is None and namespace is None:
+            return score(input_ids)
         return score(input_ids, documents, namespace)
     except DraftScoringError as error:
         return error

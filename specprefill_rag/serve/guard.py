@@ -3,8 +3,8 @@ type, and the body, read under a size limit and a deadline.
 
 A request turned away here costs constant work and at most ``max_body_bytes`` of memory: no tokenizer,
 no model, no thread. The order is the cheapest refusal first: key (401; ``/metrics`` takes its own key when
-one is set), a free slot (429), content type
-(415), declared length (413), then the body as it arrives (413 past the limit, 408 past the deadline).
+one is set), a free slot (429), content type (415), declared length (413), then the body as it arrives (413
+past the limit, 408 past the deadline).
 A client that disconnects mid-body is counted as ``disconnected``, not as an error.
 """
 
