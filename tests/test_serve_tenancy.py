@@ -171,6 +171,9 @@ def test_a_tenant_is_a_digest_never_the_key():
     assert tenant != Tenancy(keyed=True).tenant({"authorization": f"Bearer {KEY_A}"})  # a random secret each start
     assert Tenancy(keyed=True, scope="shared").tenant({"authorization": f"Bearer {KEY_A}"}) is None
     assert Tenancy(keyed=False).tenant({"authorization": f"Bearer {KEY_A}"}) is None
+    declared = Tenancy(keyed=False, header=HEADER, secret=b"s")  # behind a proxy that authenticates: no keys
+    alice, bob = (declared.tenant({HEADER.lower(): name}) for name in ("alice", "bob"))
+    assert None not in (alice, bob) and alice != bob and declared.tenant({}) is None
 
 
 def test_bad_tenancy_settings_are_refused_naming_the_field(tmp_path):
