@@ -322,6 +322,7 @@ class SpecPrefillEngine:
         prepared: DraftInput | None = None,
         reselect: bool | None = None,
         draft_document_cache: bool | None = None,
+        tenant: str | None = None,
     ) -> Selection:
         """Sorted kept token indices ``[K]``, the draft time in ms (0 when nothing is compressed), the
         prompt tokens the draft took from its prefix cache and the keep policy asked for. ``prepared``:
@@ -329,16 +330,17 @@ class SpecPrefillEngine:
         Spans compressed by an earlier request keep their tokens unless ``reselect`` (default
         ``config.reselect``); when every span did, no draft runs. ``draft_document_cache``: take the
         documents' draft KV from the per-document cache (default ``config.draft_document_cache``).
+        ``tenant``: the namespace of the caches it reads and fills (the draft's, the selection memo; None: shared).
         """
         budget = self._budget(layout, keep_rate)
         if not budget.compressed:
             return self.pipeline.whole(layout, budget)
-        recalled = self.pipeline.recall(layout, budget, check_optional_flag(reselect, "reselect"))
+        recalled = self.pipeline.recall(layout, budget, check_optional_flag(reselect, "reselect"), tenant)
         if recalled is not None and recalled.complete:
             return self.pipeline.select(layout, budget, None, recalled=recalled)
         started = time.perf_counter()
         documents = self.uses_document_cache(draft_document_cache)
-        scored = self.draft_scoring.score(layout, prepared, documents)
+        scored = self.draft_scoring.score(layout, prepared, documents, tenant)
         cost = DraftCost(
             _milliseconds(started),
             scored.cached_tokens,
@@ -373,9 +375,9 @@ class SpecPrefillEngine:
             )
         return asked
 
-    def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor) -> SparsePrompt:
-        """What the main model prefills (:meth:`Pipeline.sparse_prompt`)."""
-        return self.pipeline.sparse_prompt(layout, kept)
+    def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor, tenant: str | None = None) -> SparsePrompt:
+        """What the main model prefills (:meth:`Pipeline.sparse_prompt`), in ``tenant``'s cache namespace."""
+        return self.pipeline.sparse_prompt(layout, kept, tenant)
 
     @property
     def max_draft_tokens(self) -> int | None:
@@ -764,20 +766,31 @@ class SpecPrefillEngine:
                 yield chunk
 
     def astream_selected(
-        self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float
+        self,
+        layout: PromptLayout,
+        params: GenerationParams,
+        chosen: Selection,
+        started: float,
+        tenant: str | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`astream_layout` with the kept indices chosen elsewhere: the gateway scores the drafts of
-        concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival.
+        concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival; ``tenant``: the
+        namespace of the main model's prefix cache (None: shared).
         """
         self.check_length(len(layout), params.max_new_tokens)
         self.check_output(params)
-        return self._astream_kept(layout, params, chosen, started)
+        return self._astream_kept(layout, params, chosen, started, tenant)
 
     async def _astream_kept(
-        self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float
+        self,
+        layout: PromptLayout,
+        params: GenerationParams,
+        chosen: Selection,
+        started: float,
+        tenant: str | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         decoding = self._decoding(layout, params, chosen, started)
-        prompt = self.sparse_prompt(layout, chosen.kept)
+        prompt = self.sparse_prompt(layout, chosen.kept, tenant)
         async with aclosing(self.backend.agenerate(prompt, params, decoding.report)) as generated:
             async for token in generated:
                 if chunk := decoding.push(token):
@@ -794,10 +807,12 @@ class SpecPrefillEngine:
         instructions: str | None = None,
         *,
         stop: threading.Event | None = None,
+        tenant: str | None = None,
     ) -> int:
         """Draft each document once into the per-document draft cache, after the prefix :meth:`layout` renders
         for ``instructions``, so later requests with ``draft_document_cache`` take their KV from it. Entries are
-        keyed by that prefix: only requests with the same instructions (system message) find them.
+        keyed by that prefix: only requests with the same instructions (system message) find them, and by
+        ``tenant``: only that tenant's requests find them (None: the shared namespace).
 
         Every document is checked before any is drafted. Stops before the cache would have to drop entries, and
         before the next document once ``stop`` is set (a caller's deadline); returns the documents drafted and
@@ -816,7 +831,7 @@ class SpecPrefillEngine:
             tokens, free = max(layout.n_document_tokens, 1), store.free_bytes()
             if bytes_per_token * tokens > free:
                 break
-            held = warm_layout(self.draft_scoring, layout)
+            held = warm_layout(self.draft_scoring, layout, tenant)
             bytes_per_token = max(bytes_per_token, (free - store.free_bytes()) / tokens)
             warmed += held
         return warmed

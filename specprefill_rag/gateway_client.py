@@ -251,9 +251,9 @@ class GatewayClient:
         """Draft ``documents`` into the gateway's per-document draft cache (``POST /v1/spec_prefill/documents/warm``),
         in calls of at most :data:`~specprefill_rag.config.MAX_WARM_DOCUMENTS`. ``instructions``: the system
         message of the requests that will hold them (entries are keyed by the prompt's prefix: other instructions
-        find nothing). Returns ``warmed`` (documents now held), ``documents`` (sent), and the cache's ``held``
-        entries, ``cache_bytes`` and ``cache_max_bytes``; a 400 (e.g. the gateway has no document cache) raises
-        :class:`InvalidRequestError`.
+        find nothing). Returns ``warmed`` (documents now held), ``documents`` (sent), the ``held`` entries and
+        ``cache_bytes`` of this client's tenant (its API key's) and the cache's ``cache_max_bytes``; a 400 (e.g. the
+        gateway has no document cache) raises :class:`InvalidRequestError`.
         """
         replies = []
         for body in _warm_calls(documents, instructions):

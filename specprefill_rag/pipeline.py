@@ -142,13 +142,17 @@ class Pipeline:
             torch.arange(len(layout)), keep_policy=budget.policy, draft_error=draft_error, uncompressed_reason=reason
         )
 
-    def recall(self, layout: PromptLayout, budget: Budget, reselect: bool | None = None) -> RecalledSpans | None:
-        """The spans of a compressed request whose kept tokens an earlier request of this engine chose (stable
-        selection); None when it is not compressed or asks to ``reselect`` (default: ``config.reselect``).
+    def recall(
+        self, layout: PromptLayout, budget: Budget, reselect: bool | None = None, tenant: str | None = None
+    ) -> RecalledSpans | None:
+        """The spans of a compressed request whose kept tokens an earlier request of this engine and ``tenant``
+        chose (stable selection); None when it is not compressed or asks to ``reselect`` (default:
+        ``config.reselect``).
         """
         if not budget.compressed or (self.config.reselect if reselect is None else reselect):
             return None
-        return self.memo.recall(layout.input_ids, layout.document_index, self._selection_settings(budget))
+        settings = self._selection_settings(budget)
+        return self.memo.recall(layout.input_ids, layout.document_index, settings, tenant)
 
     def _selection_settings(self, budget: Budget) -> str:
         """Everything besides the prompt that decides which tokens a span keeps."""
@@ -213,13 +217,13 @@ class Pipeline:
         )
         log.warning("%s (stats: uncompressed_reason=%r; logged once)", fix, reason)
 
-    def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor) -> SparsePrompt:
+    def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor, tenant: str | None = None) -> SparsePrompt:
         """What the main model prefills: the ``[K]`` kept tokens at their original positions, or renumbered
-        ``0..K-1`` with ``config.positions="contiguous"``.
+        ``0..K-1`` with ``config.positions="contiguous"``; in ``tenant``'s prefix-cache namespace.
         """
         if self.config.positions == "contiguous":
-            return SparsePrompt.renumbered(layout.input_ids, kept)
-        return SparsePrompt.kept(layout.input_ids, kept)
+            return SparsePrompt.renumbered(layout.input_ids, kept, tenant)
+        return SparsePrompt.kept(layout.input_ids, kept, tenant)
 
 
 def _with_recalled(kept: torch.Tensor, recalled: RecalledSpans, length: int) -> torch.Tensor:

@@ -100,13 +100,24 @@ def validate(
         )
 
 
-def cache_salt(prompt_length: int, runs: Sequence[int]) -> str:
+def cache_salt(prompt_length: int, runs: Sequence[int], namespace: str | None = None) -> str:
     """Prefix-cache salt derived from all the positions, for servers whose plugin does not key blocks
     by position (no :data:`POSITION_KEYED_BLOCKS` in the probe answer): the same compact tokens at other
-    positions must never share KV blocks there (vLLM hashes tokens, not positions).
+    positions must never share KV blocks there (vLLM hashes tokens, not positions). With a ``namespace``
+    (a tenant), the salt is that namespace's too.
     """
-    digest = hashlib.sha256(f"specprefill:{prompt_length}:{','.join(map(str, runs))}".encode()).hexdigest()
-    return digest[:64]
+    text = f"specprefill:{prompt_length}:{','.join(map(str, runs))}"
+    if namespace is not None:
+        text += f":{namespace_salt(namespace)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:64]
+
+
+def namespace_salt(namespace: str) -> str:
+    """vLLM's ``cache_salt`` for a cache namespace (a tenant): requests with other salts never share its
+    prefix-cache blocks (vLLM puts the salt in the hash of block 0, which every later block's hash chains).
+    A digest, so the namespace's name does not reach the server.
+    """
+    return hashlib.sha256(f"specprefill-namespace:{namespace}".encode()).hexdigest()[:64]
 
 
 def original_positions(compact: torch.Tensor, kept: torch.Tensor, prompt_length: int) -> torch.Tensor:

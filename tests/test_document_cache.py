@@ -332,8 +332,8 @@ def test_warm_documents_stops_before_the_next_document_once_told(tiny_model, tok
     engine.draft.document_cache = DocumentKVCache(2**24)
     stop = threading.Event()
 
-    def warm_then_stop(scoring, layout):
-        held = warm_layout(scoring, layout)
+    def warm_then_stop(scoring, layout, namespace=None):
+        held = warm_layout(scoring, layout, namespace)
         stop.set()  # as a caller's deadline passing while this document is drafted
         return held
 

@@ -195,9 +195,9 @@ def test_a_warm_past_the_request_deadline_is_a_504_and_drafts_no_more(engine, mo
     """The deadline, not the machine's speed, decides: the stand-in drafts only once the gateway has given up."""
     real_warm = engine.warm_documents
 
-    def after_the_deadline(documents, instructions=None, *, stop):
+    def after_the_deadline(documents, instructions=None, *, stop, tenant=None):
         assert stop.wait(timeout=60)  # set by the gateway when --request-timeout passes
-        return real_warm(documents, instructions, stop=stop)
+        return real_warm(documents, instructions, stop=stop, tenant=tenant)
 
     monkeypatch.setattr(engine, "warm_documents", after_the_deadline)
     held = len(engine.document_cache)

@@ -258,7 +258,7 @@ def test_no_cors_unless_configured(gateway, engine):
 # -- the key ---------------------------------------------------------------------------------------
 
 
-def test_with_a_key_every_route_but_health_and_metrics_needs_it(engine):
+def test_with_a_key_every_route_but_health_needs_it(engine):
     with running_gateway(engine, api_key="s3cret") as url:
         for path in ("/docs", "/redoc", "/openapi.json", "/v1/models"):
             assert httpx.get(url + path, timeout=SLACK_S).status_code == 401, path
@@ -269,7 +269,9 @@ def test_with_a_key_every_route_but_health_and_metrics_needs_it(engine):
         for scheme in ("Bearer", "bearer", "BEARER"):
             assert post(url, GOOD, headers={"Authorization": f"{scheme} s3cret"}).status_code == 200, scheme
         assert httpx.get(url + "/health", timeout=SLACK_S).status_code == 200
-        assert httpx.get(url + "/metrics", timeout=SLACK_S).status_code == 200
+        assert httpx.get(url + "/metrics", timeout=SLACK_S).status_code == 401  # its counts are of every tenant
+        keyed = httpx.get(url + "/metrics", headers={"Authorization": "Bearer s3cret"}, timeout=SLACK_S)
+        assert keyed.status_code == 200
 
 
 @pytest.mark.parametrize("key", ["", " ", "key ", " key", "key\n"])

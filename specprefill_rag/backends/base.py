@@ -26,28 +26,33 @@ class SparsePrompt:
         position_ids: ``[K]`` long, strictly increasing positions, all ``< prompt_length``: the original ones
             (:meth:`kept`) or ``0..K-1`` (:meth:`renumbered`, where ``prompt_length`` is ``K``).
         prompt_length: ``L``, the length the positions count in; the first generated token sits at position ``L``.
+        namespace: the tenant whose prefix-cache entries the main model may reuse and fills (an in-process
+            cache's namespace, a vLLM server's ``cache_salt``); None: the namespace of an engine used by one
+            application.
     """
 
     token_ids: torch.Tensor
     position_ids: torch.Tensor
     prompt_length: int
+    namespace: str | None = None
 
     @classmethod
-    def full(cls, token_ids: torch.Tensor) -> SparsePrompt:
+    def full(cls, token_ids: torch.Tensor, namespace: str | None = None) -> SparsePrompt:
         """The whole prompt, positions ``0..L-1``."""
-        return cls(token_ids, torch.arange(token_ids.numel(), device=token_ids.device), int(token_ids.numel()))
+        positions = torch.arange(token_ids.numel(), device=token_ids.device)
+        return cls(token_ids, positions, int(token_ids.numel()), namespace)
 
     @classmethod
-    def kept(cls, token_ids: torch.Tensor, kept: torch.Tensor) -> SparsePrompt:
+    def kept(cls, token_ids: torch.Tensor, kept: torch.Tensor, namespace: str | None = None) -> SparsePrompt:
         """The tokens of ``token_ids`` at the sorted indices ``kept``."""
-        return cls(token_ids[kept], kept, int(token_ids.numel()))
+        return cls(token_ids[kept], kept, int(token_ids.numel()), namespace)
 
     @classmethod
-    def renumbered(cls, token_ids: torch.Tensor, kept: torch.Tensor) -> SparsePrompt:
+    def renumbered(cls, token_ids: torch.Tensor, kept: torch.Tensor, namespace: str | None = None) -> SparsePrompt:
         """The tokens of ``token_ids`` at the sorted indices ``kept`` as an ordinary prompt of their own:
         positions ``0..K-1``, generation from ``K`` (``positions="contiguous"``).
         """
-        return cls.full(token_ids[kept])
+        return cls.full(token_ids[kept], namespace)
 
 
 class MainBackend(Protocol):

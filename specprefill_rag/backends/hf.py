@@ -8,7 +8,8 @@ With a prefix cache, the KV of every request's forwarded tokens (its sparse prom
 generated) is kept, keyed by (token id, position) pairs: a token's KV depends on the ids and positions
 of the tokens before it, so a later request whose leading pairs agree (the next turn of a conversation,
 whose stable selection extends this one's sparse prompt; another question over the same instructions)
-starts from that KV and prefills only the rest. Same ids at other positions never match.
+starts from that KV and prefills only the rest. Same ids at other positions never match, nor do another
+namespace's entries (``prompt.namespace``: a tenant of the gateway).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class HFBackend:
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
     ) -> Generator[int, None, None]:
         """Yield generated token ids; with ``params.output_format`` only tokens its grammar allows, ending when
-        the grammar is complete. ``report.cached_tokens``: prompt tokens the prefix cache served;
+        the grammar is complete. ``report.cached_tokens``: prompt tokens the prefix cache served (from entries of
+        ``prompt.namespace`` only);
         ``report.logprobs`` (``params.logprobs``): each token's, from the logits before penalties and constraints.
         """
         constraint = self._constraints().constraint(params.output_format) if params.output_format else None
@@ -129,7 +131,9 @@ class HFBackend:
         kept = prompt.token_ids.numel()
         keys = position_keyed(prompt.token_ids, prompt.position_ids)
         layers = int(self.model.config.num_hidden_layers)
-        reuse = PrefixReuse.begin(self.prefix_cache, self.model, layers, keys, kept - 1, needs_past=True)
+        reuse = PrefixReuse.begin(
+            self.prefix_cache, self.model, layers, keys, kept - 1, needs_past=True, namespace=prompt.namespace
+        )
         cache, start = reuse.past, reuse.cached_tokens
         if report is not None:
             report.cached_tokens = start

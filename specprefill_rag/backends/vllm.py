@@ -7,7 +7,10 @@ keys vLLM's prefix-cache blocks by token ids AND positions, so KV computed at ot
 reused while earlier turns of a conversation (and ordinary requests' leading blocks) are. Only for a
 plugin that does not say so (no :data:`~specprefill_rag.positions.POSITION_KEYED_BLOCKS` in its probe
 answer; in process: not installed here) does the request also carry a ``cache_salt`` derived from all
-its positions, which rules out that reuse but keeps KV correct. The draft runs on the client side.
+its positions, which rules out that reuse but keeps KV correct. A prompt of a namespace (a gateway tenant) carries a
+``cache_salt`` of it in either case, vLLM's own way of keeping one client's prefix-cache blocks from
+another's (with position-keyed blocks, the salt stays in block 0's extra keys and ours are added after it).
+The draft runs on the client side.
 
 Prefill report: prompt tokens served by vLLM's prefix cache (``RequestOutput.num_cached_tokens``
 in process; over HTTP ``usage.prompt_tokens_details.cached_tokens`` of the stream's last event, sent by
@@ -45,6 +48,7 @@ from ..positions import (
     RUNS_KEY,
     cache_salt,
     encode_runs,
+    namespace_salt,
 )
 from ..results import PrefillReport, StepLogprobs
 from .base import SparsePrompt
@@ -79,14 +83,17 @@ def _is_sparse(prompt: SparsePrompt) -> bool:
 
 def request_fields(prompt: SparsePrompt, salt: bool = True) -> dict[str, Any]:
     """Token ids plus, for a compressed prompt, the SpecPrefill arguments and, with ``salt`` (a server
-    whose block hashes do not cover positions), the cache salt of all its positions.
+    whose block hashes do not cover positions), the cache salt of all its positions; a prompt of a namespace
+    (``prompt.namespace``) always carries a salt of it.
     """
     fields: dict[str, Any] = {"prompt_token_ids": prompt.token_ids.tolist()}
+    if prompt.namespace is not None:
+        fields["cache_salt"] = namespace_salt(prompt.namespace)
     if _is_sparse(prompt):
         runs = encode_runs(prompt.position_ids)
         fields["extra_args"] = {PROMPT_LENGTH_KEY: prompt.prompt_length, RUNS_KEY: runs}
         if salt:
-            fields["cache_salt"] = cache_salt(prompt.prompt_length, runs)
+            fields["cache_salt"] = cache_salt(prompt.prompt_length, runs, prompt.namespace)
     return fields
 
 

@@ -159,27 +159,41 @@ def encode_documents(
     prefix_length: int,
     spans: torch.Tensor,
     store: DocumentStore,
+    namespace: str | None = None,
 ) -> tuple[KVLayers, list[tuple[KVLayers, bool]]]:
     """The KV of the prefix ``input_ids[:prefix_length]`` and of each ``[S, 2]`` span's document (encoded right
-    after the prefix, positions ``P ..``), each from ``store`` or computed and stored there, with whether the
-    store held it.
+    after the prefix, positions ``P ..``), each from ``store``'s entries in ``namespace`` or computed and stored
+    there, with whether the store held it.
     """
     prefix_ids = input_ids[:prefix_length]
     digest = _digest(prefix_ids)
-    prefix, _ = _encoded(model, draft, (draft, digest, PREFIX_ENTRY), prefix_ids, store, ())
-    documents = [
-        _encoded(model, draft, (draft, digest, _digest(input_ids[start:end])), input_ids[start:end], store, prefix)
-        for start, end in spans.tolist()
-    ]
+    prefix_key = DocumentKey(draft, namespace, digest, PREFIX_ENTRY)
+    prefix, _ = _encoded(model, draft, prefix_key, prefix_ids, store, ())
+    documents = []
+    for start, end in spans.tolist():
+        token_ids = input_ids[start:end]
+        key = _document_key(draft, namespace, digest, token_ids)
+        documents.append(_encoded(model, draft, key, token_ids, store, prefix))
     return prefix, documents
 
 
+def _document_key(draft: DraftIdentity, namespace: str | None, prefix: bytes, token_ids: torch.Tensor) -> DocumentKey:
+    return DocumentKey(draft, namespace, prefix, _digest(token_ids))
+
+
 def held_documents(
-    draft: DraftIdentity, input_ids: torch.Tensor, prefix_length: int, spans: torch.Tensor, store: DocumentStore
+    draft: DraftIdentity,
+    input_ids: torch.Tensor,
+    prefix_length: int,
+    spans: torch.Tensor,
+    store: DocumentStore,
+    namespace: str | None = None,
 ) -> int:
-    """How many of the ``[S, 2]`` spans' documents ``store`` holds after the prefix ``input_ids[:prefix_length]``."""
+    """How many of the ``[S, 2]`` spans' documents ``store`` holds in ``namespace`` after the prefix
+    ``input_ids[:prefix_length]``.
+    """
     digest = _digest(input_ids[:prefix_length])
-    keys = [(draft, digest, _digest(input_ids[start:end])) for start, end in spans.tolist()]
+    keys = [_document_key(draft, namespace, digest, input_ids[start:end]) for start, end in spans.tolist()]
     return sum(
         store.lookup(key, input_ids[start:end].cpu()) is not None for key, (start, end) in zip(keys, spans.tolist())
     )
@@ -232,9 +246,11 @@ def assemble_prompt_kv(
     store: DocumentStore,
     repair: DocumentRepair = NAIVE,
     until: int | None = None,
+    namespace: str | None = None,
 ) -> AssembledKV:
     """The draft KV of ``input_ids[:until]`` (``[L]`` prompt; default ``until = L - 1``) with the ``documents``
-    taken from ``store``, each encoded after the documents' prefix (see the module). Documents reaching past
+    taken from ``store``'s entries in ``namespace`` (stored there when missing), each encoded after the
+    documents' prefix (see the module). Documents reaching past
     ``until`` are computed fresh. Raises :class:`InvalidRequestError` for bad spans, ``DraftScoringError`` for
     a draft whose keys cannot be moved.
     """
@@ -245,7 +261,7 @@ def assemble_prompt_kv(
     served = spans[spans[:, 1] <= until]
     if prefix_length > until:
         raise InvalidRequestError(f"the prefix ({prefix_length} tokens) reaches past the assembled {until} tokens")
-    prefix, encoded = encode_documents(model, draft, input_ids, prefix_length, served, store)
+    prefix, encoded = encode_documents(model, draft, input_ids, prefix_length, served, store, namespace)
     full, cached = _placed(prefix, served, [layers for layers, _ in encoded], until, inv_freq)
     cached[_recomputed(model, input_ids[:until], served, full, repair)] = False
     hits = [hit for _, hit in encoded]

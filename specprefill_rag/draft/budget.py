@@ -36,15 +36,17 @@ def check_draft_tokens(prompt_tokens: int, limit: int | None) -> None:
         raise DraftLimitError(prompt_tokens, limit)
 
 
-def score_or_out_of_memory(draft: Any, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
-    """``draft.score_prompt(input_ids, documents)``: ``[L]`` ids -> ``[L]`` importance (on the draft's device)
-    and the tokens its caches supplied.
+def score_or_out_of_memory(
+    draft: Any, input_ids: torch.Tensor, documents: DocumentSpans | None = None, namespace: str | None = None
+) -> DraftScore:
+    """``draft.score_prompt(input_ids, documents, namespace)``: ``[L]`` ids -> ``[L]`` importance (on the draft's
+    device) and the tokens its caches (``namespace``'s entries) supplied.
 
     Out of memory raises :class:`DraftOutOfMemoryError` outside the ``except`` block, so the error
     carries no traceback of the draft's frames and their tensors are freed before it propagates.
     """
     try:
-        return draft.score_prompt(input_ids, documents)
+        return draft.score_prompt(input_ids, documents, namespace)
     except _OUT_OF_MEMORY:
         pass
     if input_ids.device.type == "cuda":

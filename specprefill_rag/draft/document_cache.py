@@ -5,10 +5,11 @@ document: template and instructions, so the attention sink stays in the prefix),
 with its token ids; the prefix's own KV is kept the same way. A later prompt's draft KV is assembled
 from them (:mod:`.assembly`, keys rotated by :mod:`.rotation`, repaired by :mod:`.repair`).
 
-Entries are keyed by the draft (:class:`~.prefix_cache.DraftIdentity`), a digest of the prefix's ids
-and the document's ids (verified on a hit), bounded in bytes, least recently used first out,
-thread-safe, and freed with their model. :class:`DocumentStore` is the interface a shared store could
-implement in place of the in-memory :class:`DocumentKVCache`.
+Entries are keyed (:class:`DocumentKey`) by the draft (:class:`~.prefix_cache.DraftIdentity`), a namespace (the
+tenant whose request drafted them: a lookup in one namespace never finds another's), a digest of the prefix's
+ids and the document's ids (verified on a hit), bounded in bytes (one budget for every namespace), least
+recently used first out, thread-safe, and freed with their model. :class:`DocumentStore` is the interface a
+shared store could implement in place of the in-memory :class:`DocumentKVCache`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,34 @@ import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from ..kvcache.prefix_cache import DraftIdentity, KVLayers, _storage_bytes
 
-DocumentKey = tuple[DraftIdentity, bytes, bytes]  # draft, prefix digest, document-ids digest (or b"prefix")
+
+class DocumentKey(NamedTuple):
+    """What one entry holds the KV of.
+
+    Attributes:
+        draft: the draft that encoded it.
+        namespace: the tenant whose request drafted it (None: the namespace of an engine used by one application).
+        prefix: digest of the prefix's ids (what the document was encoded after).
+        document: digest of the document's ids, or ``b"prefix"`` for the prefix's own KV.
+    """
+
+    draft: DraftIdentity
+    namespace: str | None
+    prefix: bytes
+    document: bytes
+
+
+class Held(NamedTuple):
+    """What a store holds in one namespace: ``entries`` (documents and their prefixes) and their ``nbytes``."""
+
+    entries: int
+    nbytes: int
 
 
 class DocumentStore(Protocol):
@@ -51,6 +73,10 @@ class DocumentStore(Protocol):
 
     def free_bytes(self) -> int:
         """Bytes it can take before it drops an entry (what warming a corpus may fill)."""
+        ...
+
+    def held(self, namespace: str | None) -> Held:
+        """The entries and bytes it holds in ``namespace`` (what one tenant may be told of)."""
         ...
 
 
@@ -102,6 +128,11 @@ class DocumentKVCache:
 
     def free_bytes(self) -> int:
         return max(self.max_bytes - self.nbytes, 0)
+
+    def held(self, namespace: str | None) -> Held:
+        with self._lock:
+            mine = [entry.nbytes for key, entry in self._entries.items() if key.namespace == namespace]
+        return Held(len(mine), sum(mine))
 
     def clear(self) -> None:
         with self._lock:

@@ -59,30 +59,38 @@ class ModelDraft:
         return self.score_prompt(input_ids).importance
 
     @torch.inference_mode()
-    def score_prompt(self, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
+    def score_prompt(
+        self, input_ids: torch.Tensor, documents: DocumentSpans | None = None, namespace: str | None = None
+    ) -> DraftScore:
         """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied.
 
         ``documents``: where the prompt's documents are, to take their KV from the per-document
         cache (``document_cache``; an approximation, repaired by ``repair``: see :mod:`.assembly`); None:
-        drafted jointly.
+        drafted jointly. ``namespace``: the tenant whose cache entries it may use and fills (None: shared).
         """
         if documents is not None and self.document_cache is not None and documents.spans.numel():
-            return self._score_with_documents(input_ids, documents, self.document_cache)
+            return self._score_with_documents(input_ids, documents, self.document_cache, namespace)
         prompt_length = input_ids.numel()
         layers = self.model.config.num_hidden_layers
         reuse = PrefixReuse.begin(
-            self.prefix_cache, self.model, layers, input_ids, prompt_length - 1, needs_past=self.look_ahead > 1
+            self.prefix_cache,
+            self.model,
+            layers,
+            input_ids,
+            prompt_length - 1,
+            needs_past=self.look_ahead > 1,
+            namespace=namespace,
         )
         importance = self._score_from(input_ids, reuse.past, reuse.cached_tokens)
         reuse.remember(input_ids)
         return DraftScore(importance, reuse.cached_tokens)
 
     def _score_with_documents(
-        self, input_ids: torch.Tensor, documents: DocumentSpans, store: DocumentStore
+        self, input_ids: torch.Tensor, documents: DocumentSpans, store: DocumentStore, namespace: str | None
     ) -> DraftScore:
         """Score from KV assembled out of the per-document cache; never stored in the (exact) prefix cache."""
         draft = DraftIdentity.of(self.model, self.model.config.num_hidden_layers)
-        assembled = assemble_prompt_kv(self.model, draft, input_ids, documents, store, self.repair)
+        assembled = assemble_prompt_kv(self.model, draft, input_ids, documents, store, self.repair, namespace=namespace)
         importance = self._score_from(input_ids, assembled.past, input_ids.numel() - 1)
         return DraftScore(importance, 0, assembled.cached_tokens, assembled.documents_cached)
 
@@ -105,44 +113,52 @@ class ModelDraft:
         return accumulator.result()
 
     def score_batch(
-        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
+        self,
+        prompts: list[torch.Tensor],
+        documents: list[DocumentSpans | None] | None = None,
+        namespaces: list[str | None] | None = None,
     ) -> list[DraftScore | DraftScoringError]:
         """Several ``[L_i]`` prompts in one batched forward (:mod:`specprefill_rag.draft.batch`); per prompt
         its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error.
+        ``namespaces``: per prompt the tenant whose cache entries it may use and fills (None: all shared).
 
         Prompts the prefix cache can serve, and those with ``documents`` (their KV from the
         per-document cache), are scored alone (only what is not cached is computed, which is cheaper than a
-        padded row); the rest share one forward.
+        padded row); the rest share one forward (batched rows neither read nor fill a cache).
         """
         spans = documents if documents is not None else [None] * len(prompts)
+        owners = namespaces if namespaces is not None else [None] * len(prompts)
         alone = [
-            len(prompts) == 1 or self._has_cached_prefix(p) or self._uses_documents(s) for p, s in zip(prompts, spans)
+            len(prompts) == 1 or self._has_cached_prefix(p, n) or self._uses_documents(s)
+            for p, s, n in zip(prompts, spans, owners)
         ]
-        batched = [p for p, single in zip(prompts, alone) if not single]
+        batched = [(p, n) for p, n, single in zip(prompts, owners, alone) if not single]
         together = iter(
-            score_model_batch(self, batched)
+            score_model_batch(self, [p for p, _ in batched])
             if len(batched) > 1
-            else [_score_or_error(self.score_prompt, p) for p in batched]
+            else [_score_or_error(self.score_prompt, p, None, n) for p, n in batched]
         )
         return [
-            _score_or_error(self.score_prompt, p, s) if single else next(together)
-            for p, s, single in zip(prompts, spans, alone)
+            _score_or_error(self.score_prompt, p, s, n) if single else next(together)
+            for p, s, n, single in zip(prompts, spans, owners, alone)
         ]
 
-    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans) -> int:
-        """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (after their prefix),
-        without scoring; returns how many documents it holds for this prompt (0 without a cache).
+    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans, namespace: str | None = None) -> int:
+        """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (after their prefix) in
+        ``namespace``, without scoring; returns how many documents it holds there for this prompt (0 without a
+        cache).
         """
-        return _warm(self.model, self.model.config.num_hidden_layers, self.document_cache, input_ids, documents)
+        layers = self.model.config.num_hidden_layers
+        return _warm(self.model, layers, self.document_cache, input_ids, documents, namespace)
 
     def _uses_documents(self, documents: DocumentSpans | None) -> bool:
         return documents is not None and self.document_cache is not None and documents.spans.numel() > 0
 
-    def _has_cached_prefix(self, input_ids: torch.Tensor) -> bool:
+    def _has_cached_prefix(self, input_ids: torch.Tensor, namespace: str | None) -> bool:
         if self.prefix_cache is None:
             return False
         draft = DraftIdentity.of(self.model, self.model.config.num_hidden_layers)
-        return self.prefix_cache.lookup(draft, input_ids, input_ids.numel() - 1) is not None
+        return self.prefix_cache.lookup(draft, input_ids, input_ids.numel() - 1, namespace) is not None
 
 
 @dataclass
@@ -168,11 +184,14 @@ class LayerPrefixDraft:
         return self.score_prompt(input_ids).importance
 
     @torch.inference_mode()
-    def score_prompt(self, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
+    def score_prompt(
+        self, input_ids: torch.Tensor, documents: DocumentSpans | None = None, namespace: str | None = None
+    ) -> DraftScore:
         """``[L]`` long prompt ids -> importance and how many prompt tokens the prefix cache supplied.
 
         ``documents``: the documents whose KV (the first ``n_layers`` layers) comes from the per-document
         cache (``document_cache``; documents reaching into the query window are computed); None: jointly.
+        ``namespace``: the tenant whose cache entries it may use and fills (None: shared).
         """
         window = min(self.query_window, input_ids.numel())
         accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
@@ -180,14 +199,20 @@ class LayerPrefixDraft:
             draft = DraftIdentity.of(self.model, self.n_layers)
             until = input_ids.numel() - window
             assembled = assemble_prompt_kv(
-                self.model, draft, input_ids, documents, self.document_cache, self.repair, until
+                self.model, draft, input_ids, documents, self.document_cache, self.repair, until, namespace
             )
             reuse = PrefixReuse(assembled.past)
             cache, start = assembled.past, until
         else:
             assembled = None
             reuse = PrefixReuse.begin(
-                self.prefix_cache, self.model, self.n_layers, input_ids, input_ids.numel() - window, needs_past=False
+                self.prefix_cache,
+                self.model,
+                self.n_layers,
+                input_ids,
+                input_ids.numel() - window,
+                needs_past=False,
+                namespace=namespace,
             )
             cache, start = reuse.past, reuse.cached_tokens
         capture = capture_attention(self.model, accumulator, self.pool_kernel, window)
@@ -203,37 +228,49 @@ class LayerPrefixDraft:
         reuse.remember(input_ids)
         return DraftScore(importance, start)
 
-    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans) -> int:
+    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans, namespace: str | None = None) -> int:
         """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (its first ``n_layers``
-        layers), without scoring; returns how many documents it holds for this prompt.
+        layers) in ``namespace``, without scoring; returns how many documents it holds there for this prompt.
         """
-        return _warm(self.model, self.n_layers, self.document_cache, input_ids, documents)
+        return _warm(self.model, self.n_layers, self.document_cache, input_ids, documents, namespace)
 
     def score_batch(
-        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
+        self,
+        prompts: list[torch.Tensor],
+        documents: list[DocumentSpans | None] | None = None,
+        namespaces: list[str | None] | None = None,
     ) -> list[DraftScore | DraftScoringError]:
         """One prompt after another (a layer-prefix draft is not batched); each its score or its error;
-        ``documents``: per prompt its documents for the per-document cache, or None.
+        ``documents``: per prompt its documents for the per-document cache, or None; ``namespaces``: per prompt
+        the tenant whose cache entries it may use (None: all shared).
         """
         spans = documents if documents is not None else [None] * len(prompts)
-        return [_score_or_error(self.score_prompt, prompt, s) for prompt, s in zip(prompts, spans)]
+        owners = namespaces if namespaces is not None else [None] * len(prompts)
+        return [_score_or_error(self.score_prompt, prompt, s, n) for prompt, s, n in zip(prompts, spans, owners)]
 
 
 @torch.inference_mode()
 def _warm(
-    model: Any, layers: int, store: DocumentStore | None, input_ids: torch.Tensor, documents: DocumentSpans
+    model: Any,
+    layers: int,
+    store: DocumentStore | None,
+    input_ids: torch.Tensor,
+    documents: DocumentSpans,
+    namespace: str | None,
 ) -> int:
     if store is None:
         return 0
     (spans, prefix_length), draft = documents.checked(input_ids.numel()), DraftIdentity.of(model, layers)
-    encode_documents(model, draft, input_ids, prefix_length, spans, store)
-    return held_documents(draft, input_ids, prefix_length, spans, store)
+    encode_documents(model, draft, input_ids, prefix_length, spans, store, namespace)
+    return held_documents(draft, input_ids, prefix_length, spans, store, namespace)
 
 
 def _score_or_error(
-    score: Any, input_ids: torch.Tensor, documents: DocumentSpans | None = None
+    score: Any, input_ids: torch.Tensor, documents: DocumentSpans | None = None, namespace: str | None = None
 ) -> DraftScore | DraftScoringError:
     try:
-        return score(input_ids) if documents is None else score(input_ids, documents)
+        if documents is None and namespace is None:
+            return score(input_ids)
+        return score(input_ids, documents, namespace)
     except DraftScoringError as error:
         return error

@@ -46,22 +46,31 @@ class TokenScorer(Protocol):
         """``[L]`` long ids -> ``[L]`` float32 importance."""
         ...
 
-    def score_prompt(self, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
+    def score_prompt(
+        self, input_ids: torch.Tensor, documents: DocumentSpans | None = None, namespace: str | None = None
+    ) -> DraftScore:
         """``[L]`` long ids -> importance and the leading tokens the draft's prefix cache supplied; with
-        ``documents``, their KV from the per-document cache where the draft has one.
+        ``documents``, their KV from the per-document cache where the draft has one; ``namespace``: the tenant
+        whose cache entries it may use and fills (None: shared).
         """
         ...
 
     def score_batch(
-        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
+        self,
+        prompts: list[torch.Tensor],
+        documents: list[DocumentSpans | None] | None = None,
+        namespaces: list[str | None] | None = None,
     ) -> list[DraftScore | DraftScoringError]:
         """Several ``[L_i]`` prompts in one forward (the gateway's batches); each its result or its own error;
-        ``documents``: per prompt its documents for the per-document cache, or None.
+        ``documents``: per prompt its documents for the per-document cache, or None; ``namespaces``: per prompt
+        its cache namespace (None: all shared).
         """
         ...
 
-    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans) -> int:
-        """Encode the ``documents`` of ``[L]`` ids into the per-document cache; how many it holds."""
+    def warm(self, input_ids: torch.Tensor, documents: DocumentSpans, namespace: str | None = None) -> int:
+        """Encode the ``documents`` of ``[L]`` ids into the per-document cache in ``namespace``; how many it holds
+        there.
+        """
         ...
 
 
@@ -70,13 +79,18 @@ def score_tokens(draft: TokenScorer, input_ids: torch.Tensor) -> torch.Tensor:
     return draft_score(draft, input_ids).importance
 
 
-def draft_score(draft: TokenScorer, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> DraftScore:
+def draft_score(
+    draft: TokenScorer,
+    input_ids: torch.Tensor,
+    documents: DocumentSpans | None = None,
+    namespace: str | None = None,
+) -> DraftScore:
     """:func:`score_tokens`, with the tokens the draft's caches supplied (``documents``: to take from the
-    per-document cache).
+    per-document cache; ``namespace``: whose cache entries, None: shared).
     """
     device = next(draft.model.parameters()).device
     with model_lock(draft.model):
-        scored = score_or_out_of_memory(draft, input_ids.to(device), documents)
+        scored = score_or_out_of_memory(draft, input_ids.to(device), documents, namespace)
     return replace(scored, importance=scored.importance.cpu())
 
 
@@ -85,13 +99,15 @@ def score_layout(
     layout: PromptLayout,
     prepared: DraftInput | None = None,
     documents: bool = False,
+    namespace: str | None = None,
 ) -> DraftScore:
     """Prepare what the draft reads (unless ``prepared``, from ``scoring.prepare(layout)``, is given), score
-    it under the draft's lock, and carry it onto ``layout``. ``documents``: use the per-document draft cache.
+    it under the draft's lock, and carry it onto ``layout``. ``documents``: use the per-document draft cache;
+    ``namespace``: the tenant whose cache entries the draft may use and fills (None: shared).
     """
     prepared = prepared or scoring.prepare(layout)
     spans = document_spans(prepared) if documents else None
-    scored = draft_score(scoring.draft, prepared.token_ids, spans)
+    scored = draft_score(scoring.draft, prepared.token_ids, spans, namespace)
     return replace(scored, importance=scoring.finish(prepared, scored.importance))
 
 
@@ -108,9 +124,10 @@ def document_spans(prepared: DraftInput) -> DocumentSpans | None:
     return DocumentSpans(spans, instructions_end(layout.roles, int(spans[0, 0])))
 
 
-def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) -> int:
-    """Encode ``layout``'s documents as the draft reads them into its per-document cache, under the draft's
-    lock; returns how many documents it holds (0 when the draft has no such cache or the layout no documents).
+def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout, namespace: str | None = None) -> int:
+    """Encode ``layout``'s documents as the draft reads them into its per-document cache in ``namespace``, under
+    the draft's lock; returns how many documents it holds there (0 when the draft has no such cache or the layout
+    no documents).
     """
     prepared = scoring.prepare(layout)
     spans = document_spans(prepared)
@@ -118,7 +135,7 @@ def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) ->
         return 0
     device = next(scoring.draft.model.parameters()).device
     with model_lock(scoring.draft.model):
-        return scoring.draft.warm(prepared.token_ids.to(device), spans)
+        return scoring.draft.warm(prepared.token_ids.to(device), spans, namespace)
 
 
 def check_draft_context(
@@ -171,12 +188,19 @@ class _LayoutScoring:
         """``[L]`` float32 importance of the layout's tokens (0 outside documents on the mapped path)."""
         return self.score(layout).importance
 
-    def score(self, layout: PromptLayout, prepared: DraftInput | None = None, documents: bool = False) -> DraftScore:
+    def score(
+        self,
+        layout: PromptLayout,
+        prepared: DraftInput | None = None,
+        documents: bool = False,
+        namespace: str | None = None,
+    ) -> DraftScore:
         """:meth:`importance`, with the leading draft tokens its prefix cache supplied; ``prepared``: this
         layout's :meth:`prepare`, when the caller already has it (the mapped path renders the prompt there);
-        ``documents``: take the documents' draft KV from the per-document cache.
+        ``documents``: take the documents' draft KV from the per-document cache; ``namespace``: the tenant whose
+        cache entries the draft may use and fills (None: shared).
         """
-        return score_layout(self, layout, prepared, documents)  # type: ignore[arg-type]
+        return score_layout(self, layout, prepared, documents, namespace)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

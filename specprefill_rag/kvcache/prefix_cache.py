@@ -6,9 +6,11 @@ the same token ids would compute. A :class:`PrefixKVCache` keeps the prompt KV o
 and hands a later prompt the longest common prefix with any of them: the draft then prefills only
 the remainder, and its queries attend over cached + new keys exactly as in a cold run.
 
-Entries are keyed by the draft (model object, layers run, dtype, device) and the exact token ids;
-the cache is bounded by bytes (least recently used entries go first) and thread-safe. One cache
-per (device, size) is shared by the engines of a process (:func:`shared_prefix_cache`).
+Entries are keyed by the draft (model object, layers run, dtype, device), a namespace (the tenant whose
+requests stored them: a lookup in one namespace never finds another's entries; None is the namespace of an
+engine used by one application) and the exact token ids; the cache is bounded by bytes (least recently used
+entries go first, one budget for every namespace) and thread-safe. One cache per (device, size) is shared by
+the engines of a process (:func:`shared_prefix_cache`).
 
 Reuse shares memory: a hit builds a ``DynamicCache`` whose layers are slices (views) of the entry's
 tensors; transformers' ``DynamicLayer`` grows by ``torch.cat`` into new tensors and never writes
@@ -67,8 +69,9 @@ class DraftIdentity:
 @dataclass
 class _Entry:
     draft: DraftIdentity
+    namespace: str | None
     token_ids: torch.Tensor  # [T] long, CPU
-    hashes: list[int]  # block_hashes(draft, token_ids)
+    hashes: list[int]  # block_hashes((draft, namespace), token_ids)
     layers: KVLayers  # per layer: keys, values [1, H_kv, >= T, d]
     nbytes: int
     last_use: int = -1  # when it was last stored or hit (larger: more recent)
@@ -122,10 +125,14 @@ class PrefixKVCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, draft: DraftIdentity, token_ids: torch.Tensor, max_tokens: int) -> PrefixHit | None:
-        """The longest cached prefix of ``token_ids`` ([L] long) for ``draft``, at most ``max_tokens`` long."""
+    def lookup(
+        self, draft: DraftIdentity, token_ids: torch.Tensor, max_tokens: int, namespace: str | None = None
+    ) -> PrefixHit | None:
+        """The longest cached prefix of ``token_ids`` ([L] long) for ``draft``, at most ``max_tokens`` long,
+        among the entries stored in ``namespace``.
+        """
         token_ids = token_ids.cpu()
-        hashes = block_hashes(draft, token_ids)
+        hashes = block_hashes((draft, namespace), token_ids)
         needed = max(1.0, self.min_reuse_share * token_ids.numel())
         with self._lock:
             blocks, numbers = self._index.deepest(hashes)
@@ -135,7 +142,7 @@ class PrefixKVCache:
             best, best_length, best_use = None, 0, -1
             for number in numbers:
                 entry = self._entries[number]
-                if entry.draft == draft:
+                if entry.draft == draft and entry.namespace == namespace:
                     length = min(common_prefix_length(entry.token_ids, token_ids), max_tokens)
                     recent = entry.last_use > best_use
                     if length > best_length or (length == best_length and recent):  # recent wins ties
@@ -146,25 +153,34 @@ class PrefixKVCache:
             layers = tuple((k[:, :, :best_length], v[:, :, :best_length]) for k, v in self._entries[best].layers)
         return PrefixHit(best_length, layers)
 
-    def store(self, model: nn.Module, draft: DraftIdentity, token_ids: torch.Tensor, layers: KVLayers) -> None:
-        """Keep ``layers`` (per layer keys, values ``[1, H_kv, >= T, d]``) as the KV of ``token_ids`` ([T]).
+    def store(
+        self,
+        model: nn.Module,
+        draft: DraftIdentity,
+        token_ids: torch.Tensor,
+        layers: KVLayers,
+        namespace: str | None = None,
+    ) -> None:
+        """Keep ``layers`` (per layer keys, values ``[1, H_kv, >= T, d]``) as the KV of ``token_ids`` ([T]) in
+        ``namespace``.
 
-        An entry whose ids are a prefix of ``token_ids`` is replaced (the new one serves every lookup it
-        would); if ``token_ids`` is a prefix of an entry, nothing is added.
+        An entry of that namespace whose ids are a prefix of ``token_ids`` is replaced (the new one serves every
+        lookup it would); if ``token_ids`` is a prefix of one of its entries, nothing is added.
         """
         token_ids = token_ids.cpu()
-        entry = _Entry(draft, token_ids, block_hashes(draft, token_ids), layers, _storage_bytes(layers))
+        hashes = block_hashes((draft, namespace), token_ids)
+        entry = _Entry(draft, namespace, token_ids, hashes, layers, _storage_bytes(layers))
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:
             for number in list(self._index.extending(entry.hashes)):
                 held = self._entries[number]
-                if held.draft == draft and _starts(held.token_ids, token_ids):
+                if held.draft == draft and held.namespace == namespace and _starts(held.token_ids, token_ids):
                     self._touch(number)
                     return
             for number in list(self._index.ending_along(entry.hashes)):
                 held = self._entries[number]
-                if held.draft == draft and _starts(token_ids, held.token_ids):
+                if held.draft == draft and held.namespace == namespace and _starts(token_ids, held.token_ids):
                     self._remove(number)
             number = next(self._next_entry)
             self._entries[number] = entry
@@ -246,7 +262,8 @@ class PrefixReuse:
     """One scoring call's use of a :class:`PrefixKVCache`.
 
     ``past`` is the ``DynamicCache`` the draft runs with (``None`` when it needs none), holding the first
-    ``cached_tokens`` prompt tokens' KV on a hit; after scoring, :meth:`remember` stores the prompt's KV.
+    ``cached_tokens`` prompt tokens' KV on a hit; after scoring, :meth:`remember` stores the prompt's KV, in the
+    same ``namespace`` it was looked up in.
     """
 
     past: Any
@@ -254,6 +271,7 @@ class PrefixReuse:
     cache: PrefixKVCache | None = None
     model: Any = None  # the draft's PreTrainedModel, once begun
     draft: DraftIdentity | None = None
+    namespace: str | None = None
 
     @classmethod
     def begin(
@@ -264,18 +282,21 @@ class PrefixReuse:
         token_ids: torch.Tensor,
         max_reuse: int,
         needs_past: bool,
+        namespace: str | None = None,
     ) -> PrefixReuse:
-        """Look ``token_ids`` ([L]) up for ``model`` run for ``layers`` layers, reusing at most ``max_reuse`` tokens."""
+        """Look ``token_ids`` ([L]) up for ``model`` run for ``layers`` layers in ``namespace`` (the tenant's
+        entries only), reusing at most ``max_reuse`` tokens.
+        """
         from transformers import DynamicCache
 
         past = DynamicCache(config=model.config) if cache is not None or needs_past else None
         if cache is None or not _dynamic_layers_only(past, layers):
             return cls(past if needs_past else None)
         draft = DraftIdentity.of(model, layers)
-        hit = cache.lookup(draft, token_ids, max_reuse)
+        hit = cache.lookup(draft, token_ids, max_reuse, namespace)
         if hit is not None:
             _start_from(past, hit)
-        return cls(past, hit.tokens if hit else 0, cache, model, draft)
+        return cls(past, hit.tokens if hit else 0, cache, model, draft, namespace)
 
     def remember(self, token_ids: torch.Tensor) -> None:
         """Store the KV of the prompt ``token_ids`` ([L]) in the cache (not of the look-ahead tokens after it)."""
@@ -286,4 +307,4 @@ class PrefixReuse:
         if any(layer.get_seq_length() < length for layer in layers):
             return  # the forward pass did not reach every layer
         kv = tuple((layer.keys[:, :, :length], layer.values[:, :, :length]) for layer in layers)
-        self.cache.store(self.model, self.draft, token_ids, kv)
+        self.cache.store(self.model, self.draft, token_ids, kv, self.namespace)

@@ -11,7 +11,9 @@ documents does not extend the earlier prompt (its question differs), so it is se
 needs.
 
 Earlier prompts are found by chained block hashes of their ids (:mod:`specprefill_rag.kvcache.prefix_index`)
-and verified id by id. The memo is bounded in bytes, least recently used first out, and thread-safe.
+and verified id by id, within one namespace: a tenant's prompt only ever extends prompts of the same tenant
+(None: the namespace of an engine used by one application). The memo is bounded in bytes (one budget for
+every namespace), least recently used first out, and thread-safe.
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ class RecalledSpans:
         runs: ``[S, 2]`` ``(start, end)`` of every span.
         kept: per span, the ``[k]`` offsets (within the span) kept earlier, or None for a new span.
         token_ids: ``[L]`` the prompt's ids (CPU, int64).
-        hashes: their chained block hashes under the request's keep settings.
+        hashes: their chained block hashes under the request's keep settings and namespace.
+        namespace: the tenant whose earlier prompts it was compared with, and under which it is remembered.
     """
 
     runs: torch.Tensor
     kept: tuple[torch.Tensor | None, ...]
     token_ids: torch.Tensor
     hashes: list[int]
+    namespace: str | None = None
 
     @property
     def reused(self) -> int:
@@ -76,6 +80,7 @@ class RecalledSpans:
 
 @dataclass
 class _Entry:
+    namespace: str | None
     token_ids: torch.Tensor  # [P] int64, CPU
     hashes: list[int]
     spans: dict[Span, torch.Tensor]  # (start, end) -> kept offsets within the span, int32
@@ -96,21 +101,25 @@ class SelectionMemo:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def recall(self, input_ids: torch.Tensor, document_index: torch.Tensor, settings: str) -> RecalledSpans:
+    def recall(
+        self, input_ids: torch.Tensor, document_index: torch.Tensor, settings: str, namespace: str | None = None
+    ) -> RecalledSpans:
         """The spans of a prompt (``[L]`` ids and document ids) and, for those of the longest remembered prompt
-        it starts with (under the same ``settings``: the keep settings), what was kept of each.
+        of ``namespace`` it starts with (under the same ``settings``: the keep settings), what was kept of each.
         """
         token_ids = input_ids.cpu().to(torch.int64)
         runs = document_runs(document_index.cpu())
-        hashes = block_hashes(settings, token_ids)
+        hashes = block_hashes((settings, namespace), token_ids)
         with self._lock:
-            earlier = self._longest_within(token_ids, hashes)
+            earlier = self._longest_within(token_ids, hashes, namespace)
             spans = earlier.spans if earlier is not None else {}
             kept = tuple(spans.get((start, end)) for start, end in runs.tolist())
-        return RecalledSpans(runs, kept, token_ids, hashes)
+        return RecalledSpans(runs, kept, token_ids, hashes, namespace)
 
     def remember(self, recalled: RecalledSpans, kept: torch.Tensor) -> None:
-        """Store the prompt of ``recalled`` with, per span, its offsets in the sorted ``[K]`` ``kept`` indices."""
+        """Store the prompt of ``recalled`` (in its namespace) with, per span, its offsets in the sorted ``[K]``
+        ``kept`` indices.
+        """
         kept = kept.cpu()
         spans = {}
         for start, end in recalled.runs.tolist():
@@ -121,11 +130,12 @@ class SelectionMemo:
             return
         with self._lock:
             for number in self._index.extending(recalled.hashes):
-                if torch.equal(self._entries[number].token_ids, recalled.token_ids):
+                entry = self._entries[number]
+                if entry.namespace == recalled.namespace and torch.equal(entry.token_ids, recalled.token_ids):
                     self._entries.move_to_end(number)  # the same prompt again (a retry): keep the first choice
                     return
             number = next(self._numbers)
-            self._entries[number] = _Entry(recalled.token_ids, recalled.hashes, spans, size)
+            self._entries[number] = _Entry(recalled.namespace, recalled.token_ids, recalled.hashes, spans, size)
             self._index.add(number, recalled.hashes)
             self.nbytes += size
             while self.nbytes > self.max_bytes:
@@ -137,15 +147,16 @@ class SelectionMemo:
             self._index = PrefixIndex()
             self.nbytes = 0
 
-    def _longest_within(self, token_ids: torch.Tensor, hashes: list[int]) -> _Entry | None:
-        """The longest remembered prompt that ``token_ids`` extend (marked most recently used). The same prompt
-        again is no extension: it is drafted again (its selection is the same, to float rounding).
+    def _longest_within(self, token_ids: torch.Tensor, hashes: list[int], namespace: str | None) -> _Entry | None:
+        """The longest remembered prompt of ``namespace`` that ``token_ids`` extend (marked most recently used).
+        The same prompt again is no extension: it is drafted again (its selection is the same, to float rounding).
         """
         best, best_length = None, -1
         for number in self._index.ending_along(hashes):
             entry = self._entries[number]
             length = entry.token_ids.numel()
-            if best_length < length < token_ids.numel() and torch.equal(token_ids[:length], entry.token_ids):
+            mine = entry.namespace == namespace
+            if mine and best_length < length < token_ids.numel() and torch.equal(token_ids[:length], entry.token_ids):
                 best, best_length = number, length
         if best is None:
             return None

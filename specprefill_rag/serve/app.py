@@ -4,9 +4,10 @@
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /v1/spec_prefill/documents/warm`` (the per-document draft cache, at ingestion),
 ``GET /health``, ``GET /metrics``. Every request passes the admission of
-:mod:`~specprefill_rag.serve.guard` first (the key on every route but ``/health`` and ``/metrics``, the
-bound on requests in flight, a JSON body of bounded size read under a deadline), inside the Host
-allow-list and, when configured, CORS.
+:mod:`~specprefill_rag.serve.guard` first (a key on every route but ``/health``, ``/metrics`` its own when
+set, the bound on requests in flight, a JSON body of bounded size read under a deadline), inside the Host
+allow-list and, when configured, CORS. The key (or declared tenant) a request came with names its tenant
+(:mod:`~specprefill_rag.serve.tenancy`), the namespace of every cache it reads or fills.
 """
 
 from __future__ import annotations
@@ -69,8 +70,12 @@ def create_app(settings: GatewaySettings | None = None, engine: SpecPrefillEngin
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if settings.api_key is None and not settings.is_loopback:
-            log.warning("no --api-key: the gateway at %s is open to anyone who can reach it", settings.host)
+        if not settings.api_keys() and not settings.is_loopback:
+            log.warning(
+                "no --api-key: the gateway at %s is open to anyone who can reach it, and its clients share its "
+                "caches (one tenant)",
+                settings.host,
+            )
         gateway.queue.start()
         yield
         await gateway.queue.stop()
@@ -91,22 +96,24 @@ def create_app(settings: GatewaySettings | None = None, engine: SpecPrefillEngin
 
 def _guards(app: FastAPI, gateway: Gateway, settings: GatewaySettings) -> None:
     """Admission (key, bound, body), then CORS when configured, then the Host allow-list outermost."""
-    key = settings.api_key.get_secret_value() if settings.api_key is not None else None
+    metrics_key = settings.metrics_key.get_secret_value() if settings.metrics_key is not None else None
+    tenant_header = [settings.tenant_header] if settings.tenant_header is not None else []
     body_limit = settings.resolved_max_body_bytes(gateway.engine.backend.context_length)
     app.add_middleware(
         RequestGuard,
-        api_key=key,
+        api_keys=settings.api_keys(),
         slots=gateway.slots,
         max_body_bytes=body_limit,
         body_timeout_s=settings.body_timeout_s,
         count=gateway.metrics.finished,
+        metrics_keys=(metrics_key,) if metrics_key is not None else (),
     )
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(settings.cors_origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["authorization", "content-type"],
+            allow_headers=["authorization", "content-type", *tenant_header],
             expose_headers=list(HEADER_NAMES),
         )
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(settings.resolved_allowed_hosts()))
@@ -163,7 +170,8 @@ def _document_routes(app: FastAPI, gateway: Gateway) -> None:
         "cache_max_bytes"}`` (:meth:`Gateway.warm`).
         """
         try:
-            warmed = await gateway.warm(_parse(WarmDocumentsRequest, await _json(request)))
+            tenant = gateway.tenancy.tenant(request.headers)
+            warmed = await gateway.warm(_parse(WarmDocumentsRequest, await _json(request)), tenant)
         except Exception as error:
             failure = as_gateway_error(error, False)
             gateway.metrics.finished("warm", failure.outcome)
@@ -255,7 +263,7 @@ async def _plan(
     except ValidationError as error:
         field, message = first_problem(error)
         raise bad_request(message, field) from None
-    return body, Plan(layout, params, body.spec_prefill, started)
+    return body, Plan(layout, params, body.spec_prefill, started, gateway.tenancy.tenant(request.headers))
 
 
 async def _complete(

@@ -37,6 +37,7 @@ from .metrics import GatewayMetrics
 from .queue import DraftQueue, QueueFull
 from .schema import SpecPrefillOptions, WarmDocumentsRequest
 from .settings import GatewaySettings
+from .tenancy import Tenancy
 
 log = logging.getLogger("specprefill_rag.serve")
 DOCUMENT_CACHE_FIELD = "spec_prefill.draft_document_cache"
@@ -44,12 +45,15 @@ DOCUMENT_CACHE_FIELD = "spec_prefill.draft_document_cache"
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated request: its layout, decoding parameters, SpecPrefill options and arrival time."""
+    """A validated request: its layout, decoding parameters, SpecPrefill options, arrival time and tenant (the
+    namespace of the caches it reads and fills: :mod:`~specprefill_rag.serve.tenancy`; None: shared).
+    """
 
     layout: ChatLayout
     params: GenerationParams
     options: SpecPrefillOptions
     started: float = field(default_factory=time.perf_counter)
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,19 +97,24 @@ class Gateway:
             settings.batch_window_ms / 1000.0,
         )
         self.slots = Slots(settings.max_concurrent_requests)
+        self.tenancy = Tenancy.of(settings)
         self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache, engine.document_cache)
         self.queue.on_batch = self.metrics.batch
 
     def _score_batch(
-        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
+        self,
+        prompts: list[torch.Tensor],
+        documents: list[DocumentSpans | None] | None = None,
+        namespaces: list[str | None] | None = None,
     ) -> list[DraftScore | Exception]:
         """Blocking: one batched draft forward (in the queue's worker thread), results on the CPU. ``documents``:
-        per prompt its documents to take from the per-document cache, or None.
+        per prompt its documents to take from the per-document cache, or None; ``namespaces``: per prompt its
+        tenant's cache namespace.
         """
         draft = self.engine.draft
         device = next(draft.model.parameters()).device
         with model_lock(draft.model):
-            results = draft.score_batch([p.to(device) for p in prompts], documents)
+            results = draft.score_batch([p.to(device) for p in prompts], documents, namespaces)
         return [replace(r, importance=r.importance.cpu()) if isinstance(r, DraftScore) else r for r in results]
 
     async def answer(self, plan: Plan) -> AsyncGenerator[Answer, None]:
@@ -113,7 +122,7 @@ class Gateway:
         layout = plan.layout.layout
         self.engine.check_length(len(layout), plan.params.max_new_tokens)
         selection = await self._select(plan)
-        chunks = self.engine.astream_selected(layout, plan.params, selection, plan.started)
+        chunks = self.engine.astream_selected(layout, plan.params, selection, plan.started, plan.tenant)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield Answer(chunk, selection)
@@ -131,7 +140,7 @@ class Gateway:
         budget = pipeline.budget(layout, rate, cap, options.enabled)
         if not budget.compressed:
             return pipeline.whole(layout, budget)
-        recalled = pipeline.recall(layout, budget, options.reselect)
+        recalled = pipeline.recall(layout, budget, options.reselect, plan.tenant)
         if recalled is not None and recalled.complete:  # every span kept its tokens from an earlier turn
             return pipeline.select(layout, budget, None, recalled=recalled)
         queued = time.perf_counter()
@@ -139,7 +148,7 @@ class Gateway:
         try:
             prepared = scoring.prepare(layout)
             spans = document_spans(prepared) if use_cache else None  # the draft's own tokens, on every path
-            scored = await self.queue.score(prepared.token_ids, spans)
+            scored = await self.queue.score(prepared.token_ids, spans, plan.tenant)
             importance = scoring.finish(prepared, scored.importance)
         except QueueFull as full:
             raise queue_full(full.depth, full.retry_after_s) from None
@@ -170,11 +179,12 @@ class Gateway:
             )
         return wanted
 
-    async def warm(self, request: WarmDocumentsRequest) -> dict[str, int]:
-        """Draft ``request.documents`` into the per-document cache (off the event loop; each document under the
-        draft's lock, between the queue's batches). 400 when the gateway has no such cache or a document is bad;
-        504 when ``--request-timeout`` passes first (the documents drafted by then stay held, the rest are not
-        drafted: the worker stops after the document in hand).
+    async def warm(self, request: WarmDocumentsRequest, tenant: str | None = None) -> dict[str, int]:
+        """Draft ``request.documents`` into the per-document cache in ``tenant``'s namespace (off the event loop;
+        each document under the draft's lock, between the queue's batches). 400 when the gateway has no such cache
+        or a document is bad; 504 when ``--request-timeout`` passes first (the documents drafted by then stay
+        held, the rest are not drafted: the worker stops after the document in hand). ``held`` and
+        ``cache_bytes`` count the tenant's own entries.
         """
         store = self.engine.document_cache
         if store is None:
@@ -186,7 +196,7 @@ class Gateway:
         documents = [d if isinstance(d, str) else Document(d.text, d.title, d.id) for d in request.documents]
         stop = threading.Event()
         work = asyncio.ensure_future(
-            asyncio.to_thread(self.engine.warm_documents, documents, request.instructions, stop=stop)
+            asyncio.to_thread(self.engine.warm_documents, documents, request.instructions, stop=stop, tenant=tenant)
         )
         try:
             done, _ = await asyncio.wait({work}, timeout=self.settings.request_timeout_s)
@@ -200,8 +210,9 @@ class Gateway:
             raise bad_request(str(error), "documents") from None
         finally:
             stop.set()  # a cancelled request (client gone) stops the worker too
-        held = {"warmed": warmed, "documents": len(documents), "held": len(store)}
-        return {**held, "cache_bytes": store.nbytes, "cache_max_bytes": store.max_bytes}
+        mine = store.held(tenant)
+        held = {"warmed": warmed, "documents": len(documents), "held": mine.entries}
+        return {**held, "cache_bytes": mine.nbytes, "cache_max_bytes": store.max_bytes}
 
     def _after_draft_error(self, layout: PromptLayout, budget: Budget, error: Exception) -> Selection:
         on_error = self.settings.on_draft_error

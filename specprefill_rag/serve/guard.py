@@ -2,8 +2,9 @@
 type, and the body, read under a size limit and a deadline.
 
 A request turned away here costs constant work and at most ``max_body_bytes`` of memory: no tokenizer,
-no model, no thread. The order is the cheapest refusal first: key (401), a free slot (429), content type
-(415), declared length (413), then the body as it arrives (413 past the limit, 408 past the deadline).
+no model, no thread. The order is the cheapest refusal first: key (401; ``/metrics`` takes its own key when
+one is set), a free slot (429), content type (415), declared length (413), then the body as it arrives (413
+past the limit, 408 past the deadline).
 A client that disconnects mid-body is counted as ``disconnected``, not as an error.
 """
 
@@ -14,7 +15,7 @@ import hmac
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -27,7 +28,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without a key and not counted against the bound
+OPEN_PATHS = frozenset({"/health"})  # answered without a key
+UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})  # not counted against the bound
+METRICS_PATH = "/metrics"
 ENDPOINTS = {  # metric labels
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -90,6 +93,11 @@ def bearer_matches(header: bytes | None, key: bytes) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), key)
 
 
+def bearer_matches_any(header: bytes | None, keys: Sequence[bytes]) -> bool:
+    """Whether the header carries one of ``keys`` (each compared in constant time, all of them every time)."""
+    return sum(bearer_matches(header, key) for key in keys) > 0
+
+
 def _media_type(header: bytes | None) -> str:
     return (header or b"").decode("latin-1").split(";", 1)[0].strip().lower()
 
@@ -140,24 +148,27 @@ class RequestGuard:
 
     Args:
         app: the routes.
-        api_key: the Bearer key, or None for an open gateway.
+        api_keys: the Bearer keys accepted (each its own tenant); none: an open gateway.
         slots: the concurrency bound.
         max_body_bytes: largest body.
         body_timeout_s: deadline of the whole body, from the headers.
         count: ``count(endpoint, outcome)`` for refused completion requests (metrics).
+        metrics_keys: the keys of ``/metrics``; none: ``api_keys``.
     """
 
     def __init__(
         self,
         app: ASGIApp,
-        api_key: str | None,
+        api_keys: Sequence[str],
         slots: Slots,
         max_body_bytes: int,
         body_timeout_s: float,
         count: Callable[[str, str], None],
+        metrics_keys: Sequence[str] = (),
     ) -> None:
         self.app = app
-        self._key = api_key.encode() if api_key is not None else None
+        self._keys = tuple(key.encode() for key in api_keys)
+        self._metrics_keys = tuple(key.encode() for key in metrics_keys) or self._keys
         self.slots = slots
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -168,9 +179,13 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         endpoint = ENDPOINTS.get(scope["path"])
+        keys = self._metrics_keys if scope["path"] == METRICS_PATH else self._keys
         try:
-            if self._key is not None and not bearer_matches(_header(scope, b"authorization"), self._key):
+            if keys and not bearer_matches_any(_header(scope, b"authorization"), keys):
                 raise unauthorized()
+            if scope["path"] in UNCOUNTED_PATHS:
+                await self.app(scope, receive, send)
+                return
             with self.slots.hold():
                 if scope["method"] == "POST":
                     receive = _replay(await self._body(scope, receive), receive)

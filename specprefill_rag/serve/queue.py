@@ -6,7 +6,9 @@ whose caller went away (client disconnect, deadline) leaves the queue at once an
 that fails as a whole (e.g. out of memory) is retried one prompt at a time, so each request gets its
 own result or its own error. A prompt sent with its documents (:class:`DocumentSpans`, in the draft's own
 prompt) is scored from the per-document draft cache; the batch function then gets each prompt's documents
-(or None) as a second argument, and only then, so a ``score_batch(prompts)`` of one argument still works.
+(or None) as a second argument, and only then, so a ``score_batch(prompts)`` of one argument still works. A
+prompt of a tenant (its cache namespace) likewise gives the batch function each prompt's namespace (or None)
+as a third argument.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from ..draft.assembly import DocumentSpans
 from ..draft.importance import DraftScore
 
-ScoreBatch = Callable[..., list["DraftScore | Exception"]]  # (prompts[, per-prompt spans or None]) -> results
+# (prompts[, per-prompt spans or None[, per-prompt namespaces or None]]) -> results
+ScoreBatch = Callable[..., list["DraftScore | Exception"]]
 
 
 class QueueFull(Exception):
@@ -55,6 +58,7 @@ class _Job:
     input_ids: torch.Tensor
     future: asyncio.Future[Scored]
     documents: DocumentSpans | None = None  # for the per-document draft cache
+    namespace: str | None = None  # the tenant whose cache entries it may use
 
 
 class DraftQueue:
@@ -94,15 +98,18 @@ class DraftQueue:
             await asyncio.gather(self._worker, return_exceptions=True)
             self._worker = None
 
-    async def score(self, input_ids: torch.Tensor, documents: DocumentSpans | None = None) -> Scored:
+    async def score(
+        self, input_ids: torch.Tensor, documents: DocumentSpans | None = None, namespace: str | None = None
+    ) -> Scored:
         """Wait for this ``[L]`` prompt's importance. Raises :class:`QueueFull`, or the draft's own error
         for this prompt. Cancelling the caller takes the prompt out of the queue. ``documents``: where its
-        documents are, to take their draft KV from the per-document cache (None: drafted jointly).
+        documents are, to take their draft KV from the per-document cache (None: drafted jointly);
+        ``namespace``: the tenant whose cache entries the draft may use and fills (None: shared).
         """
         if self.depth >= self.capacity:
             raise QueueFull(self.depth, self._retry_after_s())
         self.start()
-        job = _Job(input_ids, asyncio.get_running_loop().create_future(), documents)
+        job = _Job(input_ids, asyncio.get_running_loop().create_future(), documents, namespace)
         self._waiting.append(job)
         self._arrived.set()
         try:
@@ -152,7 +159,10 @@ class DraftQueue:
         started = self._batch_started = time.perf_counter()
         try:
             results = await asyncio.to_thread(
-                self._score_all, [job.input_ids for job in batch], [job.documents for job in batch]
+                self._score_all,
+                [job.input_ids for job in batch],
+                [job.documents for job in batch],
+                [job.namespace for job in batch],
             )
         finally:
             self._batch_started = None
@@ -177,24 +187,32 @@ class DraftQueue:
                 )
 
     def _score_all(
-        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None]
+        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None], namespaces: list[str | None]
     ) -> list[DraftScore | Exception]:
         """Score in one batch; when the batch fails as a whole, one prompt at a time (each its own outcome)."""
         try:
-            return self._call(prompts, documents)
+            return self._call(prompts, documents, namespaces)
         except Exception as error:  # e.g. out of memory for the batch; a single prompt may still fit
             if len(prompts) == 1:
                 return [error]
-        return [self._score_one(prompt, spans) for prompt, spans in zip(prompts, documents)]
+        return [self._score_one(*job) for job in zip(prompts, documents, namespaces)]
 
-    def _score_one(self, prompt: torch.Tensor, documents: DocumentSpans | None) -> DraftScore | Exception:
+    def _score_one(
+        self, prompt: torch.Tensor, documents: DocumentSpans | None, namespace: str | None
+    ) -> DraftScore | Exception:
         try:
-            return self._call([prompt], [documents])[0]
+            return self._call([prompt], [documents], [namespace])[0]
         except Exception as error:
             return error
 
-    def _call(self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None]) -> list[DraftScore | Exception]:
-        """``score_batch(prompts)``, with ``documents`` as well when any prompt carries spans."""
+    def _call(
+        self, prompts: list[torch.Tensor], documents: list[DocumentSpans | None], namespaces: list[str | None]
+    ) -> list[DraftScore | Exception]:
+        """``score_batch(prompts)``, with ``documents`` as well when any prompt carries spans, and ``namespaces``
+        when any prompt has one.
+        """
+        if any(namespace is not None for namespace in namespaces):
+            return self._score_batch(prompts, documents, namespaces)
         if all(spans is None for spans in documents):
             return self._score_batch(prompts)
         return self._score_batch(prompts, documents)

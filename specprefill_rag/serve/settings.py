@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ipaddress
+import re
+from pathlib import Path
 from typing import Literal
 
-from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from ..config import (
     DEFAULT_DOCUMENT_CACHE_MB,
@@ -31,6 +33,7 @@ BODY_BYTES_PER_CONTEXT_TOKEN = 32
 MIN_DEFAULT_BODY_BYTES = 1 << 20
 # The Host names a gateway bound to loopback answers by default (DNS rebinding sends another name).
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP field name (RFC 9110 token)
 
 
 class GatewaySettings(CompressionSettings):
@@ -53,8 +56,35 @@ class GatewaySettings(CompressionSettings):
     port: int = Field(8100, strict=True, ge=0, le=65535, description="Port to bind.")
     api_key: SecretStr | None = Field(
         None,
-        description="Bearer key every request but /health and /metrics must carry (the CLI's default: "
-        "$SPECPREFILL_API_KEY); None = open.",
+        description="Bearer key every request but /health must carry (the CLI's default: "
+        "$SPECPREFILL_API_KEY); None = open (unless api_key_file names keys).",
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description="A file of Bearer keys, one a line ('#' comments and blank lines skipped), accepted besides "
+        "api_key; each key is its own tenant of the caches (docs: Tenants). Read at start.",
+    )
+    cache_scope: Literal["tenant", "shared"] = Field(
+        "tenant",
+        description="Who shares the caches that outlive a request (prefix KV, documents, selection memo): "
+        "'tenant', each API key (and declared tenant) its own; 'shared', every client (another's cached "
+        "prompts then show in stats and timing). Without keys the gateway has one tenant either way.",
+    )
+    tenant_header: str | None = Field(
+        None,
+        description="A request header naming the client's tenant within its key's (e.g. X-SpecPrefill-Tenant); "
+        "it is trusted as sent, so set it only behind a proxy that authenticates clients and sets it. "
+        "None: tenants are the API keys.",
+    )
+    tenant_secret: SecretStr | None = Field(
+        None,
+        description="Key of the digest that names a tenant from its API key (never the key itself; a vLLM main "
+        "gets it as cache_salt). None: random at each start; give replicas the same one to share a vLLM "
+        "server's prefix cache per tenant.",
+    )
+    metrics_key: SecretStr | None = Field(
+        None,
+        description="Bearer key of /metrics. None: any API key (open when the gateway has none).",
     )
     served_model_name: str | None = Field(None, description="Model name in /v1/models; default: the main model's.")
     device: str = Field("auto", description="Draft device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:1'...")
@@ -168,16 +198,41 @@ class GatewaySettings(CompressionSettings):
         "read its answers.",
     )
 
-    @field_validator("api_key")
+    @field_validator("api_key", "metrics_key", "tenant_secret")
     @classmethod
-    def _usable_key(cls, value: SecretStr | None) -> SecretStr | None:
+    def _usable_key(cls, value: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
         key = value.get_secret_value() if value is not None else None
-        if key is not None and (not key or key != key.strip()):
+        if key is not None:
+            _check_key(key, info.field_name or "api_key")
+        return value
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _header_name(cls, value: str | None) -> str | None:
+        if value is not None and not _HEADER_NAME.fullmatch(value):
             raise ValueError(
-                "api_key is empty or starts or ends with whitespace, so no client could send it; pass "
-                "the key without surrounding spaces, or leave it unset for an open gateway"
+                f"tenant_header {value!r} is not an HTTP header name; pass one such as X-SpecPrefill-Tenant"
             )
         return value
+
+    @model_validator(mode="after")
+    def _tenancy(self) -> GatewaySettings:
+        self.api_keys()  # the key file is readable and its keys usable
+        if self.cache_scope == "shared" and self.tenant_header is not None:
+            raise ValueError(
+                "tenant_header declares tenants, but cache_scope 'shared' shares the caches among all clients; "
+                "leave tenant_header unset, or set cache_scope 'tenant'"
+            )
+        return self
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted Bearer key: ``api_key`` and those of ``api_key_file`` (raises ``ValueError`` for a file
+        that cannot be read or holds an unusable key).
+        """
+        keys = [self.api_key.get_secret_value()] if self.api_key is not None else []
+        if self.api_key_file is not None:
+            keys += _file_keys(self.api_key_file)
+        return tuple(dict.fromkeys(keys))
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -260,3 +315,26 @@ class GatewaySettings(CompressionSettings):
             device=self.resolved_device(),
             **self.compression(),
         )
+
+
+def _check_key(key: str, field: str) -> None:
+    if not key or key != key.strip():
+        raise ValueError(
+            f"{field} is empty or starts or ends with whitespace, so no client could send it; pass "
+            "the key without surrounding spaces, or leave it unset"
+        )
+
+
+def _file_keys(path: Path) -> list[str]:
+    """The keys of an ``api_key_file``: one a line, '#' comments and blank lines skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeError) as error:
+        raise ValueError(f"api_key_file {str(path)!r} cannot be read ({error}); pass a UTF-8 file of keys") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise ValueError(f"api_key_file {str(path)!r} holds no key; write one key a line")
+    for number, key in enumerate(keys, 1):
+        if any(character.isspace() for character in key):
+            raise ValueError(f"key {number} of api_key_file {str(path)!r} holds whitespace; write one key a line")
+    return keys

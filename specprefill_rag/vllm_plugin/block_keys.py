@@ -13,7 +13,8 @@ equal the indices. So:
 - its leading blocks that kept every token (instructions) hash as an ordinary request's do;
 - the same ids at other positions never share (vLLM chains hashes: after the first differing block,
   every later block differs);
-- a user's own ``cache_salt`` still separates what vLLM separates (its key is kept, ours added).
+- a user's own ``cache_salt`` still separates what vLLM separates (its key is kept, ours added): the
+  gateway's per-tenant salt stays in block 0's keys, so tenants never share blocks.
 
 Installed by the plugin's ``register()``, after a guard checks that this vLLM has the function with
 the expected parameters and that its block hasher looks the name up at call time; when the guard fails
