@@ -15,11 +15,8 @@ from typing_extensions import Self
 
 from .config import (
     CompressionSettings,
-    Device,
-    DraftSpec,
     EngineSettings,
     GenerationParams,
-    PoolKernel,
     SpecPrefillConfig,
     adapter_config,
     declared_field,
@@ -38,12 +35,12 @@ class AdapterSettings(CompressionSettings):
     """
 
     model: str = declared_field(EngineSettings, "main", "adapters")
-    draft_model: DraftSpec = declared_field(EngineSettings, "draft", "adapters")
+    draft_model: str | None = declared_field(EngineSettings, "draft", "adapters")
     tokenizer: str | None = declared_field(EngineSettings, "tokenizer", "adapters")
-    device: Device = declared_field(EngineSettings, "device", "adapters")
+    device: str = declared_field(EngineSettings, "device", "adapters")
     max_draft_tokens: int | None = declared_field(EngineSettings, "max_draft_tokens", "adapters")
     self_draft_window: int = declared_field(EngineSettings, "self_draft_window", "adapters")
-    pool_kernel: PoolKernel = declared_field(EngineSettings, "pool_kernel", "adapters")
+    pool_kernel: int = declared_field(EngineSettings, "pool_kernel", "adapters")
     chunk_size: int = declared_field(EngineSettings, "chunk_size", "adapters")
     draft_cache_mb: int = declared_field(EngineSettings, "draft_cache_mb", "adapters")
     main_cache_mb: int = declared_field(EngineSettings, "main_cache_mb", "adapters")

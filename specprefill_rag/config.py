@@ -226,9 +226,9 @@ class CompressionSettings(BaseModel):
     """How prompts are compressed: the keep budget, the draft's queries, the prompt length below which
     nothing is compressed, the kept tokens' positions and the models' dtype.
 
-    The one declaration of these fields (default, bounds, description): the engine's
-    :class:`SpecPrefillConfig`, the gateway's settings and both framework adapters inherit them, and pass
-    what was set on to the engine with :meth:`compression`.
+    The one declaration of these fields (default, bounds, description): :class:`EngineSettings` extends it, and
+    through it the engine's :class:`SpecPrefillConfig`, the gateway's settings and both framework adapters
+    inherit them.
     """
 
     model_config = ConfigDict(allow_inf_nan=False)
@@ -341,12 +341,6 @@ class CompressionSettings(BaseModel):
                 "leave it unset or use document_repair='blend'"
             )
         return self
-
-    def compression(self) -> dict[str, Any]:
-        """The compression settings given explicitly, for the engine's config (the others keep its defaults,
-        which are these fields' own; so ``look_ahead`` reaches a 'self' draft only when set, and is refused).
-        """
-        return {name: getattr(self, name) for name in CompressionSettings.model_fields if name in self.model_fields_set}
 
 
 class EngineSettings(CompressionSettings):
@@ -463,6 +457,38 @@ def declared_field(owner: type[BaseModel], name: str, surface: Surface | None = 
     if surface is not None and name in SURFACE_DEFAULTS[surface]:
         return FieldInfo.merge_field_infos(field, default=SURFACE_DEFAULTS[surface][name])
     return FieldInfo.merge_field_infos(field)
+
+
+# The decoding settings a surface may offer as its defaults (the framework adapters), declared by GenerationParams.
+DECODING_DEFAULTS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
+
+
+def declaration_drift(
+    fields: Mapping[str, FieldInfo], surface: Surface | None = None, renamed: Mapping[str, str] | None = None
+) -> list[str]:
+    """How a surface's ``fields`` differ from the one declaration: a line per setting whose default (other than
+    :data:`SURFACE_DEFAULTS` gives ``surface``), bounds, checks or description differ, or, for an engine setting,
+    its type. ``renamed``: the surface's names of settings declared under another (``{"model": "main"}``).
+    """
+    decoding = {name: GenerationParams.model_fields[name] for name in DECODING_DEFAULTS}
+    declared = {**decoding, **EngineSettings.model_fields}
+    surface_defaults = SURFACE_DEFAULTS[surface] if surface is not None else {}
+    problems = []
+    for own, field in fields.items():
+        name = (renamed or {}).get(own, own)
+        if name not in declared:
+            continue
+        expected = declared[name]
+        default = surface_defaults.get(name, expected.get_default(call_default_factory=True))
+        if field.get_default(call_default_factory=True) != default:
+            problems.append(f"{own}: default {field.get_default(call_default_factory=True)!r}, declared {default!r}")
+        if field.metadata != expected.metadata:
+            problems.append(f"{own}: bounds and checks {field.metadata}, declared {expected.metadata}")
+        if field.description != expected.description:
+            problems.append(f"{own}: description {field.description!r}, declared {expected.description!r}")
+        if name in EngineSettings.model_fields and field.annotation != expected.annotation:
+            problems.append(f"{own}: type {field.annotation}, declared {expected.annotation}")
+    return problems
 
 
 class SpecPrefillConfig(EngineSettings):

@@ -8,7 +8,6 @@ from typing import Literal
 from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from ..config import (
-    Device,
     EngineSettings,
     SpecPrefillConfig,
     check_tokenizer,
@@ -40,7 +39,7 @@ class GatewaySettings(EngineSettings):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    device: Device = declared_field(EngineSettings, "device", "gateway")
+    device: str = declared_field(EngineSettings, "device", "gateway")
     host: str = Field("127.0.0.1", description="Address to bind; other than loopback, set api_key.")
     port: int = Field(8100, strict=True, ge=0, le=65535, description="Port to bind.")
     api_key: SecretStr | None = Field(
