@@ -95,3 +95,35 @@ def test_cli_options_show_the_declarations_description_and_default(command, mode
         assert "(default: auto)" in options["device"].help and "--tokenizer" in options["tokenizer"].option_strings
     if command == "ask" and model is SpecPrefillConfig:
         assert "(default: cpu)" in options["device"].help
+
+
+# A value other than the default for every engine setting (with a main model on vLLM, where tokenizer applies).
+GIVEN = {
+    "main": "http://127.0.0.1:9",
+    "draft": "some/draft",
+    "tokenizer": "some/tokenizer",
+    "device": "cuda:1",
+    "max_draft_tokens": 100,
+    "self_draft_window": 8,
+    "pool_kernel": 7,
+    "chunk_size": 16,
+    "draft_cache_mb": 1,
+    "main_cache_mb": 2,
+    "document_cache_mb": 3,
+    "keep_rate": "auto",
+    "look_ahead": 3,
+    "positions": "contiguous",
+    "reselect": False,
+}
+
+
+def test_every_given_engine_setting_reaches_the_engines_config():
+    gateway = GatewaySettings(**GIVEN).engine_config()
+    adapter_fields = {"backend": GIVEN["main"], **{k: v for k, v in GIVEN.items() if k not in ADAPTER_NAMES.values()}}
+    adapter_fields |= {"model": "served/model", "draft_model": GIVEN["draft"]}
+    for config in [gateway, ChatSpecPrefill(**adapter_fields)._config, SpecPrefillLLM(**adapter_fields)._config]:
+        for name, value in GIVEN.items():
+            if name != "main":  # the adapters' model is the served model's name; their backend the URL
+                assert getattr(config, name) == value, name
+    assert gateway.main == GIVEN["main"] and ChatSpecPrefill(**adapter_fields)._config.main == "served/model"
+    assert SpecPrefillConfig(**GIVEN) == gateway  # nothing added, nothing lost on the way
