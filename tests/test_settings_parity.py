@@ -49,6 +49,11 @@ def test_every_surface_offers_every_engine_setting(surface, fields, defaults, re
     assert ENGINE_SETTINGS <= offered(fields, renamed)  # the gateway's tokenizer, the adapters' caches...
 
 
+def test_the_engines_settings_are_all_declared_in_engine_settings():
+    # a setting added to SpecPrefillConfig alone would reach neither the gateway nor the adapters
+    assert set(SpecPrefillConfig.model_fields) == ENGINE_SETTINGS
+
+
 def test_the_adapters_offer_the_decoding_defaults():
     for fields, renamed in [(ChatSpecPrefill.model_fields, LANGCHAIN_NAMES), (SpecPrefillLLM.model_fields, {})]:
         assert set(DECODING_DEFAULTS) <= offered(fields, renamed)
