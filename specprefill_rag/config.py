@@ -14,7 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 from typing_extensions import Self
 
 # The device types torch runs this package on, with an optional index ("cuda:1").
@@ -166,13 +176,59 @@ def check_document_cache(draft_document_cache: bool, document_cache_mb: int) -> 
         )
 
 
+def check_device(value: str) -> str:
+    """``value`` if it names a torch device ('cpu', 'cuda', 'cuda:1'...) or is 'auto'; else ``ValueError``."""
+    # Checked by pattern, not torch.device(): a gateway's clients build these settings without torch.
+    if not isinstance(value, str) or not (value == AUTO or _DEVICE.fullmatch(value)):
+        raise ValueError(f"device {value!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1' (or 'auto')")
+    return value
+
+
+def resolve_device(device: str) -> str:
+    """``device`` with 'auto' resolved: the first GPU when torch sees one, else the CPU."""
+    if device != AUTO:
+        return device
+    import torch  # only for 'auto': the settings themselves are built where torch may be absent
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _odd_kernel(value: int) -> int:
+    if value % 2 == 0:
+        raise ValueError(f"pool_kernel must be odd so pooling keeps the prompt length; got {value}, try {value + 1}")
+    return value
+
+
+def _draft_spec(value: str | None) -> str | None:
+    if value is not None and value.startswith(SELF_DRAFT_PREFIX):
+        layers = value[len(SELF_DRAFT_PREFIX) :]
+        if not layers.isdigit() or int(layers) < 1:
+            raise ValueError(f"draft {value!r}: use 'self:<n>' with n >= 1 layers of the main model, e.g. 'self:8'")
+    return value
+
+
+# Settings types that carry their own check, so every surface declaring the setting from EngineSettings checks it.
+Device = Annotated[str, AfterValidator(check_device)]
+PoolKernel = Annotated[int, AfterValidator(_odd_kernel)]
+DraftSpec = Annotated[str | None, AfterValidator(_draft_spec)]
+
+
+def check_tokenizer(tokenizer: str | None, main_on_vllm: bool) -> None:
+    """``tokenizer`` names a vLLM main model's tokenizer: ``ValueError`` when it is set for an in-process main."""
+    if tokenizer is not None and not main_on_vllm:
+        raise ValueError(
+            "tokenizer names the served model's tokenizer of a vLLM backend; in-process the main "
+            "model's own is used: leave it unset"
+        )
+
+
 class CompressionSettings(BaseModel):
     """How prompts are compressed: the keep budget, the draft's queries, the prompt length below which
     nothing is compressed, the kept tokens' positions and the models' dtype.
 
-    The one declaration of these fields (default, bounds, description): the engine's
-    :class:`SpecPrefillConfig`, the gateway's settings and both framework adapters inherit them, and pass
-    what was set on to the engine with :meth:`compression`.
+    The one declaration of these fields (default, bounds, description): :class:`EngineSettings` extends it, and
+    through it the engine's :class:`SpecPrefillConfig`, the gateway's settings and both framework adapters
+    inherit them.
     """
 
     model_config = ConfigDict(allow_inf_nan=False)
@@ -286,30 +342,40 @@ class CompressionSettings(BaseModel):
             )
         return self
 
-    def compression(self) -> dict[str, Any]:
-        """The compression settings given explicitly, for the engine's config (the others keep its defaults,
-        which are these fields' own; so ``look_ahead`` reaches a 'self' draft only when set, and is refused).
-        """
-        return {name: getattr(self, name) for name in CompressionSettings.model_fields if name in self.model_fields_set}
 
+class EngineSettings(CompressionSettings):
+    """The engine's settings: the compression settings, the models, where they run and the draft's bounds and caches.
 
-class SpecPrefillConfig(CompressionSettings):
-    """Settings of a :class:`~specprefill_rag.engine.SpecPrefillEngine`.
-
-    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field on bad values (NaN and
-    infinities included).
+    The one declaration of these fields (type and its check, default, bounds, description):
+    :class:`SpecPrefillConfig` and the gateway's settings inherit them, the framework adapters declare theirs
+    with :func:`declared_field` (under their ecosystems' names, ``model`` for ``main``), and every surface passes
+    what was given on to the engine with :meth:`engine_settings`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    main: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
-    draft: str | None = Field(None, description=DRAFT_DESCRIPTION)
+    main: str = Field(
+        DEFAULT_MODEL,
+        description="Main model: HF id, local folder, .gguf file or 'smollm2-135m', run in-process with transformers; "
+        "the gateway's may also be the http(s) URL of a vLLM server with this package's plugin.",
+    )
+    draft: DraftSpec = Field(None, description=DRAFT_DESCRIPTION)
+    tokenizer: str | None = Field(
+        None,
+        description="Main model on vLLM only: the served model's tokenizer (HF id, folder, .gguf or 'smollm2-135m'); "
+        "default the draft's. Needed for a draft of another vocabulary than the served model's (its scores are "
+        "then mapped).",
+    )
+    device: Device = Field(
+        "cpu",
+        description="torch device of the models run in this process (both; the draft alone with a main model on "
+        "vLLM): 'cpu', 'cuda', 'cuda:1'...; 'auto': the first GPU when torch sees one, else the CPU.",
+    )
     max_draft_tokens: int | None = Field(
         None,
         strict=True,
         ge=1,
         description="Most prompt tokens one request may send through the draft (its memory grows with them; "
-        "docs: Resource bounds); None = the draft's context. Longer prompts get a DraftLimitError.",
+        "docs: Resource bounds); None = the draft's context. A longer prompt gets a DraftLimitError (the gateway: "
+        "what on_draft_error says).",
     )
     self_draft_window: int = Field(
         16,
@@ -319,14 +385,9 @@ class SpecPrefillConfig(CompressionSettings):
         description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt "
         "tokens.",
     )
-    pool_kernel: int = Field(13, strict=True, ge=1, description="Average-pooling kernel along the prompt (odd).")
+    pool_kernel: PoolKernel = Field(13, strict=True, ge=1, description="Average-pooling kernel along the prompt (odd).")
     chunk_size: int = Field(
         32, strict=True, ge=1, description="Document tokens are kept or dropped in chunks of this size."
-    )
-    tokenizer: str | None = Field(
-        None,
-        description="Main model on vLLM only: the served model's tokenizer (HF id, folder, .gguf or 'smollm2-135m'); "
-        "default the draft's. Needed for a draft of another vocabulary than the served model.",
     )
     draft_cache_mb: int = Field(
         DEFAULT_DRAFT_CACHE_MB,
@@ -339,8 +400,9 @@ class SpecPrefillConfig(CompressionSettings):
         DEFAULT_MAIN_CACHE_MB,
         strict=True,
         ge=0,
-        description="In-process main model: prefix KV cache of sparse prompts, in MiB (0 = off), keyed by token ids "
-        "and positions: a later turn of a conversation prefills only what is new.",
+        description="In-process main model only: prefix KV cache of sparse prompts, in MiB (0 = off), keyed by token "
+        "ids and positions: a later turn of a conversation prefills only what is new. A main model on vLLM uses the "
+        "server's prefix cache (the plugin keys its blocks by positions).",
     )
     document_cache_mb: int = Field(
         DEFAULT_DOCUMENT_CACHE_MB,
@@ -349,45 +411,99 @@ class SpecPrefillConfig(CompressionSettings):
         description="Per-document draft KV cache per device, in MiB (0 = off), used by requests with "
         "draft_document_cache.",
     )
-    device: str = Field("cpu", description="torch device of both models, e.g. 'cpu', 'cuda', 'cuda:1'.")
-
-    @field_validator("device")
-    @classmethod
-    def _torch_device(cls, value: str) -> str:
-        # Checked by pattern, not torch.device(): a gateway's clients build this config without torch.
-        if not isinstance(value, str) or not _DEVICE.fullmatch(value):
-            raise ValueError(f"device {value!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'cuda:1'")
-        return value
-
-    @field_validator("pool_kernel")
-    @classmethod
-    def _odd_kernel(cls, value: int) -> int:
-        if value % 2 == 0:
-            raise ValueError(
-                f"pool_kernel must be odd so pooling keeps the prompt length; got {value}, try {value + 1}"
-            )
-        return value
-
-    @field_validator("draft")
-    @classmethod
-    def _draft_spec(cls, value: str | None) -> str | None:
-        if value is None or value == SELF_DRAFT:
-            return value
-        if value.startswith(SELF_DRAFT_PREFIX):
-            layers = value[len(SELF_DRAFT_PREFIX) :]
-            if not layers.isdigit() or int(layers) < 1:
-                raise ValueError(f"draft {value!r}: use 'self:<n>' with n >= 1 layers of the main model, e.g. 'self:8'")
-        return value
 
     @model_validator(mode="after")
-    def _self_draft_look_ahead(self) -> SpecPrefillConfig:
+    def _self_draft_look_ahead(self) -> Self:
         check_self_draft_look_ahead(self, self.draft)
         return self
 
     @model_validator(mode="after")
-    def _document_cache_on(self) -> SpecPrefillConfig:
+    def _document_cache_on(self) -> Self:
         check_document_cache(self.draft_document_cache, self.document_cache_mb)
         return self
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The engine settings given here, for :class:`SpecPrefillConfig` (the others keep the engine's defaults,
+        which are these fields' own; so ``look_ahead`` reaches a 'self' draft only when set, and is refused),
+        plus any whose default this surface deliberately changes (the gateway's ``device``).
+        """
+        fields = type(self).model_fields
+        names = {
+            name
+            for name, declared in EngineSettings.model_fields.items()
+            if name in self.model_fields_set or fields[name].default != declared.default
+        }
+        return self.model_dump(include=names)
+
+
+# Where a surface's default deliberately differs from the declaration's, by surface and field: the one place
+# (tests/test_settings_parity.py refuses any other difference).
+SURFACE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # A server takes the GPU it finds; a library call (engine, CLI `ask`, adapters) stays on the CPU unless told.
+    "gateway": {"device": AUTO},
+    # Chat frameworks' answers are longer than `ask`'s short ones: LlamaIndex reserves 256 output tokens by default
+    # (DEFAULT_NUM_OUTPUTS, its models' max_new_tokens); LangChain's stop strings are a list, None when unset.
+    "adapters": {"max_new_tokens": 256, "stop": None},
+}
+Surface = Literal["gateway", "adapters"]
+
+
+def declared_field(owner: type[BaseModel], name: str, surface: Surface | None = None) -> Any:
+    """A copy of the field ``name`` of ``owner`` (its type's check, default, bounds, description), for a surface
+    that offers the setting under its own name (a framework adapter's ``model`` for ``main``), with the
+    surface's default from :data:`SURFACE_DEFAULTS` where it has one.
+    """
+    field = owner.model_fields[name]
+    if surface is not None and name in SURFACE_DEFAULTS[surface]:
+        return FieldInfo.merge_field_infos(field, default=SURFACE_DEFAULTS[surface][name])
+    return FieldInfo.merge_field_infos(field)
+
+
+# The decoding settings a surface may offer as its defaults (the framework adapters), declared by GenerationParams.
+DECODING_DEFAULTS = ("max_new_tokens", "temperature", "top_p", "seed", "stop")
+
+
+def declaration_drift(
+    fields: Mapping[str, FieldInfo], surface: Surface | None = None, renamed: Mapping[str, str] | None = None
+) -> list[str]:
+    """How a surface's ``fields`` differ from the one declaration: a line per setting whose default (other than
+    :data:`SURFACE_DEFAULTS` gives ``surface``), bounds, checks or description differ, or, for an engine setting,
+    its type. ``renamed``: the surface's names of settings declared under another (``{"model": "main"}``).
+    """
+    decoding = {name: GenerationParams.model_fields[name] for name in DECODING_DEFAULTS}
+    declared = {**decoding, **EngineSettings.model_fields}
+    surface_defaults = SURFACE_DEFAULTS[surface] if surface is not None else {}
+    problems = []
+    for own, field in fields.items():
+        name = (renamed or {}).get(own, own)
+        if name not in declared:
+            continue
+        expected = declared[name]
+        default = surface_defaults.get(name, expected.get_default(call_default_factory=True))
+        if field.get_default(call_default_factory=True) != default:
+            problems.append(f"{own}: default {field.get_default(call_default_factory=True)!r}, declared {default!r}")
+        if field.metadata != expected.metadata:
+            problems.append(f"{own}: bounds and checks {field.metadata}, declared {expected.metadata}")
+        if field.description != expected.description:
+            problems.append(f"{own}: description {field.description!r}, declared {expected.description!r}")
+        if name in EngineSettings.model_fields and field.annotation != expected.annotation:
+            problems.append(f"{own}: type {field.annotation}, declared {expected.annotation}")
+    return problems
+
+
+class SpecPrefillConfig(EngineSettings):
+    """Settings of a :class:`~specprefill_rag.engine.SpecPrefillEngine`.
+
+    Raises ``pydantic.ValidationError`` (a ``ValueError``) naming the field on bad values (NaN and
+    infinities included). ``device='auto'`` is resolved here.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("device")
+    @classmethod
+    def _resolved_device(cls, value: str) -> str:
+        return resolve_device(value)
 
     @property
     def is_self_draft(self) -> bool:
@@ -506,9 +622,11 @@ class GenerationParams(LogprobSettings):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    max_new_tokens: int = Field(128, ge=1, strict=True)
+    max_new_tokens: int = Field(128, ge=1, strict=True, description="Most tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, strict=True, description=f"0 = greedy; else at least {MIN_TEMPERATURE}.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    top_p: float = Field(
+        1.0, gt=0.0, le=1.0, strict=True, description="Nucleus sampling: the most likely tokens holding this mass."
+    )
     seed: int | None = Field(
         None, ge=0, lt=2**63, strict=True, description="Seed for sampling, 0 <= seed < 2**63; None = nondeterministic."
     )
@@ -573,9 +691,5 @@ def adapter_config(backend: str, draft: str | None, **fields: Any) -> SpecPrefil
         )
     if backend != "transformers" and draft is not None and is_self_spec(draft):
         raise ValueError(f"draft {draft!r} needs the main model in-process; with a vLLM server use a separate draft")
-    if backend == "transformers" and fields.get("tokenizer") is not None:
-        raise ValueError(
-            "tokenizer names the served model's tokenizer of a vLLM backend; in-process the main "
-            "model's own is used: leave it unset"
-        )
+    check_tokenizer(fields.get("tokenizer"), main_on_vllm=backend != "transformers")
     return SpecPrefillConfig(draft=draft, **fields)

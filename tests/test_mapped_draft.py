@@ -10,12 +10,14 @@ import torch
 
 from specprefill_rag import DraftContextLengthError, GenerationParams, InvalidRequestError, SpecPrefillEngine
 from specprefill_rag.backends.vllm import check_server_tokenizer, tool_markers
+from specprefill_rag.cli import parser, serve_settings
 from specprefill_rag.draft.paths import MappedScoring
 from specprefill_rag.errors import TokenizerMismatchError
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout, mark_document
 from specprefill_rag.prompt.layout import Role
 from specprefill_rag.prompt.render import build_rag_layout
 from specprefill_rag.selection import select_kept
+from specprefill_rag.serve.app import build_engine
 from specprefill_rag.testing import build_family_tokenizer, build_model, build_tokenizer, random_documents
 
 from .test_vllm_client import StandIn, handler_class, serve
@@ -234,3 +236,13 @@ def test_the_server_check_compares_the_tool_call_markers_ids():
         check_server_tokenizer(swapped, local, markers)
     # a server that splits the marker's text (mistral_common reads no control tokens from text) is not judged by it
     check_server_tokenizer(Tokenizing(build_tokenizer()), local, markers)
+
+
+def test_serve_in_front_of_vllm_takes_the_served_models_tokenizer(served, draft_dir, tiny_model_dir, tokenizer):
+    """``specprefill-rag serve --main <vLLM URL> --draft <other vocabulary> --tokenizer <served model's>``."""
+    argv = ["serve", "--main", served, "--draft", draft_dir, "--device", "cpu", "--min-prompt-tokens", "0"]
+    engine = build_engine(serve_settings(parser().parse_args([*argv, "--tokenizer", str(tiny_model_dir)])))
+    assert engine.draft_path == "mapped" and engine.tokenizer.get_vocab() == tokenizer.get_vocab()
+    assert engine.generate_layout(engine.layout(QUESTION, random_documents(3, 60))).stats.compressed
+    with pytest.raises(TokenizerMismatchError, match="pass tokenizer= with the served model's HF id or folder"):
+        build_engine(serve_settings(parser().parse_args(argv)))  # without it, the draft's tokenizer is refused

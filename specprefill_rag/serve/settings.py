@@ -10,15 +10,11 @@ from typing import Literal
 from pydantic import ConfigDict, Field, SecretStr, ValidationInfo, field_validator, model_validator
 
 from ..config import (
-    DEFAULT_DOCUMENT_CACHE_MB,
-    DEFAULT_DRAFT_CACHE_MB,
-    DEFAULT_MAIN_CACHE_MB,
-    DEFAULT_MODEL,
-    DRAFT_DESCRIPTION,
-    CompressionSettings,
+    EngineSettings,
     SpecPrefillConfig,
-    check_document_cache,
-    check_self_draft_look_ahead,
+    check_tokenizer,
+    declared_field,
+    resolve_device,
 )
 from ..prompt.context import SystemContext
 
@@ -36,22 +32,17 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP field name (RFC 9110 token)
 
 
-class GatewaySettings(CompressionSettings):
+class GatewaySettings(EngineSettings):
     """Settings of ``specprefill-rag serve``. Raises ``pydantic.ValidationError`` naming the field.
 
-    The compression settings (``keep_rate``, ``look_ahead``, ``positions``...) are the engine's own
-    (:class:`~specprefill_rag.config.CompressionSettings`); ``specprefill-rag serve`` builds its options
-    from these fields.
+    The engine's settings (``main``, ``draft``, ``tokenizer``, ``keep_rate``, the caches...) are the engine's own
+    fields (:class:`~specprefill_rag.config.EngineSettings`), with the gateway's default device ('auto');
+    ``specprefill-rag serve`` builds its options from these fields.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    main: str = Field(
-        DEFAULT_MODEL,
-        description="The main model: the http(s) URL of a vLLM server with this package's plugin, or a model spec "
-        "(HF id, folder, .gguf, 'smollm2-135m') run in-process with transformers.",
-    )
-    draft: str | None = Field(None, description=DRAFT_DESCRIPTION)
+    device: str = declared_field(EngineSettings, "device", "gateway")
     host: str = Field("127.0.0.1", description="Address to bind; other than loopback, set api_key.")
     port: int = Field(8100, strict=True, ge=0, le=65535, description="Port to bind.")
     api_key: SecretStr | None = Field(
@@ -87,7 +78,6 @@ class GatewaySettings(CompressionSettings):
         description="Bearer key of /metrics. None: any API key (open when the gateway has none).",
     )
     served_model_name: str | None = Field(None, description="Model name in /v1/models; default: the main model's.")
-    device: str = Field("auto", description="Draft device: 'auto' (cuda when present, else cpu), 'cpu', 'cuda:1'...")
     on_draft_error: Literal["full", "fail"] = Field(
         "full", description="A failed draft: send the request uncompressed ('full') or answer 500 ('fail')."
     )
@@ -102,32 +92,6 @@ class GatewaySettings(CompressionSettings):
         "'off', 'delimited' (the context spans of known templates are documents) or 'after_instructions' "
         "(after a 'Context:' label or the first paragraph); instructions stay whole. Requests override it "
         "with spec_prefill.system_context.",
-    )
-    max_draft_tokens: int | None = Field(
-        None,
-        strict=True,
-        ge=1,
-        description="Most prompt tokens one request may send through the draft (its memory; docs: "
-        "Resource bounds); None: the draft's context. Longer prompts follow on_draft_error.",
-    )
-    draft_cache_mb: int = Field(
-        DEFAULT_DRAFT_CACHE_MB,
-        strict=True,
-        ge=0,
-        description="Draft prefix KV cache, MiB (0 = off); budget it in the host's memory.",
-    )
-    document_cache_mb: int = Field(
-        DEFAULT_DOCUMENT_CACHE_MB,
-        strict=True,
-        ge=0,
-        description="Per-document draft KV cache, MiB (0 = off), for requests with draft_document_cache.",
-    )
-    main_cache_mb: int = Field(
-        DEFAULT_MAIN_CACHE_MB,
-        strict=True,
-        ge=0,
-        description="In-process main model only: prefix KV cache of sparse prompts, MiB (0 = off). A vLLM main uses "
-        "its own prefix cache (the plugin keys its blocks by positions).",
     )
     queue_size: int = Field(256, strict=True, ge=1, description="Requests waiting for the draft at most; more get 429.")
     draft_batch_size: int | None = Field(
@@ -244,18 +208,13 @@ class GatewaySettings(CompressionSettings):
         return value
 
     @model_validator(mode="after")
-    def _self_draft_look_ahead(self) -> GatewaySettings:
+    def _remote_main_needs_a_draft(self) -> GatewaySettings:
         if self.main_is_remote and self.draft is None:
             raise ValueError(
                 "a main model on vLLM needs a draft named: --draft <HF id, folder or .gguf> of a small model with "
                 "the served model's tokenizer (its smaller sibling)"
             )
-        check_self_draft_look_ahead(self, self.draft)
-        return self
-
-    @model_validator(mode="after")
-    def _document_cache_on(self) -> GatewaySettings:
-        check_document_cache(self.draft_document_cache, self.document_cache_mb)
+        check_tokenizer(self.tokenizer, self.main_is_remote)
         return self
 
     @property
@@ -288,11 +247,7 @@ class GatewaySettings(CompressionSettings):
 
     def resolved_device(self) -> str:
         """``device`` with 'auto' resolved: the first GPU when torch sees one, else the CPU."""
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return resolve_device(self.device)
 
     def resolved_draft_batch_size(self) -> int:
         """``draft_batch_size``, or the default for the draft's device."""
@@ -301,20 +256,8 @@ class GatewaySettings(CompressionSettings):
         return DEFAULT_DRAFT_BATCH_SIZE["cuda" if self.resolved_device().startswith("cuda") else "cpu"]
 
     def engine_config(self) -> SpecPrefillConfig:
-        """The core engine's config: the compression settings given here, the models, the draft's bounds."""
-        main = (
-            self.draft or self.main if self.main_is_remote else self.main
-        )  # a remote main: the engine needs a tokenizer
-        return SpecPrefillConfig(
-            main=main,
-            draft=self.draft,
-            max_draft_tokens=self.max_draft_tokens,
-            draft_cache_mb=self.draft_cache_mb,
-            document_cache_mb=self.document_cache_mb,
-            main_cache_mb=self.main_cache_mb,
-            device=self.resolved_device(),
-            **self.compression(),
-        )
+        """The core engine's config: the engine settings given here (and the gateway's device)."""
+        return SpecPrefillConfig(**self.engine_settings())
 
 
 def _check_key(key: str, field: str) -> None:

@@ -6,22 +6,15 @@ from collections.abc import AsyncGenerator, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from langchain_core.messages import BaseMessage
-from pydantic import Field, PrivateAttr, SecretStr, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from langchain_specprefill._sessions import GatewaySession, LocalSession, Reply
 from langchain_specprefill.retrievers import install_retriever_recorder, retrieved_documents
+from specprefill_rag.adapter_settings import AdapterSettings
 from specprefill_rag.arguments import generation_params
-from specprefill_rag.config import (
-    DEFAULT_MODEL,
-    DRAFT_DESCRIPTION,
-    CompressionSettings,
-    GenerationParams,
-    LogprobSettings,
-    SpecPrefillConfig,
-    adapter_config,
-)
+from specprefill_rag.config import GenerationParams, LogprobSettings, declared_field
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.gateway_client import api_key_from_environment, engine_here, find_gateway
+from specprefill_rag.gateway_client import engine_here, find_gateway
 from specprefill_rag.results import GenerationResult
 
 if TYPE_CHECKING:
@@ -40,54 +33,22 @@ CALL_OPTIONS = (
 )
 
 
-class SpecPrefillSettings(CompressionSettings):
-    """SpecPrefill and decoding settings; nothing heavy is loaded until the first call. The compression
-    settings (``keep_rate``, ``look_ahead``, ``positions``...) are the engine's own fields.
+class SpecPrefillSettings(AdapterSettings):
+    """SpecPrefill and decoding settings; nothing heavy is loaded until the first call. The engine's settings
+    (``keep_rate``, ``look_ahead``, the caches...) are the engine's own fields, ``model`` and ``draft_model``
+    its ``main`` and ``draft``; stop strings given here are merged with each call's.
     """
 
-    model: str = Field(DEFAULT_MODEL, description="Main model: HF id, local folder, .gguf file or 'smollm2-135m'.")
-    draft_model: str | None = Field(None, description=DRAFT_DESCRIPTION)
-    backend: str = Field(
-        "transformers",
-        description="'transformers' (main model in-process), the URL of a vLLM server with the plugin (the draft runs "
-        "here), or the URL of a SpecPrefill gateway (`specprefill-rag serve`: nothing runs here, no torch needed).",
-    )
-    timeout: float = Field(
-        60.0, gt=0, allow_inf_nan=False, description="Seconds to wait for a server (connect and each read)."
-    )
-    api_key: SecretStr | None = Field(
-        default_factory=api_key_from_environment,
-        description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
-    )
-    tokenizer: str | None = Field(
-        None,
-        description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default the "
-        "draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped).",
-    )
-    device: str = Field("cpu", description="torch device, e.g. 'cpu' or 'cuda'.")
-    temperature: float = Field(0.0, description="0 = greedy.")
-    max_tokens: int = Field(256, description="Maximum tokens to generate.")
-    top_p: float = Field(1.0, description="Nucleus sampling mass.")
-    seed: int | None = Field(None, description="Sampling seed.")
-    stop: list[str] | None = Field(None, description="Stop strings (merged with per-call stop).")
+    max_tokens: int = declared_field(GenerationParams, "max_new_tokens", "adapters")
     streaming: bool = Field(False, description="LangChain's flag: invoke() runs through stream(); the same answer.")
 
     _call_option_names: ClassVar[tuple[str, ...]] = CALL_OPTIONS  # what a call (or a binding) may pass
 
-    _config: SpecPrefillConfig = PrivateAttr()
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
     _session: LocalSession | GatewaySession | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillSettings:
-        self._config = adapter_config(
-            self.backend,
-            self.draft_model,
-            main=self.model,
-            tokenizer=self.tokenizer,
-            device=self.device,
-            **self.compression(),
-        )
         GenerationParams(
             max_new_tokens=self.max_tokens,
             temperature=self.temperature,
@@ -181,21 +142,9 @@ class SpecPrefillSettings(CompressionSettings):
         }
 
     def _specprefill_params(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "draft_model": self.draft_model,
-            "backend": self.backend,
-            "keep_rate": self.keep_rate,
-            "timeout": self.timeout,
-            "max_document_tokens": self.max_document_tokens,
-            "look_ahead": self.look_ahead,
-            "min_prompt_tokens": self.min_prompt_tokens,
-            "positions": self.positions,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "top_p": self.top_p,
-            "stop": self.stop,
-        }
+        """LangChain's identifying params (tracing, its LLM cache's key): every setting but the API key."""
+        names = [name for name in AdapterSettings.model_fields if name != "api_key"]
+        return {name: getattr(self, name) for name in [*names, "max_tokens"]}
 
 
 def logprob_fields(model: LogprobSettings, kwargs: dict[str, Any]) -> dict[str, Any]:

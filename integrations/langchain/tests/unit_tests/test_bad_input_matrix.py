@@ -314,7 +314,7 @@ CONSTRUCTOR_CASES: list[tuple[str, dict, str]] = [
     ("keep_rate: NaN", {"keep_rate": float("nan")}, "keep_rate\n.*finite number"),
     ("keep_rate: str", {"keep_rate": "most"}, "keep_rate\n.*a number or 'auto'"),
     ("temperature: +inf", {"temperature": float("inf")}, "temperature\n.*finite number"),
-    ("max_tokens: 0", {"max_tokens": 0}, "max_new_tokens\n.*greater than or equal to 1"),
+    ("max_tokens: 0", {"max_tokens": 0}, "max_tokens\n.*greater than or equal to 1"),
     ("seed: negative", {"seed": -1}, "seed\n.*greater than or equal to 0"),
     ("timeout: negative", {"timeout": -1}, "timeout\n.*greater than 0"),
     ("timeout: NaN", {"timeout": float("nan")}, "timeout\n.*finite number"),

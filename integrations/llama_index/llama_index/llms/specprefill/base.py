@@ -45,20 +45,12 @@ from llama_index.llms.specprefill._messages import COMPRESS_KEY, ChatAnswer, Log
 from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession, Message, Request
 from llama_index.llms.specprefill._tools import prepared_tools, resolve_tool_choice, tool_choice_name, tool_schemas
 from llama_index.llms.specprefill._tools import tool_selections as _tool_selections
-from pydantic import SecretStr
 
+from specprefill_rag.adapter_settings import AdapterSettings
 from specprefill_rag.arguments import check_flag, check_text, generation_params
-from specprefill_rag.config import (
-    DEFAULT_MODEL,
-    DRAFT_DESCRIPTION,
-    CompressionSettings,
-    GenerationParams,
-    LogprobSettings,
-    SpecPrefillConfig,
-    adapter_config,
-)
+from specprefill_rag.config import GenerationParams, LogprobSettings, declared_field
 from specprefill_rag.errors import InvalidRequestError
-from specprefill_rag.gateway_client import api_key_from_environment, engine_here, find_gateway
+from specprefill_rag.gateway_client import engine_here, find_gateway
 from specprefill_rag.results import StreamChunk
 
 if TYPE_CHECKING:
@@ -136,7 +128,7 @@ def context_documents(context: str | None) -> list[str] | None:
     return [block for block in blocks if block] or None
 
 
-class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings, LogprobSettings):
+class SpecPrefillLLM(FunctionCallingLLM, AdapterSettings, LogprobSettings):
     """SpecPrefill in front of a main model: a draft scores the retrieved context, the main model
     prefills the best ``keep_rate`` of it at original positions; instructions and the query stay whole.
 
@@ -171,29 +163,7 @@ class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings, LogprobSettings):
             agent = FunctionAgent(llm=llm, tools=[search_tool, calculator_tool])  # search results: compressed
     """
 
-    model: str = Field(default=DEFAULT_MODEL, description="Main model: HF id, folder, .gguf or 'smollm2-135m'.")
-    draft_model: str | None = Field(default=None, description=DRAFT_DESCRIPTION)
-    backend: str = Field(
-        default="transformers",
-        description="'transformers' (in-process main model), a vLLM server URL (the draft runs here), or a SpecPrefill "
-        "gateway's URL (`specprefill-rag serve`: nothing runs here, no torch needed).",
-    )
-    timeout: float = Field(default=60.0, gt=0, allow_inf_nan=False, description="Seconds to wait for a server.")
-    api_key: SecretStr | None = Field(
-        default_factory=api_key_from_environment,
-        description="A gateway's --api-key (default $SPECPREFILL_API_KEY).",
-    )
-    tokenizer: str | None = Field(
-        default=None,
-        description="With a vLLM backend: the served model's tokenizer (HF id, folder, .gguf); default "
-        "the draft's. Needed when the draft's vocabulary differs from the served model's (its scores are then mapped).",
-    )
-    device: str = Field(default="cpu", description="torch device.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
-    max_new_tokens: int = Field(default=256, ge=1, description="Tokens to generate at most.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    seed: int | None = Field(default=None, description="Sampling seed.")
-    stop: list[str] | None = Field(default=None, description="Stop strings.")
+    max_new_tokens: int = declared_field(GenerationParams, "max_new_tokens", "adapters")
     keep_tools_whole: list[str] = Field(
         default_factory=list,
         description="Tools whose results are never compressed (kept whole); other tool results are documents. "
@@ -202,20 +172,11 @@ class SpecPrefillLLM(FunctionCallingLLM, CompressionSettings, LogprobSettings):
 
     model_config = ConfigDict(extra="forbid")  # an unknown setting is refused, not ignored
 
-    _config: SpecPrefillConfig = PrivateAttr()
     _engine: SpecPrefillEngine | None = PrivateAttr(default=None)
     _session: LocalSession | GatewaySession | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _validate_specprefill(self) -> SpecPrefillLLM:
-        self._config = adapter_config(
-            self.backend,
-            self.draft_model,
-            main=self.model,
-            tokenizer=self.tokenizer,
-            device=self.device,
-            **self.compression(),
-        )
         GenerationParams(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
