@@ -14,6 +14,7 @@ from ..config import (
     DEFAULT_MODEL,
     DRAFT_DESCRIPTION,
     CompressionSettings,
+    GrammarLimits,
     SpecPrefillConfig,
     check_document_cache,
     check_self_draft_look_ahead,
@@ -33,7 +34,7 @@ MIN_DEFAULT_BODY_BYTES = 1 << 20
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 
 
-class GatewaySettings(CompressionSettings):
+class GatewaySettings(CompressionSettings, GrammarLimits):
     """Settings of ``specprefill-rag serve``. Raises ``pydantic.ValidationError`` naming the field.
 
     The compression settings (``keep_rate``, ``look_ahead``, ``positions``...) are the engine's own
@@ -157,6 +158,37 @@ class GatewaySettings(CompressionSettings):
         le=3600.0,
         description="A client must send the whole body within this many seconds of its headers; else 408.",
     )
+    # Heavy work's own threads (issue #43): grammar compiles and warm-ups never hold the threads of other requests.
+    grammar_workers: int = Field(
+        2,
+        strict=True,
+        ge=1,
+        le=64,
+        description="Threads that compile output grammars (response_format, forced tool calls), apart from the "
+        "threads of other requests; a compile cannot be interrupted, the schema limits bound it.",
+    )
+    grammar_queue: int = Field(
+        8,
+        strict=True,
+        ge=0,
+        le=4096,
+        description="Requests waiting for a grammar thread at most; more get 503 with Retry-After.",
+    )
+    warm_workers: int = Field(
+        1,
+        strict=True,
+        ge=1,
+        le=64,
+        description="Threads that run warm-up calls (they take turns on the draft anyway), apart from the threads "
+        "of other requests.",
+    )
+    warm_queue: int = Field(
+        4,
+        strict=True,
+        ge=0,
+        le=4096,
+        description="Warm-up calls waiting for a warm-up thread at most; more get 503 with Retry-After.",
+    )
     allowed_hosts: tuple[str, ...] | None = Field(
         None,
         description="Host header values answered ('*.example.com' patterns, '*' = any); others get 400. None: "
@@ -258,5 +290,6 @@ class GatewaySettings(CompressionSettings):
             document_cache_mb=self.document_cache_mb,
             main_cache_mb=self.main_cache_mb,
             device=self.resolved_device(),
+            **self.grammar_limits(),
             **self.compression(),
         )
