@@ -130,7 +130,8 @@ def _check_pattern(pattern: str, limits: GrammarLimits, path: str, tool: str | N
     if repeat > limits.max_pattern_repeat:
         _refuse(
             f"has a pattern that repeats {repeat} times (its {{n,m}} bounds, times those of the groups around "
-            f"them), over the limit of {limits.max_pattern_repeat}; compiling it would take minutes",
+            f"them), over the limit of {limits.max_pattern_repeat} (compile time grows with its square: 40,000 "
+            "takes minutes)",
             "bound the length with minLength/maxLength instead, or raise max_pattern_repeat",
             path,
             tool,

@@ -80,9 +80,3 @@ class Workers:
     def shutdown(self) -> None:
         """Stop taking jobs; those waiting are dropped, those running finish on their own."""
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def worker_threads(name: str) -> list[threading.Thread]:
-    """The live threads of the :class:`Workers` called ``name`` (in this process)."""
-    prefix = f"{THREAD_PREFIX}{name}_"
-    return [thread for thread in threading.enumerate() if thread.name.startswith(prefix)]
