@@ -7,6 +7,7 @@ count threads, compiles and answers; the waits allow many times what they need.
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,6 +110,16 @@ def test_a_grammar_dead_end_is_a_400_naming_response_format_not_a_500(gateway):
     error = response.json()["error"]
     assert error["param"] == "response_format" and "cannot be completed" in error["message"]
     assert post(gateway, GOOD).status_code == 200
+
+
+def test_a_grammar_dead_end_while_streaming_is_an_error_event_with_a_400(gateway):
+    schema = schema_format({"type": "string", "pattern": r"[^\s\S]"})
+    body = {**GOOD, "max_tokens": 8, "stream": True, "response_format": schema}
+    with httpx.stream("POST", gateway + "/v1/chat/completions", json=body, timeout=SLACK_S) as response:
+        events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+    errors = [json.loads(event)["error"] for event in events if event.startswith('{"error"')]
+    assert events[-1] == "[DONE]" and len(errors) == 1
+    assert errors[0]["code"] == 400 and errors[0]["param"] == "response_format"
 
 
 # -- compiles: their own bounded workers, the request's deadline --------------------------------------

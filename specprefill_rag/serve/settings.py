@@ -114,7 +114,10 @@ class GatewaySettings(CompressionSettings, GrammarLimits):
         0.0, strict=True, ge=0.0, description="Wait this long for more requests before a draft batch."
     )
     request_timeout_s: float = Field(
-        600.0, strict=True, gt=0.0, description="Deadline of one request, from its arrival: output grammar, queue, draft and answer."
+        600.0,
+        strict=True,
+        gt=0.0,
+        description="Deadline of one request, from its arrival: output grammar, queue, draft and answer.",
     )
     upstream_timeout_s: float = Field(
         60.0, strict=True, gt=0.0, description="Seconds to wait on the vLLM server per connect/read."
