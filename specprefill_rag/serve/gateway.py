@@ -183,10 +183,14 @@ class Gateway:
         except WorkersBusy as busy:
             raise workers_busy("grammar", busy.threads, busy.queue, "--grammar-workers or --grammar-queue") from None
         left = self.settings.request_timeout_s - (time.perf_counter() - started)
-        done, _ = await asyncio.wait({job}, timeout=max(left, 0.0))
+        try:
+            done, _ = await asyncio.wait({job}, timeout=max(left, 0.0))
+        finally:
+            job.cancel()  # past the deadline or with the client gone: drops a job not started (a running one ends)
         if not done:
-            job.cancel()  # drops it if it has not started
-            phase = "compiling the output format's grammar (lower the schema limits, or retry: it is then cached)"
+            phase = (
+                "compiling the output format's grammar (a simpler schema compiles sooner; once compiled it is cached)"
+            )
             raise deadline_exceeded(self.settings.request_timeout_s, phase)
         job.result()
 
