@@ -7,11 +7,13 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from specprefill_rag.backends.vllm import structured_outputs
 from specprefill_rag.config import GrammarLimits, OutputFormat, SpecPrefillConfig
 from specprefill_rag.decode.constraints import ConstraintCompiler, json_grammar
 from specprefill_rag.decode.schema_limits import check_format_limits, pattern_repetition
 from specprefill_rag.decode.tool_calls import MAX_CALL_DEPTH, parse_tool_calls
 from specprefill_rag.errors import OutputFormatError
+from specprefill_rag.serve import GatewaySettings
 from specprefill_rag.testing import build_tokenizer
 
 LIMITS = GrammarLimits()
@@ -153,3 +155,13 @@ def test_a_call_within_the_depth_bound_still_parses():
         f'<tool_call>\n{{"name": "f", "arguments": {{"x": {arguments}}}}}\n</tool_call>', "hermes"
     )
     assert len(parsed.tool_calls) == 1
+
+
+def test_the_gateways_limits_reach_its_engine_and_a_vllm_main_checks_them_too():
+    settings = GatewaySettings(max_schema_bytes=2048, max_enum_values=4)
+    config = settings.engine_config()
+    assert (config.max_schema_bytes, config.max_enum_values) == (2048, 4)
+    wide = _schema(enum=list(range(5)))
+    structured_outputs(wide)  # within the defaults
+    with pytest.raises(OutputFormatError, match="max_enum_values"):
+        structured_outputs(wide, limits=config)
