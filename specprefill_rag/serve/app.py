@@ -283,8 +283,8 @@ async def _complete(
     remote = gateway.settings.main_is_remote
     try:
         body, plan = await _plan(gateway, request, schema, make_layout, served, decoding)
-        left = gateway.settings.request_timeout_s - (time.perf_counter() - plan.started)  # the same deadline
-        stream = RequestStream(gateway.answer(plan), request, max(left, 0.0))
+        spent = time.perf_counter() - plan.started  # one deadline from arrival: the grammar's compile counts
+        stream = RequestStream(gateway.answer(plan), request, gateway.settings.request_timeout_s, spent)
         try:
             first = await stream.next()
         except BaseException:
