@@ -65,7 +65,7 @@ def _check_size(size: int, limits: GrammarLimits, tool: str | None) -> None:
         raise OutputFormatError(
             f"{what} {size} bytes, over the limit of {limits.max_schema_bytes} bytes of compact JSON (compiling its "
             "grammar takes time and memory in proportion); send a smaller schema or fewer tools, or raise "
-            "max_schema_bytes",
+            "max_schema_bytes (serve --max-schema-bytes)",
             tool=tool,
         )
 
@@ -80,7 +80,7 @@ def _check_schema(schema: Any, limits: GrammarLimits, tool: str | None) -> None:
         if depth > limits.max_schema_depth:
             _refuse(
                 f"nests deeper than {limits.max_schema_depth} levels of JSON objects and arrays",
-                "flatten the schema, or raise max_schema_depth",
+                "flatten the schema, or raise max_schema_depth (serve --max-schema-depth)",
                 path,
                 tool,
             )
@@ -97,7 +97,7 @@ def _check_keywords(schema: Mapping[str, Any], limits: GrammarLimits, path: str,
         if isinstance(branches, list) and len(branches) > limits.max_schema_branches:
             _refuse(
                 f"has {len(branches)} alternatives in {keyword}, over the limit of {limits.max_schema_branches}",
-                "use fewer alternatives, or raise max_schema_branches",
+                "use fewer alternatives, or raise max_schema_branches (serve --max-schema-branches)",
                 f"{path}/{keyword}",
                 tool,
             )
@@ -105,7 +105,7 @@ def _check_keywords(schema: Mapping[str, Any], limits: GrammarLimits, path: str,
     if isinstance(values, list) and len(values) > limits.max_enum_values:
         _refuse(
             f"has {len(values)} enum values, over the limit of {limits.max_enum_values}",
-            "use fewer values (or a pattern), or raise max_enum_values",
+            "use fewer values (or a pattern), or raise max_enum_values (serve --max-enum-values)",
             f"{path}/enum",
             tool,
         )
@@ -122,7 +122,7 @@ def _check_pattern(pattern: str, limits: GrammarLimits, path: str, tool: str | N
     if len(pattern) > limits.max_pattern_chars:
         _refuse(
             f"has a pattern of {len(pattern)} characters, over the limit of {limits.max_pattern_chars}",
-            "use a shorter pattern, or raise max_pattern_chars",
+            "use a shorter pattern, or raise max_pattern_chars (serve --max-pattern-chars)",
             path,
             tool,
         )
@@ -132,7 +132,8 @@ def _check_pattern(pattern: str, limits: GrammarLimits, path: str, tool: str | N
             f"has a pattern that repeats {repeat} times (its {{n,m}} bounds, times those of the groups around "
             f"them), over the limit of {limits.max_pattern_repeat} (compile time grows with its square: 40,000 "
             "takes minutes)",
-            "bound the length with minLength/maxLength instead, or raise max_pattern_repeat",
+            "bound the length with minLength/maxLength instead, or raise max_pattern_repeat "
+            "(serve --max-pattern-repeat)",
             path,
             tool,
         )
@@ -140,7 +141,8 @@ def _check_pattern(pattern: str, limits: GrammarLimits, path: str, tool: str | N
         _refuse(
             f"has a counted repetition inside another that repeats {nested} times, over the limit of "
             f"{limits.max_pattern_nested_repeat} (nested counts compile about 100 times slower than flat ones)",
-            "write the inner repetition out, use * or + for one of them, or raise max_pattern_nested_repeat",
+            "write the inner repetition out, use * or + for one of them, or raise max_pattern_nested_repeat "
+            "(serve --max-pattern-nested-repeat)",
             path,
             tool,
         )
