@@ -15,6 +15,7 @@ from .errors import (
     DraftScoringError,
     InvalidRequestError,
     ModelLoadError,
+    OutputFormatError,
     SpecPrefillError,
     TokenizerMismatchError,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "GenerationResult",
     "InvalidRequestError",
     "ModelLoadError",
+    "OutputFormatError",
     "PromptLayout",
     "Role",
     "Selection",

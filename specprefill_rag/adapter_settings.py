@@ -17,6 +17,7 @@ from .config import (
     CompressionSettings,
     EngineSettings,
     GenerationParams,
+    GrammarLimits,
     SpecPrefillConfig,
     adapter_config,
     declared_field,
@@ -27,7 +28,7 @@ ADAPTER_NAMES = {"model": "main", "draft_model": "draft"}
 """The adapters' names of engine settings that their ecosystems name otherwise, to the engine's names."""
 
 
-class AdapterSettings(CompressionSettings):
+class AdapterSettings(CompressionSettings, GrammarLimits):
     """The engine settings (under :data:`ADAPTER_NAMES`), where the engine runs, and the decoding defaults.
 
     Builds the engine's :class:`~specprefill_rag.config.SpecPrefillConfig` at construction (``_config``), so a

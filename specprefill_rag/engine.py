@@ -181,7 +181,7 @@ class SpecPrefillEngine:
         floor = _prompt_floor(config, share, config.effective_look_ahead, main.context_length)
         device = next(main.model.parameters()).device
         main_cache = shared_prefix_cache(device, config.main_cache_mb * 2**20, MAIN_MIN_REUSE_SHARE)
-        backend = HFBackend(main.model, eos, model_lock(main.model), main.tokenizer, main_cache)
+        backend = HFBackend(main.model, eos, model_lock(main.model), main.tokenizer, main_cache, config)
         self._assemble(config, main.tokenizer, backend, scoring, main, floor)
 
     def _assemble(
@@ -246,6 +246,7 @@ class SpecPrefillEngine:
         tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else draft.tokenizer
         main_eos = draft_eos if tokenizer is draft.tokenizer else eos_token_ids(None, tokenizer)
         backend.adopt_tokenizer(tokenizer, main_eos)
+        backend.grammar_limits = config  # a SpecPrefillConfig is GrammarLimits
         engine = cls.__new__(cls)
         cache = _prefix_cache(config, draft.model)
         documents = _document_cache(config, draft.model)

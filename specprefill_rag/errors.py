@@ -17,6 +17,21 @@ class InvalidRequestError(SpecPrefillError):
     """A request (question, documents, generation settings) is malformed."""
 
 
+class OutputFormatError(InvalidRequestError):
+    """An output format its grammar cannot serve: over a :class:`~specprefill_rag.config.GrammarLimits` bound
+    (refused before compiling), or with a dead end (a part nothing can match, found while decoding).
+
+    Attributes:
+        tool: the name of the forced call's tool whose ``parameters`` are at fault, when one is.
+        kind: the format's kind (``"json_schema"``, ``"tool_call"``...), when known.
+    """
+
+    def __init__(self, message: str, *, tool: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.tool = tool
+        self.kind = kind
+
+
 class ContextLengthError(InvalidRequestError):
     """The prompt, or the prompt plus the tokens to generate, exceeds the main model's context."""
 

@@ -444,17 +444,28 @@ def test_validate_format_accepts_well_formed_input(fmt):
 
 
 @needs_xgrammar
-def test_lru_keeps_the_most_recently_used(chatml):
-    compiler = ConstraintCompiler(chatml, len(chatml), max_cached=2)
+def test_the_cache_is_bounded_in_bytes_least_recently_used_dropped_first(chatml):
     formats = [OutputFormat("json_schema", schema={"type": "array", "maxItems": n}) for n in range(3)]
+    sizes = [ConstraintCompiler(chatml, len(chatml)).compiled(f).memory_size_bytes for f in formats]
+    bound = max(sizes[0] + sizes[1], sizes[0] + sizes[2])  # two grammars fit, three do not
+    compiler = ConstraintCompiler(chatml, len(chatml), cache_bytes=bound)
     first = compiler.compiled(formats[0])
     second = compiler.compiled(formats[1])
     assert compiler.compiled(OutputFormat("json_schema", schema={"type": "array", "maxItems": 0})) is first
-    compiler.compiled(formats[2])  # evicts formats[1], the least recently used
-    assert compiler.cached == 2
+    compiler.compiled(formats[2])  # drops formats[1], the least recently used
+    assert compiler.cached == 2 and compiler.cache_bytes == sizes[0] + sizes[2] <= bound
     assert compiler.compiled(formats[0]) is first
-    assert compiler.compiled(formats[1]) is not second
-    assert compiler.cached == 2
+    assert compiler.compiled(formats[1]) is not second  # compiled again
+    assert compiler.compiles == 4
+    assert compiler.cache_bytes <= bound
+
+
+@needs_xgrammar
+def test_a_grammar_larger_than_the_whole_cache_is_used_but_not_kept(chatml):
+    fmt = OutputFormat("json_schema", schema=RAG_SCHEMA)
+    compiler = ConstraintCompiler(chatml, len(chatml), cache_bytes=1)
+    assert compiler.constraint(fmt) is not None
+    assert compiler.cached == 0 and compiler.cache_bytes == 0
 
 
 def test_cache_key_tells_formats_apart():
@@ -476,7 +487,7 @@ def test_cache_key_tells_formats_apart():
 
 @needs_xgrammar
 def test_two_threads_compile_and_advance_at_once(qwen):
-    compiler = ConstraintCompiler(qwen, len(qwen), max_cached=1)  # the threads also evict each other's grammars
+    compiler = ConstraintCompiler(qwen, len(qwen), cache_bytes=1)  # nothing kept: each compiles again
     jobs = [
         (OutputFormat("json_schema", schema=RAG_SCHEMA), 1),
         (OutputFormat("tool_call", tools=TOOLS, tool_format="hermes"), 2),

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..config import GenerationParams, OutputFormat
+from ..config import GenerationParams, GrammarLimits, OutputFormat
 from ..decode.constraints import ConstraintCompiler
 from ..decode.sampling import apply_penalties, log_probabilities, next_token, step_logprobs
 from ..errors import InvalidRequestError
@@ -70,8 +70,10 @@ class HFBackend:
         lock: threading.RLock | None = None,
         tokenizer: Any = None,
         prefix_cache: PrefixKVCache | None = None,
+        grammar_limits: GrammarLimits | None = None,
     ) -> None:
         self.model = model
+        self.grammar_limits = grammar_limits or GrammarLimits()
         self.prefix_cache = prefix_cache
         self.eos_ids = eos_ids
         self._lock = lock or nullcontext()
@@ -113,7 +115,9 @@ class HFBackend:
         with self._compiler_lock:
             if self._compiler is None:
                 width = int(self.model.get_output_embeddings().weight.shape[0])
-                self._compiler = ConstraintCompiler(self._tokenizer, width, stop_token_ids=sorted(self.eos_ids))
+                self._compiler = ConstraintCompiler(
+                    self._tokenizer, width, self.grammar_limits, stop_token_ids=sorted(self.eos_ids)
+                )
             return self._compiler
 
     def generate(

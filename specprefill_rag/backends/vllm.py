@@ -36,9 +36,10 @@ from typing import Any, Literal
 import httpx
 
 from ..arguments import check_number, shown
-from ..config import GenerationParams, OutputFormat
+from ..config import GenerationParams, GrammarLimits, OutputFormat
 from ..decode.constraints import json_grammar
 from ..decode.formats import marker_tokens, tool_call_structural_tag, validate_format
+from ..decode.schema_limits import check_format_limits
 from ..errors import InvalidRequestError, SpecPrefillError, TokenizerMismatchError
 from ..positions import (
     POSITION_KEYED_BLOCKS,
@@ -108,21 +109,25 @@ def keys_blocks_in_process() -> bool:
     return position_keyed_blocks_installed()
 
 
-def structured_outputs(output_format: OutputFormat, markers: Mapping[str, int] | None = None) -> dict[str, Any]:
+def structured_outputs(
+    output_format: OutputFormat, markers: Mapping[str, int] | None = None, limits: GrammarLimits | None = None
+) -> dict[str, Any]:
     """vLLM's ``structured_outputs`` for ``output_format``, which vLLM's xgrammar backend enforces: ``json`` for a
     strict schema, ``json_object``, the ``grammar`` of :func:`~specprefill_rag.decode.constraints.json_grammar`
     for a schema with ``strict=False`` (vLLM compiles its ``json`` strictly), and for a forced tool call the
     ``structural_tag`` (a JSON string) of :func:`~specprefill_rag.decode.formats.tool_call_structural_tag`, the
     grammar an in-process main uses.
     ``markers``: the tool-call markers the served tokenizer writes as one token, with their ids
-    (:func:`tool_markers`); a tool_call format needs them.
+    (:func:`tool_markers`); a tool_call format needs them. ``limits`` (default
+    :class:`~specprefill_rag.config.GrammarLimits`'s) are checked first: vLLM's compile cannot be interrupted either.
     """
+    check_format_limits(output_format, limits or GrammarLimits())
     validate_format(output_format)
     if output_format.kind == "json_object":
         return {"json_object": True}
     if output_format.kind == "json_schema" and output_format.schema is not None:
         if not output_format.strict:
-            return {"grammar": json_grammar(output_format)}
+            return {"grammar": json_grammar(output_format, limits)}
         return {"json": dict(output_format.schema)}
     if markers is None:
         raise InvalidRequestError(
@@ -171,6 +176,7 @@ class VLLMOfflineBackend:
         self.llm = llm
         self.eos_ids = eos_ids
         self._markers: dict[str, int] | None = None
+        self.grammar_limits = GrammarLimits()  # SpecPrefillEngine.for_vllm sets its config's
 
     @property
     def context_length(self) -> int:
@@ -197,7 +203,7 @@ class VLLMOfflineBackend:
         return self._markers
 
     def check_output_format(self, output_format: OutputFormat) -> None:
-        structured_outputs(output_format, self._tool_markers())
+        structured_outputs(output_format, self._tool_markers(), self.grammar_limits)
 
     def generate(
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
@@ -210,7 +216,7 @@ class VLLMOfflineBackend:
 
         fields = request_fields(prompt, salt=not keys_blocks_in_process())
         constrained = params.output_format and StructuredOutputsParams(
-            **structured_outputs(params.output_format, self._tool_markers())
+            **structured_outputs(params.output_format, self._tool_markers(), self.grammar_limits)
         )
         sampling = SamplingParams(
             max_tokens=params.max_new_tokens,
@@ -307,6 +313,7 @@ class VLLMServerBackend:
         self._async_clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
         self._async_clients_lock = threading.Lock()
         self._markers: dict[str, int] | None = None  # the adopted tokenizer's single-token tool-call markers
+        self.grammar_limits = GrammarLimits()  # SpecPrefillEngine.for_vllm sets its config's
         card = self._model_card()
         self.model = model or card["id"]
         self._context_length = int(card.get("max_model_len") or 0)
@@ -375,7 +382,7 @@ class VLLMServerBackend:
         return False, False
 
     def check_output_format(self, output_format: OutputFormat) -> None:
-        structured_outputs(output_format, self._markers)
+        structured_outputs(output_format, self._markers, self.grammar_limits)
 
     def _body(self, prompt: SparsePrompt, params: GenerationParams) -> dict[str, Any]:
         fields = request_fields(prompt, salt=not self.position_keyed_blocks)
@@ -395,7 +402,7 @@ class VLLMServerBackend:
         if params.presence_penalty or params.frequency_penalty:
             body.update(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
         if params.output_format is not None:
-            body["structured_outputs"] = structured_outputs(params.output_format, self._markers)
+            body["structured_outputs"] = structured_outputs(params.output_format, self._markers, self.grammar_limits)
         if params.logprobs:  # the chosen token's and the top ones', keyed "token_id:<id>" (sse_tokens reads them)
             body.update(logprobs=params.top_logprobs, return_tokens_as_token_ids=True)
         if "extra_args" in fields:

@@ -1,7 +1,8 @@
 """Output constrained to a JSON schema, any JSON object or tool calls, for the in-process decode loop.
 
-A :class:`ConstraintCompiler` is built once per tokenizer; it compiles an :class:`OutputFormat` into an
-xgrammar grammar (kept in a bounded LRU) and hands each request a fresh :class:`TokenConstraint`, whose
+A :class:`ConstraintCompiler` is built once per tokenizer; it checks an :class:`OutputFormat` against the
+:class:`~specprefill_rag.config.GrammarLimits` (:mod:`~specprefill_rag.decode.schema_limits`), compiles it into an
+xgrammar grammar (kept in an LRU bounded in bytes) and hands each request a fresh :class:`TokenConstraint`, whose
 :meth:`~TokenConstraint.mask_` sets the logits of every token the format forbids to ``-inf`` before the
 next token is chosen, and whose :meth:`~TokenConstraint.accept` advances it with the chosen token::
 
@@ -33,9 +34,10 @@ from typing import Any
 
 import torch
 
-from ..config import OutputFormat
-from ..errors import InvalidRequestError
+from ..config import GrammarLimits, OutputFormat
+from ..errors import InvalidRequestError, OutputFormatError
 from .formats import TOOL_MARKERS, as_json, marker_tokens, tool_call_structural_tag, validate_format
+from .schema_limits import check_format_limits
 
 try:
     import xgrammar as xgr
@@ -87,32 +89,41 @@ class ConstraintCompiler:
     """Compiles output formats for one tokenizer; thread-safe.
 
     Builds xgrammar's tokenizer info once, over ``vocab_size`` ids (the main model's logits width, which
-    can exceed ``len(tokenizer)``), and keeps the last ``max_cached`` compiled grammars, keyed by
-    :meth:`OutputFormat.canonical_json`.
+    can exceed ``len(tokenizer)``), and keeps the compiled grammars last used, keyed by
+    :meth:`OutputFormat.canonical_json`, up to ``limits.grammar_cache_mb`` of their memory
+    (``CompiledGrammar.memory_size_bytes``). A format over one of ``limits`` is refused before compiling.
 
     Args:
         tokenizer: the main model's Hugging Face tokenizer.
         vocab_size: ``V``, the width of the logits.
-        max_cached: how many compiled grammars to keep (least recently used dropped first).
+        limits: the bounds on a format and on the cache (default: :class:`~specprefill_rag.config.GrammarLimits`'s).
+        cache_bytes: the cache's bound in bytes, instead of ``limits.grammar_cache_mb``.
         stop_token_ids: the ids that end generation (the decode loop's end-of-sequence ids); default the
             tokenizer's ``eos_token_id``. Only these are allowed once the output is complete.
     """
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, max_cached: int = 64, *, stop_token_ids: Iterable[int] | None = None
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        limits: GrammarLimits | None = None,
+        *,
+        stop_token_ids: Iterable[int] | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         _require_xgrammar()
         assert xgr is not None
-        if max_cached < 1:
-            raise ValueError(f"max_cached must be at least 1, got {max_cached}")
         self.vocab_size = vocab_size
-        self.max_cached = max_cached
+        self.limits = limits or GrammarLimits()
+        self.max_cache_bytes = cache_bytes if cache_bytes is not None else self.limits.grammar_cache_mb * 2**20
+        self.compiles = 0  # grammars compiled (not served from the cache)
         stops = sorted({int(i) for i in stop_token_ids}) if stop_token_ids is not None else None
         self._markers = marker_tokens(tokenizer, vocab_size, TOOL_MARKERS)
         self._info = tokenizer_info(tokenizer, vocab_size, stops or None, set(self._markers.values()))
-        # xgrammar's own cache is unbounded; this class bounds the cache by count instead.
+        # xgrammar's own cache is unbounded; this class bounds its cache in bytes instead.
         self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._cache_bytes = 0
         self._lock = threading.Lock()
 
     @property
@@ -126,12 +137,23 @@ class ConstraintCompiler:
         with self._lock:
             return len(self._cache)
 
+    @property
+    def cache_bytes(self) -> int:
+        """The memory of the compiled grammars the cache holds, in bytes (at most ``max_cache_bytes``)."""
+        with self._lock:
+            return self._cache_bytes
+
     def constraint(self, fmt: OutputFormat) -> TokenConstraint:
         """A fresh grammar state for one request; InvalidRequestError for a malformed or uncompilable format."""
-        return TokenConstraint(self.compiled(fmt), self.vocab_size)
+        return TokenConstraint(self.compiled(fmt), self.vocab_size, fmt.kind)
 
     def compiled(self, fmt: OutputFormat) -> Any:
-        """The ``xgrammar.CompiledGrammar`` of ``fmt``, from the cache or compiled now (and cached)."""
+        """The ``xgrammar.CompiledGrammar`` of ``fmt``, from the cache or compiled now (and cached).
+
+        :class:`~specprefill_rag.errors.OutputFormatError` when ``fmt`` passes one of the limits (checked
+        first, so a schema nested past Python's recursion limit is refused rather than serialised).
+        """
+        check_format_limits(fmt, self.limits)
         validate_format(fmt)
         key = fmt.canonical_json()
         with self._lock:
@@ -140,12 +162,23 @@ class ConstraintCompiler:
                 self._cache.move_to_end(key)
                 return grammar
         grammar = self._compile(fmt)  # outside the lock: other formats compile meanwhile
-        with self._lock:
-            self._cache[key] = grammar
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+        self._keep(key, grammar)
         return grammar
+
+    def _keep(self, key: str, grammar: Any) -> None:
+        """Cache ``grammar``, dropping the least recently used past ``max_cache_bytes`` (one larger than the
+        whole bound is used, not kept).
+        """
+        size = int(grammar.memory_size_bytes)
+        with self._lock:
+            self.compiles += 1
+            if size > self.max_cache_bytes or key in self._cache:
+                return
+            self._cache[key] = grammar
+            self._cache_bytes += size
+            while self._cache_bytes > self.max_cache_bytes:
+                _, dropped = self._cache.popitem(last=False)
+                self._cache_bytes -= int(dropped.memory_size_bytes)
 
     def _compile(self, fmt: OutputFormat) -> Any:
         try:
@@ -159,12 +192,13 @@ class ConstraintCompiler:
             raise _not_compiled(fmt, error) from error
 
 
-def json_grammar(fmt: OutputFormat) -> str:
+def json_grammar(fmt: OutputFormat, limits: GrammarLimits | None = None) -> str:
     """The EBNF grammar of a ``json_object`` or ``json_schema`` ``fmt``, as :class:`ConstraintCompiler` compiles it
     (``strict`` or not, at most :data:`MAX_WHITESPACE` whitespace characters in a row): for a server that
-    compiles grammars itself (a vLLM main, whose own JSON option is always strict).
+    compiles grammars itself (a vLLM main, whose own JSON option is always strict). ``limits`` are checked first.
     """
     _require_xgrammar()
+    check_format_limits(fmt, limits or GrammarLimits())
     validate_format(fmt)
     try:
         return str(xgr.Grammar.from_json_schema(_schema_text(fmt), **_json_options(fmt)))
@@ -199,15 +233,22 @@ class TokenConstraint:
 
     Not thread-safe; a request uses its own from one thread at a time.
 
+    A state where no token may follow, not even a stop token (a dead end of the grammar: a pattern that matches
+    nothing), raises :class:`~specprefill_rag.errors.OutputFormatError` from :meth:`allowed`/:meth:`mask_`: the
+    request fails as bad input (a 400 at the gateway) rather than sampling from logits that are all ``-inf``.
+
     Args:
         grammar: an ``xgrammar.CompiledGrammar`` (from :meth:`ConstraintCompiler.compiled`).
         vocab_size: ``V``, the width of the logits.
+        kind: the format's kind, for the error messages.
     """
 
-    def __init__(self, grammar: Any, vocab_size: int) -> None:
+    def __init__(self, grammar: Any, vocab_size: int, kind: str = "constrained") -> None:
         _require_xgrammar()
         assert xgr is not None
         self.vocab_size = vocab_size
+        self.kind = kind
+        self.accepted = 0  # tokens accepted so far
         self._matcher = xgr.GrammarMatcher(grammar)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V/32)] int32
         self._stop_ids = torch.tensor(sorted(self._matcher.stop_token_ids), dtype=torch.long)
@@ -219,6 +260,17 @@ class TokenConstraint:
         if not self._filled:
             self._matcher.fill_next_token_bitmask(self._bitmask)
             self._filled = True
+            if not bool(self._bitmask.any()):
+                raise self._dead_end()
+
+    def _dead_end(self) -> OutputFormatError:
+        """No token may come next, nor a stop token: a part of the format nothing can match."""
+        return OutputFormatError(
+            f"the {self.kind} output format cannot be completed: after {self.accepted} tokens no token, and no end, "
+            "may follow (a part of it matches nothing, e.g. a pattern no string matches, or one the vocabulary's "
+            "tokens cannot spell); fix that part of the schema",
+            kind=self.kind,
+        )
 
     def allowed(self) -> torch.Tensor:
         """``[V]`` bool on the CPU: the tokens that may come next."""
@@ -243,6 +295,7 @@ class TokenConstraint:
         if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
             raise RuntimeError(f"token {token} is not allowed by the output format here; mask the logits first")
         self._filled = False
+        self.accepted += 1
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,41 @@ _MISTRAL_CALLS = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
 _SEPARATOR = "\n\n"  # between content pieces that removed calls stood between
 _JSON = json.JSONDecoder()
+# Deepest JSON a call may nest: a model can write JSON nested past Python's recursion limit (a forced call whose
+# parameters allow any object), which json cannot decode, nor encode again into the response (issue #43).
+MAX_CALL_DEPTH = 256
+
+
+def _raw_decode(text: str) -> tuple[Any, int]:
+    """``json.JSONDecoder().raw_decode(text)``; JSON nested deeper than :data:`MAX_CALL_DEPTH` levels is malformed
+    (a ``JSONDecodeError``), never a ``RecursionError``.
+    """
+    try:
+        value, end = _JSON.raw_decode(text)
+    except RecursionError:
+        value, end = None, -1
+    if end < 0 or _depth(value) > MAX_CALL_DEPTH:
+        raise json.JSONDecodeError(f"nested deeper than {MAX_CALL_DEPTH} levels", text, 0)
+    return value, end
+
+
+def _loads(text: str) -> Any:
+    """``json.loads(text)``, bounded in depth as :func:`_raw_decode` is."""
+    value, end = _raw_decode(text.lstrip())
+    if text.lstrip()[end:].strip():
+        raise json.JSONDecodeError("Extra data", text, end)
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value``'s lists and dicts nest (iteratively)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 @dataclass(frozen=True)
@@ -190,7 +225,7 @@ def _decode_arguments(value: Any) -> tuple[dict[str, Any] | None, str]:
         return value, ""
     if isinstance(value, str):
         try:
-            inner = json.loads(value)
+            inner = _loads(value)
         except json.JSONDecodeError as error:
             return None, f"arguments are a string that is not JSON ({error.msg})"
         if isinstance(inner, dict):
@@ -339,7 +374,7 @@ class _Hermes(_Parser):
         """Record the call of one block; an unterminated one counts when its JSON parses."""
         text = raw.strip()
         try:
-            value = json.loads(text)
+            value = _loads(text)
         except json.JSONDecodeError as error:
             self.add_invalid(None, text, _malformed(error) if terminated else "unterminated")
             return
@@ -387,7 +422,7 @@ class _Llama3(_Parser):
                     self.emit(text)
                 return
             try:
-                value, end = _JSON.raw_decode(text)
+                value, end = _raw_decode(text)
             except json.JSONDecodeError as error:
                 self.add_invalid(None, text.rstrip(), _malformed(error))
                 return
@@ -435,7 +470,7 @@ class _Mistral(_Parser):
             return False
         if text[0] in "[{" and not text.startswith(_MISTRAL_ARGS):
             try:
-                value, end = _JSON.raw_decode(text)
+                value, end = _raw_decode(text)
             except json.JSONDecodeError as error:
                 if not final:
                     return False
@@ -472,7 +507,7 @@ class _Mistral(_Parser):
             self.after_marker = False
             return True
         try:
-            value, end = _JSON.raw_decode(rest)
+            value, end = _raw_decode(rest)
         except json.JSONDecodeError as error:
             if not final:
                 return False

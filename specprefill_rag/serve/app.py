@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import anyio
@@ -36,7 +37,13 @@ from ..results import ToolCall
 from .errors import GatewayError, as_gateway_error, bad_request, echoed
 from .gateway import Answer, Gateway, Plan
 from .guard import RequestGuard
-from .layouts import chat_request_decoding, chat_request_layout, completion_request_layout, tokenize_request
+from .layouts import (
+    chat_request_decoding,
+    chat_request_layout,
+    check_output_format,
+    completion_request_layout,
+    tokenize_request,
+)
 from .request_stream import ClientGone, RequestStream
 from .responses import CHAT, HEADER_NAMES, TEXT, ApiFormat, ResponseWriter, sse, stats_headers, with_invalid_calls
 from .schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest, WarmDocumentsRequest, first_problem
@@ -79,6 +86,8 @@ def create_app(settings: GatewaySettings | None = None, engine: SpecPrefillEngin
         gateway.queue.start()
         yield
         await gateway.queue.stop()
+        gateway.grammar_workers.shutdown()
+        gateway.warm_workers.shutdown()
 
     app = FastAPI(title="SpecPrefill gateway", version=__version__, lifespan=lifespan)
     app.state.gateway = gateway
@@ -247,7 +256,10 @@ async def _plan(
         raise _unknown_model(body.model, served)
     layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
     limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
-    tools = await asyncio.to_thread(decoding, body, layout)  # may compile an output grammar
+    tools = await asyncio.to_thread(decoding, body, layout)
+    output = tools.get("output_format")
+    if output is not None:  # compiled on the grammar workers, not the threads of other requests
+        await gateway.check_output(partial(check_output_format, gateway.engine, body, output), started)
     try:
         params = GenerationParams(
             max_new_tokens=limit,
@@ -279,7 +291,8 @@ async def _complete(
     remote = gateway.settings.main_is_remote
     try:
         body, plan = await _plan(gateway, request, schema, make_layout, served, decoding)
-        stream = RequestStream(gateway.answer(plan), request, gateway.settings.request_timeout_s)
+        spent = time.perf_counter() - plan.started  # one deadline from arrival: the grammar's compile counts
+        stream = RequestStream(gateway.answer(plan), request, gateway.settings.request_timeout_s, spent)
         try:
             first = await stream.next()
         except BaseException:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..backends.vllm import VLLMServerError, VLLMServerTimeout
-from ..errors import ContextLengthError, InvalidRequestError, SpecPrefillError
+from ..errors import ContextLengthError, InvalidRequestError, OutputFormatError, SpecPrefillError
 
 OUTCOMES = (
     "ok",
@@ -96,6 +96,16 @@ def overloaded(in_flight: int, retry_after_s: int) -> GatewayError:
     return GatewayError(429, message, "RateLimitError", "overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
+def workers_busy(work: str, threads: int, queue: int, setting: str, retry_after_s: int = 1) -> GatewayError:
+    """503: the bounded workers of one kind of heavy work (grammar compiles, warm-ups) are all taken."""
+    message = (
+        f"the gateway's {work} workers are busy ({threads} running, {queue} waiting); retry after {retry_after_s} s, "
+        f"or raise {setting}"
+    )
+    headers = {"Retry-After": str(retry_after_s)}
+    return GatewayError(503, message, "ServiceUnavailableError", "overloaded", headers=headers)
+
+
 def queue_full(depth: int, retry_after_s: int) -> GatewayError:
     message = f"the draft queue is full ({depth} requests waiting); retry after {retry_after_s} s"
     return GatewayError(429, message, "RateLimitError", "queue_full", headers={"Retry-After": str(retry_after_s)})
@@ -125,6 +135,8 @@ def as_gateway_error(error: BaseException, main_is_remote: bool) -> GatewayError
     if isinstance(error, ContextLengthError):
         too_long = error.prompt_tokens > error.context_length
         return bad_request(str(error), "messages" if too_long else "max_tokens")
+    if isinstance(error, OutputFormatError):  # a dead end found while decoding: the format's own field
+        return bad_request(str(error), "tools" if error.kind == "tool_call" else "response_format")
     if isinstance(error, InvalidRequestError):
         return bad_request(str(error))
     if main_is_remote and not isinstance(error, SpecPrefillError):

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,13 +31,14 @@ from ..pipeline import Budget, DraftCost
 from ..prompt.chat import ChatLayout
 from ..prompt.layout import Document, PromptLayout
 from ..results import DraftPath, Selection, StreamChunk
-from .errors import bad_request, deadline_exceeded, draft_failed, queue_full
+from .errors import bad_request, deadline_exceeded, draft_failed, queue_full, workers_busy
 from .guard import Slots
 from .metrics import GatewayMetrics
 from .queue import DraftQueue, QueueFull
 from .schema import SpecPrefillOptions, WarmDocumentsRequest
 from .settings import GatewaySettings
 from .tenancy import Tenancy
+from .workers import Workers, WorkersBusy
 
 log = logging.getLogger("specprefill_rag.serve")
 DOCUMENT_CACHE_FIELD = "spec_prefill.draft_document_cache"
@@ -97,6 +98,8 @@ class Gateway:
             settings.batch_window_ms / 1000.0,
         )
         self.slots = Slots(settings.max_concurrent_requests)
+        self.grammar_workers = Workers("grammar", settings.grammar_workers, settings.grammar_queue)
+        self.warm_workers = Workers("warm", settings.warm_workers, settings.warm_queue)
         self.tenancy = Tenancy.of(settings)
         self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache, engine.document_cache)
         self.queue.on_batch = self.metrics.batch
@@ -179,6 +182,27 @@ class Gateway:
             )
         return wanted
 
+    async def check_output(self, check: Callable[[], None], started: float) -> None:
+        """Run ``check`` (the backend compiling a request's output grammar, blocking) on the grammar workers, within
+        the request's deadline (``started``: its arrival). 503 when those workers are all taken; 504 when the
+        deadline passes first: the compile goes on to its end (bounded by the schema limits) and is cached.
+        """
+        try:
+            job = self.grammar_workers.submit(check)
+        except WorkersBusy as busy:
+            raise workers_busy("grammar", busy.threads, busy.queue, "--grammar-workers or --grammar-queue") from None
+        left = self.settings.request_timeout_s - (time.perf_counter() - started)
+        try:
+            done, _ = await asyncio.wait({job}, timeout=max(left, 0.0))
+        finally:
+            job.cancel()  # past the deadline or with the client gone: drops a job not started (a running one ends)
+        if not done:
+            phase = (
+                "compiling the output format's grammar (a simpler schema compiles sooner; once compiled it is cached)"
+            )
+            raise deadline_exceeded(self.settings.request_timeout_s, phase)
+        job.result()
+
     async def warm(self, request: WarmDocumentsRequest, tenant: str | None = None) -> dict[str, int]:
         """Draft ``request.documents`` into the per-document cache in ``tenant``'s namespace (off the event loop;
         each document under the draft's lock, between the queue's batches). 400 when the gateway has no such cache
@@ -195,9 +219,12 @@ class Gateway:
             )
         documents = [d if isinstance(d, str) else Document(d.text, d.title, d.id) for d in request.documents]
         stop = threading.Event()
-        work = asyncio.ensure_future(
-            asyncio.to_thread(self.engine.warm_documents, documents, request.instructions, stop=stop, tenant=tenant)
-        )
+        try:  # the warm-up workers: never the threads of other requests
+            work = self.warm_workers.submit(
+                self.engine.warm_documents, documents, request.instructions, stop=stop, tenant=tenant
+            )
+        except WorkersBusy as busy:
+            raise workers_busy("warm-up", busy.threads, busy.queue, "--warm-workers or --warm-queue") from None
         try:
             done, _ = await asyncio.wait({work}, timeout=self.settings.request_timeout_s)
             if not done:

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..config import OutputFormat
 from ..decode.tool_choice import tool_decoding
-from ..errors import ContextLengthError, InvalidRequestError
+from ..errors import ContextLengthError, InvalidRequestError, OutputFormatError
 from ..prompt.chat import ChatLayout, ChatMessage, DocumentSource, chat_layout
 from ..prompt.context import SystemContext, split_system_context
 from ..prompt.documents import as_document
@@ -221,9 +222,8 @@ def _check_tool_text(tokenizer: Any, body: ChatCompletionRequest) -> None:
 
 def chat_request_decoding(engine: Any, body: ChatCompletionRequest, layout: ChatLayout) -> dict[str, Any]:
     """The :class:`~specprefill_rag.config.GenerationParams` fields of a chat request's ``tools``, ``tool_choice``,
-    ``parallel_tool_calls`` and ``response_format``. Blocking: an output to enforce is compiled by the main
-    backend now, so one it cannot enforce is a 400 (naming ``response_format`` or ``tool_choice``) before any
-    draft work; a tokenizer without a chat template is a 400 naming ``tools``.
+    ``parallel_tool_calls`` and ``response_format`` (an output to enforce is compiled afterwards, by
+    :func:`check_output_format`); a tokenizer without a chat template is a 400 naming ``tools``.
     """
     parallel = body.parallel_tool_calls is not False
     try:
@@ -232,15 +232,28 @@ def chat_request_decoding(engine: Any, body: ChatCompletionRequest, layout: Chat
         raise bad_request(str(error), "tools") from None
     if body.output_format is not None:
         fields = {**fields, "output_format": body.output_format}
-    output = fields.get("output_format")
-    if output is not None:
-        try:
-            engine.backend.check_output_format(output)
-        except InvalidRequestError as error:
-            raise bad_request(
-                str(error), "response_format" if body.output_format is not None else "tool_choice"
-            ) from None
     return fields
+
+
+def check_output_format(engine: Any, body: ChatCompletionRequest, output: OutputFormat) -> None:
+    """Blocking: the main backend checks ``output`` against the schema limits and compiles it (cached), so one it
+    cannot enforce is a 400 before any draft work, naming ``response_format``, the forced call's tool
+    (``tools[i].function.parameters``) or ``tool_choice``.
+    """
+    try:
+        engine.backend.check_output_format(output)
+    except InvalidRequestError as error:
+        raise bad_request(str(error), _output_param(body, error)) from None
+
+
+def _output_param(body: ChatCompletionRequest, error: InvalidRequestError) -> str:
+    if body.output_format is not None:
+        return "response_format"
+    tool = error.tool if isinstance(error, OutputFormatError) else None
+    for index, schema in enumerate(body.tool_schemas if tool is not None else ()):
+        if schema.get("function", {}).get("name") == tool:
+            return f"tools[{index}].function.parameters"
+    return "tool_choice"
 
 
 def _located_segments(prompt: str, documents: list[Document]) -> list[Segment]:

@@ -34,13 +34,17 @@ class RequestStream:
     Args:
         answers: :meth:`Gateway.answer` for the request.
         request: the Starlette request (for disconnects).
-        timeout_s: the deadline, counted from now.
+        timeout_s: the request's deadline.
+        spent_s: the seconds of it already spent (reading, laying out, compiling its grammar); the rest counts
+            from now.
     """
 
-    def __init__(self, answers: AsyncGenerator[Answer, None], request: Any, timeout_s: float) -> None:
+    def __init__(
+        self, answers: AsyncGenerator[Answer, None], request: Any, timeout_s: float, spent_s: float = 0.0
+    ) -> None:
         self._answers = answers
         self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
+        self._deadline = time.monotonic() + timeout_s - spent_s
         self._watch = asyncio.ensure_future(_disconnect(request))
         self._step: asyncio.Future[Answer] | None = None
         self._started = False

@@ -107,7 +107,10 @@ class GatewaySettings(EngineSettings):
         0.0, strict=True, ge=0.0, description="Wait this long for more requests before a draft batch."
     )
     request_timeout_s: float = Field(
-        600.0, strict=True, gt=0.0, description="Deadline of one request: queue, draft and answer."
+        600.0,
+        strict=True,
+        gt=0.0,
+        description="Deadline of one request, from its arrival: output grammar, queue, draft and answer.",
     )
     upstream_timeout_s: float = Field(
         60.0, strict=True, gt=0.0, description="Seconds to wait on the vLLM server per connect/read."
@@ -150,6 +153,37 @@ class GatewaySettings(EngineSettings):
         gt=0.0,
         le=3600.0,
         description="A client must send the whole body within this many seconds of its headers; else 408.",
+    )
+    # Heavy work's own threads (issue #43): grammar compiles and warm-ups never hold the threads of other requests.
+    grammar_workers: int = Field(
+        2,
+        strict=True,
+        ge=1,
+        le=64,
+        description="Threads that compile output grammars (response_format, forced tool calls), apart from the "
+        "threads of other requests; a compile cannot be interrupted, the schema limits bound it.",
+    )
+    grammar_queue: int = Field(
+        8,
+        strict=True,
+        ge=0,
+        le=4096,
+        description="Requests waiting for a grammar thread at most; more get 503 with Retry-After.",
+    )
+    warm_workers: int = Field(
+        1,
+        strict=True,
+        ge=1,
+        le=64,
+        description="Threads that run warm-up calls (they take turns on the draft anyway), apart from the threads "
+        "of other requests.",
+    )
+    warm_queue: int = Field(
+        4,
+        strict=True,
+        ge=0,
+        le=4096,
+        description="Warm-up calls waiting for a warm-up thread at most; more get 503 with Retry-After.",
     )
     allowed_hosts: tuple[str, ...] | None = Field(
         None,
