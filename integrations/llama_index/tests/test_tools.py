@@ -274,7 +274,7 @@ def decoded(llm, text: str) -> list[ChatResponse]:
 
     tokenizer = llm.engine.tokenizer
     layout = llm.engine.chat_layout([CoreMessage("user", [QUESTION])]).layout
-    params = GenerationParams(tool_format="hermes", max_new_tokens=512)
+    params = GenerationParams(tool_format="hermes", tool_names=("paint", "lookup"), max_new_tokens=512)
     decoding = Decoding(tokenizer, layout, params, Selection(torch.arange(len(layout))), 0.0)
     chunks = [decoding.push(token) for token in tokenizer.encode(text, add_special_tokens=False)]
     answer = ChatAnswer()
