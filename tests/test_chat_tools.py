@@ -1,6 +1,7 @@
 """Agent histories in the core: tools offered through the chat template, tool calls, tool results as documents."""
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 from specprefill_rag.prompt.layout import Role, ToolCall
+from specprefill_rag.prompt.tools import check_tools
 from specprefill_rag.results import Selection
 from specprefill_rag.testing import build_family_tokenizer, build_model
 
@@ -166,6 +168,44 @@ def test_the_draft_renders_the_same_tools(qwen):
 def test_bad_agent_histories_name_the_problem(qwen, messages, tools, needle):
     with pytest.raises(InvalidRequestError, match=needle):
         chat_layout(qwen, messages, tools=tools)
+
+
+def nested(depth: int) -> dict:
+    """``{"a": {"a": ... 1}}``, ``depth`` objects deep (built without recursion)."""
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("depth", [65, 100_000])  # past the limit; past Python's recursion limit
+def test_history_arguments_nested_too_deep_are_refused_naming_the_limit(qwen, depth):
+    deep = ChatMessage("assistant", [], tool_calls=(ToolCall("search", nested(depth), "c"),))
+    with pytest.raises(InvalidRequestError, match=r"tool_calls\[0\]\.arguments: JSON nested more than 64"):
+        chat_layout(qwen, [ChatMessage("user", ["q"]), deep, ChatMessage("tool", ["r"], tool_call_id="c")])
+    fine = ChatMessage("assistant", [], tool_calls=(ToolCall("search", nested(64), "c"),))
+    chat_layout(qwen, [ChatMessage("user", ["q"]), fine, ChatMessage("tool", ["r"], tool_call_id="c")], tools=[SEARCH])
+
+
+class CountedTools(Sequence):
+    """A million tools that count how many of them were read."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return 1_000_000
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return {"type": "function", "function": {"name": f"t{index}"}}
+
+
+def test_a_tool_list_past_the_bound_is_refused_before_any_tool_is_read():
+    tools = CountedTools()
+    with pytest.raises(InvalidRequestError, match="1000000 tools; at most 128"):
+        check_tools(tools)
+    assert tools.reads == 0
 
 
 def test_tool_choice_decides_what_is_parsed_and_constrained(qwen):

@@ -44,6 +44,8 @@ def tool(name: str) -> dict[str, Any]:
 
 
 TOOLS = [tool("search"), tool("lookup")]
+DEEP = '{"a": ' * 100_000 + "1" + "}" * 100_000  # history arguments nested past Python's recursion limit
+NESTED_65 = '{"a": ' * 65 + "1" + "}" * 65
 
 
 def call(call_id: str, name: str = "search", arguments: str = '{"q": "bridge"}') -> dict[str, Any]:
@@ -142,6 +144,22 @@ def user_then(*messages: dict[str, Any]) -> list[dict[str, Any]]:
             "type 'object'",
         ),
         ({"tools": [tool("search"), tool("search")]}, "tools", "twice"),
+        ({"tools": [tool(f"t{i}") for i in range(129)]}, "tools", "129 tools; at most 128"),
+        (  # the schemas alone overflow the context: about tools, not messages or documents
+            {"tools": [{"type": "function", "function": {"name": "a", "description": "lorem ipsum " * 20000}}]},
+            "tools",
+            "the offered tools alone take at least",
+        ),
+        (
+            {"messages": user_then({"role": "assistant", "tool_calls": [call("c1", arguments=DEEP)]})},
+            "messages.1.tool_calls.0.function.arguments",
+            "nested at most 64 deep",
+        ),
+        (
+            {"messages": user_then({"role": "assistant", "tool_calls": [call("c1", arguments=NESTED_65)]})},
+            "messages.1.tool_calls.0.function.arguments",
+            "more than 64 objects or lists deep",
+        ),
         (
             {"tools": [{"type": "function", "function": {"name": "a", "description": "<|im_end|>"}}]},
             "tools",

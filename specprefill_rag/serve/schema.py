@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..config import (
@@ -31,7 +32,15 @@ from ..config import (
 )
 from ..errors import InvalidRequestError
 from ..prompt.context import SystemContext
-from ..prompt.tools import TOOL_NAME, ToolChoice, check_tool_choice, check_tools
+from ..prompt.tools import (
+    MAX_ARGUMENTS_DEPTH,
+    TOOL_NAME,
+    ToolChoice,
+    check_depth,
+    check_tool_choice,
+    check_tool_count,
+    check_tools,
+)
 from ..results import ToolCall
 from .errors import echoed
 
@@ -171,13 +180,28 @@ def _no_constant(name: str) -> Any:
 
 
 def json_object(text: str) -> dict[str, Any]:
-    """``text`` decoded as a JSON object (NaN and Infinity are not JSON); ValueError otherwise."""
+    """``text`` decoded as a JSON object nested at most :data:`MAX_ARGUMENTS_DEPTH` deep (NaN and Infinity are
+    not JSON); ValueError otherwise. Decoded by jiter, which bounds nesting itself (Python's ``json`` would
+    recurse until a ``RecursionError``); its other errors are told in Python's ``json`` words.
+    """
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = pydantic_core.from_json(text, allow_inf_nan=False)
     except ValueError as error:
+        if "recursion limit" in str(error):
+            raise ValueError(
+                f"must be a JSON object encoded as a string, nested at most {MAX_ARGUMENTS_DEPTH} deep ({error})"
+            ) from None
+        try:  # bounded: jiter found no nesting past its limit
+            json.loads(text, parse_constant=_no_constant)
+        except ValueError as described:
+            error = described
         raise ValueError(f"must be a JSON object encoded as a string ({error})") from None
     if not isinstance(value, dict):
         raise ValueError(f"must be a JSON object encoded as a string, got a JSON {type(value).__name__}")
+    try:
+        check_depth(value, "arguments")
+    except InvalidRequestError as error:
+        raise ValueError(str(error)) from None
     return value
 
 
@@ -426,6 +450,17 @@ class ChatCompletionRequest(_Sampling):
     def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value and "logprobs" in info.data and info.data["logprobs"] is not True:  # else logprobs' own error
             raise ValueError(f"top_logprobs={value} needs logprobs: true; send both, or leave top_logprobs out")
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _few_tools(cls, value: Any) -> Any:
+        """At most MAX_TOOLS, counted before any tool is parsed."""
+        if isinstance(value, list):
+            try:
+                check_tool_count(len(value))
+            except InvalidRequestError as error:
+                raise ValueError(str(error)) from None
         return value
 
     @field_validator("tools")
