@@ -10,6 +10,7 @@ allow many times that before failing.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -378,16 +379,18 @@ def test_tokenize_runs_off_the_event_loop(gateway, monkeypatch):
 # -- concurrency and memory ---------------------------------------------------------------------------
 
 
-def test_the_concurrency_bound_answers_429_with_a_retry_after(engine):
-    """Two clients hold both slots by sending their bodies slowly; a third request of any kind gets 429."""
-    with running_gateway(engine, max_concurrent_requests=2, body_timeout_s=SLACK_S) as url:
-        holders = [_connect(url) for _ in range(2)]
+def test_the_concurrency_bound_answers_429_with_a_retry_after(engine, monkeypatch):
+    """Two requests hold both slots (their work blocked until released); a third request of any kind gets 429."""
+    import specprefill_rag.serve.app as app_module
+
+    release, real = threading.Event(), app_module.tokenize_request
+    monkeypatch.setattr(app_module, "tokenize_request", lambda *a: release.wait(SLACK_S) and real(*a))
+    with running_gateway(engine, max_concurrent_requests=2) as url:
+        tokenize = {"model": MODEL, "prompt": "x"}
+        holders = [threading.Thread(target=post, args=(url, tokenize), kwargs={"path": "/tokenize"}) for _ in "ab"]
         try:
-            for sock in holders:
-                sock.sendall(
-                    _head(url, "/v1/chat/completions", {"Content-Type": "application/json", "Content-Length": "1000"})
-                    + b"{"
-                )
+            for holder in holders:
+                holder.start()
             deadline = time.monotonic() + SLACK_S
             while _in_flight(url) < 2:
                 assert time.monotonic() < deadline
@@ -402,13 +405,68 @@ def test_the_concurrency_bound_answers_429_with_a_retry_after(engine):
             assert metric(url, "overloaded") == 1
             assert httpx.get(url + "/health", timeout=SLACK_S).status_code == 200  # not counted against the bound
         finally:
-            for sock in holders:
+            release.set()
+            for holder in holders:
+                holder.join(SLACK_S)
+        assert _in_flight(url) == 0 and served_normally(url)
+
+
+def _slow_bodies(url, count: int, source: str) -> list[socket.socket]:
+    """``count`` connections from ``source`` that send headers and 10 bytes of a 1,000-byte body, then wait."""
+    parts = urlsplit(url)
+    head = _head(url, "/v1/chat/completions", {"Content-Type": "application/json", "Content-Length": "1000"})
+    sockets = []
+    for _ in range(count):
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=SLACK_S, source_address=(source, 0))
+        sock.sendall(head + b'{"model": ')
+        sockets.append(sock)
+    return sockets
+
+
+def _answers(sockets: list[socket.socket], count: int) -> list[int]:
+    """The statuses of the first ``count`` of ``sockets`` to be answered (waits at most SLACK_S)."""
+    waiting, statuses, deadline = list(sockets), [], time.monotonic() + SLACK_S
+    while len(statuses) < count:
+        assert time.monotonic() < deadline, f"only {len(statuses)} answered"
+        ready, _, _ = select.select(waiting, [], [], 0.5)
+        for sock in ready:
+            waiting.remove(sock)
+            statuses.append(status_of(_read_all(sock)))
+    return statuses
+
+
+def test_slow_bodies_cannot_hold_the_request_slots(engine):
+    """130 connections sending unfinished bodies (from another address, as a remote attacker would) against 128
+    slots: they hold no slot and only a few body readers, and every normal request is served, not refused."""
+    with running_gateway(engine, body_timeout_s=SLACK_S, max_bodies_per_client=4) as url:
+        readers = gateway_of(url).readers
+        attackers = _slow_bodies(url, 130, "127.0.0.2")
+        try:
+            deadline = time.monotonic() + SLACK_S
+            while readers.of("127.0.0.2") < 4:  # the first four are being read; the rest were answered 429
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert sorted(_answers(attackers, 126)) == [429] * 126  # the other four are still being read
+            assert readers.of("127.0.0.2") == 4 and _in_flight(url) == 0
+            answers = [post(url, GOOD).status_code for _ in range(5)]
+            assert answers == [200] * 5
+        finally:
+            for sock in attackers:
                 sock.close()
-        deadline = time.monotonic() + SLACK_S
-        while _in_flight(url):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        assert served_normally(url)
+
+
+def test_a_complete_body_takes_its_slot_after_the_body_arrived(engine):
+    """Bodies in transit hold body readers, not slots: with one slot, a slow body leaves it free for others."""
+    with running_gateway(engine, max_concurrent_requests=1, body_timeout_s=SLACK_S) as url:
+        [slow] = _slow_bodies(url, 1, "127.0.0.3")
+        try:
+            deadline = time.monotonic() + SLACK_S
+            while gateway_of(url).readers.reading < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert _in_flight(url) == 0 and served_normally(url)
+        finally:
+            slow.close()
 
 
 def _in_flight(url) -> int:

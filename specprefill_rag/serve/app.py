@@ -97,6 +97,7 @@ def _guards(app: FastAPI, gateway: Gateway, settings: GatewaySettings) -> None:
         RequestGuard,
         api_key=key,
         slots=gateway.slots,
+        readers=gateway.readers,
         max_body_bytes=body_limit,
         body_timeout_s=settings.body_timeout_s,
         count=gateway.metrics.finished,

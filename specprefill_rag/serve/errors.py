@@ -96,6 +96,16 @@ def overloaded(in_flight: int, retry_after_s: int) -> GatewayError:
     return GatewayError(429, message, "RateLimitError", "overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
+def too_many_bodies(limit: int, scope: str) -> GatewayError:
+    message = (
+        f"the gateway is already receiving its limit of {limit} request bodies {scope}; send each body at once "
+        "and retry after 1 s"
+    )
+    return GatewayError(
+        429, message, "RateLimitError", "overloaded", headers={"Retry-After": "1", "Connection": "close"}
+    )
+
+
 def queue_full(depth: int, retry_after_s: int) -> GatewayError:
     message = f"the draft queue is full ({depth} requests waiting); retry after {retry_after_s} s"
     return GatewayError(429, message, "RateLimitError", "queue_full", headers={"Retry-After": str(retry_after_s)})

@@ -32,7 +32,7 @@ from ..prompt.chat import ChatLayout
 from ..prompt.layout import Document, PromptLayout
 from ..results import DraftPath, Selection, StreamChunk
 from .errors import bad_request, deadline_exceeded, draft_failed, queue_full
-from .guard import Slots
+from .guard import BodyReaders, Slots
 from .metrics import GatewayMetrics
 from .queue import DraftQueue, QueueFull
 from .schema import SpecPrefillOptions, WarmDocumentsRequest
@@ -93,6 +93,7 @@ class Gateway:
             settings.batch_window_ms / 1000.0,
         )
         self.slots = Slots(settings.max_concurrent_requests)
+        self.readers = BodyReaders(settings.max_connections, settings.max_bodies_per_client)
         self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache, engine.document_cache)
         self.queue.on_batch = self.metrics.batch
 
