@@ -131,7 +131,8 @@ class ModelDraft:
 
     def warm(self, input_ids: torch.Tensor, documents: DocumentSpans) -> int:
         """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (after their prefix),
-        without scoring; returns how many documents it holds for this prompt (0 without a cache).
+        without scoring and without dropping any entry it holds; returns how many documents it holds for this
+        prompt (0 without a cache; fewer than asked when the rest had no room).
         """
         return _warm(self.model, self.model.config.num_hidden_layers, self.document_cache, input_ids, documents)
 
@@ -205,7 +206,8 @@ class LayerPrefixDraft:
 
     def warm(self, input_ids: torch.Tensor, documents: DocumentSpans) -> int:
         """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (its first ``n_layers``
-        layers), without scoring; returns how many documents it holds for this prompt.
+        layers), without scoring and without dropping any entry it holds; returns how many documents it holds
+        for this prompt.
         """
         return _warm(self.model, self.n_layers, self.document_cache, input_ids, documents)
 
@@ -226,7 +228,7 @@ def _warm(
     if store is None:
         return 0
     (spans, prefix_length), draft = documents.checked(input_ids.numel()), DraftIdentity.of(model, layers)
-    encode_documents(model, draft, input_ids, prefix_length, spans, store)
+    encode_documents(model, draft, input_ids, prefix_length, spans, store, evict=False)  # never displace held KV
     return held_documents(draft, input_ids, prefix_length, spans, store)
 
 

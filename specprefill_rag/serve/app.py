@@ -36,7 +36,7 @@ from .errors import GatewayError, as_gateway_error, bad_request, echoed
 from .gateway import Answer, Gateway, Plan
 from .guard import RequestGuard
 from .layouts import chat_request_decoding, chat_request_layout, completion_request_layout, tokenize_request
-from .request_stream import ClientGone, RequestStream
+from .request_stream import ClientGone, RequestStream, client_gone
 from .responses import CHAT, HEADER_NAMES, TEXT, ApiFormat, ResponseWriter, sse, stats_headers, with_invalid_calls
 from .schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest, WarmDocumentsRequest, first_problem
 from .settings import GatewaySettings
@@ -159,12 +159,16 @@ def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, serv
 
 def _document_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post(WARM_DOCUMENTS_PATH)
-    async def warm_documents(request: Request) -> dict[str, int]:
-        """Draft documents into the per-document cache: ``{"warmed", "documents", "held", "cache_bytes",
-        "cache_max_bytes"}`` (:meth:`Gateway.warm`).
+    async def warm_documents(request: Request) -> Any:
+        """Draft documents into the per-document cache: ``{"warmed", "documents", "held", "skipped",
+        "cache_bytes", "cache_max_bytes"}`` (:meth:`Gateway.warm`); stops drafting when the client goes away.
         """
         try:
-            warmed = await gateway.warm(_parse(WarmDocumentsRequest, await _json(request)))
+            body = _parse(WarmDocumentsRequest, await _json(request))
+            warmed = await gateway.warm(body, lambda: client_gone(request))
+        except ClientGone:
+            gateway.metrics.finished("warm", "disconnected")
+            return Response(status_code=499)
         except Exception as error:
             failure = as_gateway_error(error, False)
             gateway.metrics.finished("warm", failure.outcome)

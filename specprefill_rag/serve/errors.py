@@ -30,6 +30,10 @@ OUTCOMES = (
 _ECHO_LIMIT = 80
 
 
+class ClientGone(Exception):
+    """The client closed the connection; nothing more is sent."""
+
+
 def echoed(value: str) -> str:
     """``value`` for an error message: cut to ``_ECHO_LIMIT`` characters, saying how long it was."""
     return value if len(value) <= _ECHO_LIMIT else f"{value[:_ECHO_LIMIT]}... ({len(value)} characters)"

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,7 +31,7 @@ from ..pipeline import Budget, DraftCost
 from ..prompt.chat import ChatLayout
 from ..prompt.layout import Document, PromptLayout
 from ..results import DraftPath, Selection, StreamChunk
-from .errors import bad_request, deadline_exceeded, draft_failed, queue_full
+from .errors import ClientGone, bad_request, deadline_exceeded, draft_failed, queue_full
 from .guard import BodyReaders, Slots
 from .metrics import GatewayMetrics
 from .queue import DraftQueue, QueueFull
@@ -171,37 +171,49 @@ class Gateway:
             )
         return wanted
 
-    async def warm(self, request: WarmDocumentsRequest) -> dict[str, int]:
+    async def warm(
+        self, request: WarmDocumentsRequest, gone: Callable[[], Awaitable[None]] | None = None
+    ) -> dict[str, Any]:
         """Draft ``request.documents`` into the per-document cache (off the event loop; each document under the
-        draft's lock, between the queue's batches). 400 when the gateway has no such cache or a document is bad;
-        504 when ``--request-timeout`` passes first (the documents drafted by then stay held, the rest are not
-        drafted: the worker stops after the document in hand).
+        draft's lock, between the queue's batches) without dropping what it holds; the answer lists each document
+        not held (``skipped``: index and reason). 400 when the gateway has no such cache or a document is bad;
+        504 when ``--request-timeout`` passes first, :class:`ClientGone` when ``gone()`` (waits for the client's
+        disconnect) completes first: either way the documents drafted by then stay held and the worker stops after the
+        document in hand.
         """
         store = self.engine.document_cache
         if store is None:
             raise bad_request(
                 "this gateway runs without the per-document draft cache (--document-cache-mb 0), so there is "
                 "nothing to warm; start it with --document-cache-mb above 0 and --draft-document-cache (or send "
-                f"{DOCUMENT_CACHE_FIELD} true with each request)"
+                f"{DOCUMENT_CACHE_FIELD} true with each request)",
+                "documents",
             )
         documents = [d if isinstance(d, str) else Document(d.text, d.title, d.id) for d in request.documents]
         stop = threading.Event()
         work = asyncio.ensure_future(
-            asyncio.to_thread(self.engine.warm_documents, documents, request.instructions, stop=stop)
+            asyncio.to_thread(self.engine.warm_report, documents, request.instructions, stop=stop)
         )
+        watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
-            done, _ = await asyncio.wait({work}, timeout=self.settings.request_timeout_s)
-            if not done:
+            waited = {work} if watch is None else {work, watch}
+            await asyncio.wait(waited, timeout=self.settings.request_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
                 stop.set()
-                warmed = await work
-                phase = f"warming documents ({warmed} of {len(documents)} drafted and held; send the rest again)"
-                raise deadline_exceeded(self.settings.request_timeout_s, phase)
-            warmed = work.result()
+                report = await work
+                if watch is not None and watch.done():
+                    raise ClientGone
+                drafted = f"{report.warmed} of {len(documents)} drafted and held; send the rest again"
+                raise deadline_exceeded(self.settings.request_timeout_s, f"warming documents ({drafted})")
+            report = work.result()
         except InvalidRequestError as error:
             raise bad_request(str(error), "documents") from None
         finally:
-            stop.set()  # a cancelled request (client gone) stops the worker too
-        held = {"warmed": warmed, "documents": len(documents), "held": len(store)}
+            stop.set()  # a cancelled request stops the worker too
+            if watch is not None:
+                watch.cancel()
+        skipped = [{"index": s.index, "reason": s.reason} for s in report.skipped]
+        held = {"warmed": report.warmed, "documents": len(documents), "held": len(store), "skipped": skipped}
         return {**held, "cache_bytes": store.nbytes, "cache_max_bytes": store.max_bytes}
 
     def _after_draft_error(self, layout: PromptLayout, budget: Budget, error: Exception) -> Selection:
