@@ -334,6 +334,14 @@ def test_bad_values_get_a_400_naming_the_field_before_any_work(gateway, extra, f
     assert len(response.content) < 2000, "the error echoed a client's value whole"
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_token_limit_past_the_context_is_a_400_naming_the_field_sent(gateway, field):
+    response = post(gateway, {**GOOD, field: 1020})  # the prompt's tokens + 1,020 > the context of 1,024
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field, error
+    assert f"lower {field} to at most" in error["message"] and "max_new_tokens" not in error["message"]
+
+
 def test_a_tiny_top_p_is_greedy(gateway):
     greedy = post(gateway, GOOD).json()["choices"][0]["message"]["content"]
     tiny = post(gateway, {**GOOD, "temperature": 1.0, "top_p": 1e-300, "seed": 3})
@@ -357,6 +365,7 @@ def test_a_prompt_far_over_the_context_is_refused_before_it_is_tokenized(gateway
         assert response.json()["error"]["param"] == "messages"
     completion = post(gateway, {"model": MODEL, "prompt": words, "max_tokens": 2}, path="/v1/completions")
     assert completion.status_code == 400 and "has at least" in completion.json()["error"]["message"]
+    assert completion.json()["error"]["param"] == "prompt"
     tokenized = post(gateway, {"model": MODEL, "prompt": words}, path="/tokenize")
     assert tokenized.status_code == 400 and "context" in tokenized.json()["error"]["message"]
 

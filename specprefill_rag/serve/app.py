@@ -29,10 +29,10 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from .. import __version__
 from ..config import WARM_DOCUMENTS_PATH, GenerationParams
 from ..engine import SpecPrefillEngine
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, SpecPrefillError
 from ..prompt.chat import ChatLayout
 from ..results import ToolCall
-from .errors import GatewayError, as_gateway_error, bad_request, echoed
+from .errors import GatewayError, WireNames, as_gateway_error, bad_request, echoed
 from .gateway import Answer, Gateway, Plan
 from .guard import RequestGuard
 from .layouts import chat_request_decoding, chat_request_layout, completion_request_layout, tokenize_request
@@ -242,7 +242,10 @@ async def _plan(
     body = _parse(schema, await _json(request))
     if body.model != served:
         raise _unknown_model(body.model, served)
-    layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
+    try:
+        layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
+    except SpecPrefillError as error:
+        raise as_gateway_error(error, False, body.wire_names) from None
     limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
     tools = await asyncio.to_thread(decoding, body, layout)  # may compile an output grammar
     try:
@@ -273,9 +276,10 @@ async def _complete(
     decoding: DecodingFields = _no_decoding,
 ) -> Response:
     endpoint = "chat" if api.is_chat else "completions"
-    remote = gateway.settings.main_is_remote
+    remote, names = gateway.settings.main_is_remote, WireNames()
     try:
         body, plan = await _plan(gateway, request, schema, make_layout, served, decoding)
+        names = body.wire_names
         stream = RequestStream(gateway.answer(plan), request, gateway.settings.request_timeout_s)
         try:
             first = await stream.next()
@@ -286,7 +290,7 @@ async def _complete(
         gateway.metrics.finished(endpoint, "disconnected")
         return Response(status_code=499)
     except Exception as error:
-        failure = as_gateway_error(error, remote)
+        failure = as_gateway_error(error, remote, names)
         gateway.metrics.finished(endpoint, failure.outcome)
         raise failure from None
     writer = ResponseWriter(api, served)

@@ -42,7 +42,7 @@ from ..prompt.tools import (
     check_tools,
 )
 from ..results import ToolCall
-from .errors import echoed
+from .errors import WireNames, echoed
 
 MAX_TOKENS = (1 << 31) - 1  # bound of every token count a request names (contexts are far smaller)
 MAX_STOP_STRINGS = 32  # each generated token is checked against every stop string
@@ -528,6 +528,12 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
+    def wire_names(self) -> WireNames:
+        """The fields this request sent, for its errors: the one that set the token limit, and the prompt's."""
+        tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return WireNames(tokens, "messages")
+
+    @property
     def logprob_fields(self) -> dict[str, Any]:
         """The :class:`~specprefill_rag.config.GenerationParams` fields of ``logprobs`` and ``top_logprobs``."""
         return {"logprobs": bool(self.logprobs), "top_logprobs": self.top_logprobs or 0}
@@ -566,6 +572,11 @@ class CompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def wire_names(self) -> WireNames:
+        """The fields this request sent, for its errors."""
+        return WireNames("max_tokens", "prompt")
 
     @property
     def logprob_fields(self) -> dict[str, Any]:
