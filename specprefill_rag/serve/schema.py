@@ -112,6 +112,14 @@ class SpecPrefillOptions(_Strict):
         "above 0.",
     )
 
+    @field_validator("question")
+    @classmethod
+    def _question_not_blank(cls, value: str | None) -> str | None:
+        """In the wire's words (the core's message speaks to Python callers)."""
+        if value is not None and not value.strip():
+            raise ValueError("is empty or only whitespace; send the user's question, or null for the last user message")
+        return value
+
 
 class WarmDocumentsRequest(_Strict):
     """``POST /v1/spec_prefill/documents/warm``: documents drafted into the per-document cache ahead of the
