@@ -343,6 +343,25 @@ def test_a_token_limit_past_the_context_is_a_400_naming_the_field_sent(gateway, 
     assert f"lower {field} to at most" in error["message"] and "max_new_tokens" not in error["message"]
 
 
+def test_megabyte_tool_lists_are_refused_before_any_tool_is_parsed(engine):
+    """Six clients each send ~1 MiB of tool definitions (9,000 tools) at once, beside a normal request: each list
+    is a 400 naming tools, counted before any tool is parsed, and the normal request is served."""
+    tools = [{"type": "function", "function": {"name": f"t{i}", "description": "d" * 40}} for i in range(9000)]
+    body = {**GOOD, "tools": tools}
+    with running_gateway(engine) as url:
+        assert len(json.dumps(body)) <= gateway_of(url).settings.resolved_max_body_bytes(1024)
+        answers: list[httpx.Response] = []
+        senders = [threading.Thread(target=lambda: answers.append(post(url, body))) for _ in range(6)]
+        for sender in senders:
+            sender.start()
+        assert served_normally(url)
+        for sender in senders:
+            sender.join(SLACK_S * 4)
+        assert [a.status_code for a in answers] == [400] * 6
+        errors = [answer.json()["error"] for answer in answers]
+        assert all(e["param"] == "tools" and "9000 tools" in e["message"] for e in errors), errors
+
+
 def test_a_tiny_top_p_is_greedy(gateway):
     greedy = post(gateway, GOOD).json()["choices"][0]["message"]["content"]
     tiny = post(gateway, {**GOOD, "temperature": 1.0, "top_p": 1e-300, "seed": 3})
