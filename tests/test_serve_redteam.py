@@ -323,7 +323,7 @@ BAD_VALUES = [
     ({"spec_prefill": {"enabled": "false"}}, "spec_prefill.enabled", "valid boolean"),
     ({"spec_prefill": {"documents": ["   "]}}, "spec_prefill.documents", "document 0 is empty"),
     ({"spec_prefill": {"question": " "}}, "spec_prefill.question", "send the user's question, or null"),
-    ({"spec_prefill": {"documents": [{"text": "a", "title": " "}]}}, "spec_prefill.documents", "title"),
+    ({"spec_prefill": {"documents": [{"text": "a", "title": " "}]}}, "spec_prefill.documents.0.title", "or null"),
 ]
 
 

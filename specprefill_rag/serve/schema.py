@@ -60,6 +60,14 @@ class DocumentOption(_Strict):
     title: str | None = None
     id: str | None = None
 
+    @field_validator("title")
+    @classmethod
+    def _title_not_blank(cls, value: str | None) -> str | None:
+        """In the wire's words (the core's message speaks to Python callers)."""
+        if value is not None and not value.strip():
+            raise ValueError("is empty or only whitespace; send a title, or null for none")
+        return value
+
 
 class SpecPrefillOptions(_Strict):
     """Per-request SpecPrefill settings; absent fields take the gateway's defaults."""
