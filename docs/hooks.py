@@ -199,7 +199,7 @@ def bad_input_rows() -> list[tuple[str, str, list[tuple[str, str, str]], int]]:
     for section, path, how in MATRICES:
         if how == "import":
             rows = _imported_rows(path)
-            listed = _grouped([(row.surface, row.case, _error_name(row.error)) for row in rows])
+            listed = _grouped([(row.surface, row.case, _error_of(row)) for row in rows])
             cases = len(rows)
         else:
             listed, cases = _parsed_vllm_rows(path)
@@ -258,6 +258,12 @@ def _grouped(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
 
 def _error_name(error) -> str:
     return error if isinstance(error, str) else error.__name__
+
+
+def _error_of(row) -> str:
+    """The row's error, with the field a gateway error names (``param``) where the row checks it."""
+    param = getattr(row, "param", None)
+    return _error_name(row.error) + (f", param {param}" if param else "")
 
 
 def _parsed_vllm_rows(path: str) -> tuple[list[tuple[str, str, str]], int]:

@@ -720,6 +720,11 @@ class GenerationParams(LogprobSettings):
     tool_format: ToolCallFormat | None = Field(
         None, description="Parse tool calls written in this markup out of the answer (set when tools are offered)."
     )
+    tool_names: tuple[str, ...] = Field(
+        (),
+        description="The names of the offered tools (needed with tool_format): a call naming any other stays "
+        "content, never a tool call.",
+    )
     parallel_tool_calls: bool = Field(True, strict=True, description="False: the answer makes at most one call.")
     output_format: OutputFormat | None = Field(
         None, description="Constrain the answer to a JSON object, a JSON schema or a tool call."
@@ -729,6 +734,15 @@ class GenerationParams(LogprobSettings):
     @classmethod
     def _temperature(cls, value: float) -> float:
         return check_temperature(value)
+
+    @model_validator(mode="after")
+    def _calls_need_offered_tools(self) -> Self:
+        if self.tool_format is not None and not self.tool_names:
+            raise ValueError(
+                f"tool_format={self.tool_format!r} needs tool_names, the names of the offered tools (a parsed call "
+                "must name one of them); pass tool_names, or leave tool_format unset"
+            )
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod

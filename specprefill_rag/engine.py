@@ -47,10 +47,10 @@ from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_mode
 from .pipeline import Budget, DraftCost, Pipeline
 from .prompt.chat import ChatLayout, ChatMessage, chat_layout
 from .prompt.documents import as_document
-from .prompt.layout import DocumentLike, PromptLayout, check_layout
+from .prompt.layout import Document, DocumentLike, PromptLayout, check_layout
 from .prompt.render import build_rag_layout, build_text_layout
 from .prompt.tools import ToolChoice
-from .results import DraftPath, GenerationResult, Selection, StreamChunk
+from .results import DraftPath, GenerationResult, Selection, SkippedDocument, StreamChunk, WarmReport
 from .selection import KeepBudget
 
 # A request's keep rate: a fraction in (0, 1], "auto", or None for the engine's setting.
@@ -811,31 +811,54 @@ class SpecPrefillEngine:
         tenant: str | None = None,
     ) -> int:
         """Draft each document once into the per-document draft cache, after the prefix :meth:`layout` renders
-        for ``instructions``, so later requests with ``draft_document_cache`` take their KV from it. Entries are
-        keyed by that prefix: only requests with the same instructions (system message) find them, and by
-        ``tenant``: only that tenant's requests find them (None: the shared namespace).
+        for ``instructions``, so later requests with ``draft_document_cache`` take their KV from it; returns the
+        documents drafted and held (0 when ``document_cache_mb`` is 0). :meth:`warm_report` says which were not,
+        and why.
+        """
+        return self.warm_report(documents, instructions, stop=stop, tenant=tenant).warmed
 
-        Every document is checked before any is drafted. Stops before the cache would have to drop entries, and
-        before the next document once ``stop`` is set (a caller's deadline); returns the documents drafted and
-        held (0 when ``document_cache_mb`` is 0).
+    def warm_report(
+        self,
+        documents: Sequence[DocumentLike],
+        instructions: str | None = None,
+        *,
+        stop: threading.Event | None = None,
+        tenant: str | None = None,
+    ) -> WarmReport:
+        """:meth:`warm_documents`, reporting each document not held: its index and why (:class:`WarmReport`).
+
+        Entries are keyed by the prefix: only requests with the same instructions (system message) find them, and
+        by ``tenant``: only that tenant's requests find them (None: the shared namespace).
+        Every document is checked before any is drafted, against the draft's context too (one that cannot be
+        drafted is an :class:`InvalidRequestError` naming its index, alone or among others). Never drops an entry
+        the cache holds: once a document has no room, it and the rest are skipped as ``cache_full``; once
+        ``stop`` is set (a caller's deadline, a client gone), the rest are skipped as ``stopped``.
         """
         checked = [as_document(document, i) for i, document in enumerate(check_documents(documents))]
         check_optional_text(instructions, "instructions", "system instructions")
-        store = self.document_cache
-        if store is None:
-            return 0
-        warmed, bytes_per_token = 0, 0.0
-        for document in checked:
+        if self.document_cache is None:
+            return WarmReport(0)
+        layouts = [self._warm_layout(i, document, instructions) for i, document in enumerate(checked)]
+        warmed, skipped = 0, []
+        for index, layout in enumerate(layouts):
             if stop is not None and stop.is_set():
-                break
-            layout = self.layout(_WARM_QUESTION, [document], instructions)
-            tokens, free = max(layout.n_document_tokens, 1), store.free_bytes()
-            if bytes_per_token * tokens > free:
-                break
-            held = warm_layout(self.draft_scoring, layout, tenant)
-            bytes_per_token = max(bytes_per_token, (free - store.free_bytes()) / tokens)
-            warmed += held
-        return warmed
+                skipped.append(SkippedDocument(index, "stopped"))
+            elif skipped and skipped[-1].reason == "cache_full":
+                skipped.append(SkippedDocument(index, "cache_full"))
+            elif held := warm_layout(self.draft_scoring, layout, tenant):
+                warmed += held
+            else:
+                skipped.append(SkippedDocument(index, "cache_full"))
+        return WarmReport(warmed, tuple(skipped))
+
+    def _warm_layout(self, index: int, document: Document, instructions: str | None) -> PromptLayout:
+        """The layout that warms ``document``, checked against the draft's context (nothing drafted yet)."""
+        layout = self.layout(_WARM_QUESTION, [document], instructions)
+        try:
+            self.draft_scoring.prepare(layout)
+        except InvalidRequestError as error:
+            raise InvalidRequestError(f"document {index} cannot be warmed: {error}") from None
+        return layout
 
 
 _WARM_QUESTION = "?"  # the question comes after the documents: it never changes what is warmed

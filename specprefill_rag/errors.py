@@ -40,6 +40,7 @@ class ContextLengthError(InvalidRequestError):
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.context_length = context_length
+        self.at_least = at_least
         if prompt_tokens > context_length:
             count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
             msg = (
@@ -60,6 +61,7 @@ class DraftContextLengthError(InvalidRequestError):
 
     def __init__(self, draft_tokens: int, look_ahead: int, context_length: int) -> None:
         self.draft_tokens = draft_tokens
+        self.look_ahead = look_ahead
         self.context_length = context_length
         super().__init__(
             f"the prompt has {draft_tokens} tokens for the draft model (+{look_ahead - 1} look-ahead) but the draft's "

@@ -247,13 +247,14 @@ class GatewayClient:
             raise GatewayClientError(f"the gateway at {self.base_url} answered something that is not JSON") from None
         return completion_reply(answer)
 
-    def warm_documents(self, documents: Sequence[WarmDocument], instructions: str | None = None) -> dict[str, int]:
+    def warm_documents(self, documents: Sequence[WarmDocument], instructions: str | None = None) -> dict[str, Any]:
         """Draft ``documents`` into the gateway's per-document draft cache (``POST /v1/spec_prefill/documents/warm``),
         in calls of at most :data:`~specprefill_rag.config.MAX_WARM_DOCUMENTS`. ``instructions``: the system
         message of the requests that will hold them (entries are keyed by the prompt's prefix: other instructions
-        find nothing). Returns ``warmed`` (documents now held), ``documents`` (sent), the ``held`` entries and
-        ``cache_bytes`` of this client's tenant (its API key's) and the cache's ``cache_max_bytes``; a 400 (e.g. the
-        gateway has no document cache) raises :class:`InvalidRequestError`.
+        find nothing). Returns ``warmed`` (documents now held), ``documents`` (sent), ``skipped`` (each document
+        not held: ``{"index", "reason"}``, the index in ``documents``), the ``held`` entries and ``cache_bytes`` of
+        this client's tenant (its API key's) and the cache's ``cache_max_bytes``; a 400 (e.g. the gateway has no
+        document cache) raises :class:`InvalidRequestError`.
         """
         replies = []
         for body in _warm_calls(documents, instructions):
@@ -268,7 +269,7 @@ class GatewayClient:
 
     async def awarm_documents(
         self, documents: Sequence[WarmDocument], instructions: str | None = None
-    ) -> dict[str, int]:
+    ) -> dict[str, Any]:
         """:meth:`warm_documents` on the event loop."""
         replies = []
         try:
@@ -303,11 +304,17 @@ def _warm_calls(documents: Sequence[WarmDocument], instructions: str | None) -> 
     ]
 
 
-def _warm_total(replies: list[dict[str, Any]]) -> dict[str, int]:
-    """The warm-up replies of one list of documents, summed (``held`` and the cache's bytes: the last reply's)."""
-    last = replies[-1]
+def _warm_total(replies: list[dict[str, Any]]) -> dict[str, Any]:
+    """The warm-up replies of one list of documents, summed (``held`` and the cache's bytes: the last reply's;
+    each skipped document's index counted in the whole list).
+    """
+    last, skipped, offset = replies[-1], [], 0
+    for reply in replies:
+        skipped += [{**entry, "index": entry["index"] + offset} for entry in reply["skipped"]]
+        offset += reply["documents"]
     total = {name: sum(int(reply[name]) for reply in replies) for name in ("warmed", "documents")}
-    return {**total, **{name: int(last[name]) for name in ("held", "cache_bytes", "cache_max_bytes")}}
+    cache = {name: int(last[name]) for name in ("held", "cache_bytes", "cache_max_bytes")}
+    return {**total, "skipped": skipped, **cache}
 
 
 def _warm_reply(response: httpx.Response, base_url: str) -> dict[str, Any]:
@@ -315,7 +322,9 @@ def _warm_reply(response: httpx.Response, base_url: str) -> dict[str, Any]:
         raise _refused(response.status_code, response.text)
     try:
         reply = response.json()
-        return {name: int(reply[name]) for name in ("warmed", "documents", "held", "cache_bytes", "cache_max_bytes")}
+        counts = {name: int(reply[name]) for name in ("warmed", "documents", "held", "cache_bytes", "cache_max_bytes")}
+        skipped = [{"index": int(s["index"]), "reason": str(s["reason"])} for s in reply.get("skipped", [])]
+        return {**counts, "skipped": skipped}
     except (ValueError, KeyError, TypeError):
         raise GatewayClientError(f"the gateway at {base_url} answered the warm-up with something else") from None
 

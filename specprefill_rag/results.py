@@ -284,3 +284,24 @@ class PrefillReport:
 
     cached_tokens: int | None = None
     logprobs: list[StepLogprobs] = field(default_factory=list)
+
+
+WarmSkipReason = Literal["cache_full", "stopped"]
+"""Why a warm-up did not draft a document: ``cache_full`` (holding it would drop an entry the cache holds),
+``stopped`` (the caller's deadline passed, or its client went away, first)."""
+
+
+@dataclass(frozen=True)
+class SkippedDocument:
+    """A document a warm-up did not hold: its index in the call and why (:data:`WarmSkipReason`)."""
+
+    index: int
+    reason: WarmSkipReason
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """What one warm-up did: ``warmed`` documents of the call held, and each ``skipped`` one with its reason."""
+
+    warmed: int
+    skipped: tuple[SkippedDocument, ...] = ()

@@ -66,6 +66,7 @@ class Row:
     call: Callable[[Any], Any]
     error: type[BaseException] | str  # "exit 2" for the CLI
     message: str  # a regex the message must match: the argument, and for our errors the fix
+    param: str | None = None  # a gateway error's field (checked when given)
 
     @property
     def id(self) -> str:
@@ -585,6 +586,19 @@ def _gateway_body(path, **fields):
     )
 
 
+def _gateway_answer(call):
+    """An engine error as the gateway answers it (a 400 GatewayError in the wire's words)."""
+    from specprefill_rag.serve.errors import as_gateway_error
+
+    def answer(s):
+        try:
+            call(s)
+        except SpecPrefillError as error:
+            raise as_gateway_error(error, False) from None
+
+    return answer
+
+
 def _gateway_settings(**settings):
     from specprefill_rag.serve import GatewaySettings
 
@@ -640,6 +654,47 @@ ROWS += [
         _gateway_warm({"documents": ["ok"]}, document_cache_mb=0),
         GatewayError,
         "without the per-document draft cache \\(--document-cache-mb 0\\)",
+        "documents",
+    ),
+    Row(
+        "gateway /v1/chat/completions",
+        "tools: huge list (129 tools)",
+        lambda s: _gateway_body("chat", tools=[{"type": "function", "function": {"name": "t"}}] * 129),
+        GatewayError,
+        "offers 129 tools; at most 128 per request .* offer only the tools this step may call",
+        "tools",
+    ),
+    Row(
+        "gateway /v1/chat/completions",
+        "tool_calls arguments: huge nesting (100,000 deep)",
+        lambda s: _gateway_body(
+            "chat",
+            messages=[
+                {"role": "user", "content": QUESTION},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": '{"a": ' * 100_000 + "1" + "}" * 100_000},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "r"},
+            ],
+        ),
+        GatewayError,
+        "nested at most 64 deep",
+        "messages.1.tool_calls.0.function.arguments",
+    ),
+    Row(
+        "gateway request",
+        "huge: prompt over --max-draft-tokens",
+        _gateway_answer(lambda s: s.engine.generate(QUESTION, _long_documents(s, 700), max_new_tokens=2)),
+        GatewayError,
+        'at most 600 per request \\(--max-draft-tokens.*send "spec_prefill": \\{"keep_rate": 1.0\\}',
+        "messages",
     ),
     Row(
         "GatewaySettings(...)",
@@ -1014,6 +1069,8 @@ def test_bad_input_gets_a_typed_error_and_the_engine_keeps_serving(row, surfaces
             row.call(surfaces)
         message = str(raised.value)
         assert re.search(row.message, message, re.S), message
+        if row.param is not None:
+            assert raised.value.param == row.param, raised.value
         if isinstance(raised.value, SpecPrefillError) or row.surface.startswith("plugin"):
             assert FIX.search(message), f"the message names no fix: {message}"
     surfaces.serve_good_request(row)

@@ -22,6 +22,7 @@ from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.kvcache.prefix_cache import DraftIdentity
 from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.prompt.layout import Document, Role, document_runs, instructions_end
+from specprefill_rag.results import SkippedDocument, WarmReport
 from specprefill_rag.serve.queue import DraftQueue
 from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
@@ -338,8 +339,35 @@ def test_warm_documents_stops_before_the_next_document_once_told(tiny_model, tok
         return held
 
     monkeypatch.setattr(engine_module, "warm_layout", warm_then_stop)
-    assert engine.warm_documents(random_documents(3, 30, seed=11), stop=stop) == 1
+    report = engine.warm_report(random_documents(3, 30, seed=11), stop=stop)
+    assert report == WarmReport(1, (SkippedDocument(1, "stopped"), SkippedDocument(2, "stopped")))
     assert len(engine.draft.document_cache) == 2  # the prefix and the first document
+
+
+def test_a_warm_up_never_drops_what_the_cache_holds(tiny_model, tokenizer, sharp_draft):
+    """The cache nearly full, a document too big for the room left is skipped (not drafted over held entries),
+    and so is every document after it; what the cache held is all still there."""
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2)
+    cache = engine.draft.document_cache = DocumentKVCache(2 * 2 * 2 * 16 * 4 * 300)  # about 300 tokens of KV
+    held = random_documents(2, 50, seed=12)
+    assert engine.warm_report(held) == WarmReport(2)
+    entries, used = len(cache), cache.nbytes
+    big, small = random_documents(1, 200, seed=13)[0], random_documents(1, 5, seed=14)[0]
+    report = engine.warm_report([big, small])
+    assert report == WarmReport(0, (SkippedDocument(0, "cache_full"), SkippedDocument(1, "cache_full")))
+    assert len(cache) == entries and cache.nbytes == used
+    assert engine.warm_report(held) == WarmReport(2) and len(cache) == entries  # found, not drafted again
+
+
+def test_a_document_the_draft_cannot_read_is_refused_before_any_is_drafted(tiny_model, tokenizer, sharp_draft):
+    """Alone or among others the same 400-kind error, naming the document; nothing drafted."""
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, sharp_draft, min_prompt_tokens=0, look_ahead=2)
+    cache = engine.draft.document_cache = DocumentKVCache(2**24)
+    short, too_long = random_documents(1, 30, seed=15)[0], random_documents(1, 3000, seed=16)[0]
+    for documents, index in [([too_long], 0), ([short, too_long, short], 1)]:
+        with pytest.raises(InvalidRequestError, match=f"document {index} cannot be warmed: .*draft's context"):
+            engine.warm_report(documents)
+        assert len(cache) == 0
 
 
 def test_without_a_cache_nothing_is_warmed(tiny_model, tokenizer, sharp_draft):

@@ -3,16 +3,23 @@ as the gateway's default, on the mapped path, and warmed at ingestion (POST /v1/
 GatewayClient.warm_documents)."""
 
 import asyncio
+import json
+import socket
+import threading
+import time
+from contextlib import closing
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from specprefill_rag import InvalidRequestError, SpecPrefillEngine
 from specprefill_rag.config import MAX_WARM_DOCUMENTS, WARM_DOCUMENTS_PATH
+from specprefill_rag.draft.document_cache import DocumentKVCache
 from specprefill_rag.gateway_client import GatewayClient, gateway_card
 from specprefill_rag.testing import build_model, build_tokenizer, random_documents
 
-from .serve_helpers import MODEL, SYSTEM, running_gateway
+from .serve_helpers import MODEL, SYSTEM, gateway_of, running_gateway
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -140,6 +147,7 @@ def test_warming_without_the_cache_is_a_400_naming_the_flag(no_cache_engine):
     with running_gateway(no_cache_engine, document_cache_mb=0) as url:
         response = warm(url, {"documents": ["some text"]})
         assert response.status_code == 400 and "--document-cache-mb" in response.json()["error"]["message"]
+        assert response.json()["error"]["param"] == "documents"
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'specprefill_requests_total{endpoint="warm",outcome="bad_request"} 1.0' in metrics
 
@@ -193,13 +201,13 @@ def test_the_mapped_path_sends_the_drafts_own_spans(tokenizer, tiny_model):
 
 def test_a_warm_past_the_request_deadline_is_a_504_and_drafts_no_more(engine, monkeypatch):
     """The deadline, not the machine's speed, decides: the stand-in drafts only once the gateway has given up."""
-    real_warm = engine.warm_documents
+    real_warm = engine.warm_report
 
     def after_the_deadline(documents, instructions=None, *, stop, tenant=None):
         assert stop.wait(timeout=60)  # set by the gateway when --request-timeout passes
         return real_warm(documents, instructions, stop=stop, tenant=tenant)
 
-    monkeypatch.setattr(engine, "warm_documents", after_the_deadline)
+    monkeypatch.setattr(engine, "warm_report", after_the_deadline)
     held = len(engine.document_cache)
     with running_gateway(engine, request_timeout_s=0.2) as url:
         response = warm(url, {"documents": random_documents(2, 40, seed=288), "instructions": SYSTEM})
@@ -209,3 +217,71 @@ def test_a_warm_past_the_request_deadline_is_a_504_and_drafts_no_more(engine, mo
         metrics = httpx.get(url + "/metrics", timeout=10).text
         assert 'specprefill_requests_total{endpoint="warm",outcome="timeout"} 1.0' in metrics
     assert len(engine.document_cache) == held
+
+
+def test_a_warm_up_stops_drafting_when_its_client_goes_away(engine, monkeypatch):
+    """The client closes its connection mid warm-up: the worker is told to stop at once (not at the deadline),
+    drafts nothing more, and the call counts as disconnected."""
+    real_warm, stopped = engine.warm_report, threading.Event()
+
+    def until_stopped(documents, instructions=None, *, stop, tenant=None):
+        if stop.wait(timeout=60):  # set by the gateway when the client goes away
+            stopped.set()
+        return real_warm(documents, instructions, stop=stop, tenant=tenant)
+
+    monkeypatch.setattr(engine, "warm_report", until_stopped)
+    held = len(engine.document_cache)
+    with running_gateway(engine) as url:
+        body = json.dumps({"documents": random_documents(2, 40, seed=289), "instructions": SYSTEM}).encode()
+        parts = urlsplit(url)
+        head = (
+            f"POST {WARM_DOCUMENTS_PATH} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with closing(socket.create_connection((parts.hostname, parts.port), timeout=30)) as sock:
+            sock.sendall(head + body)
+            deadline = time.monotonic() + 30
+            while not gateway_of(url).slots.in_flight:  # the warm-up is running
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        assert stopped.wait(timeout=30), "the warm-up kept drafting after its client left"
+        deadline = time.monotonic() + 30
+        line = 'specprefill_requests_total{endpoint="warm",outcome="disconnected"} 1.0'
+        while line not in httpx.get(url + "/metrics", timeout=10).text:
+            assert time.monotonic() < deadline, "the disconnect was never counted"
+            time.sleep(0.05)
+    assert len(engine.document_cache) == held  # stopped before the first document
+
+
+@pytest.fixture
+def small_cache_engine(tokenizer, tiny_model, tiny_draft):
+    engine = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, tiny_draft, keep_rate=0.3, min_prompt_tokens=0, look_ahead=2
+    )
+    engine.draft.document_cache = DocumentKVCache(2 * 2 * 16 * 4 * 300)  # about 300 tokens of the draft's KV
+    return engine
+
+
+def test_a_warm_up_lists_each_document_it_could_not_hold(small_cache_engine):
+    fits, too_big = random_documents(1, 40, seed=290)[0], random_documents(1, 400, seed=291)[0]
+    with running_gateway(small_cache_engine) as url:
+        reply = warm(url, {"documents": [fits, too_big, fits], "instructions": SYSTEM}).json()
+        assert reply["warmed"] == 1 and reply["documents"] == 3
+        assert reply["skipped"] == [{"index": 1, "reason": "cache_full"}, {"index": 2, "reason": "cache_full"}]
+        assert reply["cache_bytes"] <= reply["cache_max_bytes"]
+        client = GatewayClient(url, gateway_card(url, 30))
+        documents = [fits] * MAX_WARM_DOCUMENTS + [too_big]  # two calls: the index counts in the whole list
+        assert client.warm_documents(documents, SYSTEM)["skipped"] == [
+            {"index": MAX_WARM_DOCUMENTS, "reason": "cache_full"}
+        ]
+
+
+def test_a_document_the_draft_cannot_read_is_a_400_alone_or_among_others(small_cache_engine):
+    short, too_long = random_documents(1, 20, seed=292)[0], random_documents(1, 3000, seed=293)[0]
+    with running_gateway(small_cache_engine) as url:
+        for documents, index in [([too_long], 0), ([short, too_long], 1)]:
+            response = warm(url, {"documents": documents})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "documents" and f"document {index} cannot be warmed" in error["message"]
+        assert len(small_cache_engine.document_cache) == 0  # checked before any was drafted

@@ -17,6 +17,7 @@ import pytest
 
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.config import WARM_DOCUMENTS_PATH
+from specprefill_rag.results import WarmReport
 from specprefill_rag.testing import build_tokenizer, random_documents
 from tests.serve_helpers import MODEL, chat_messages, gateway_of, running_gateway
 
@@ -196,7 +197,7 @@ def test_compiles_take_only_their_workers_and_normal_requests_are_served_meanwhi
 
 def test_warm_ups_take_only_their_workers_and_normal_requests_are_served_meanwhile(engine, monkeypatch):
     blocked = Blocked()
-    monkeypatch.setattr(engine, "warm_documents", blocked)
+    monkeypatch.setattr(engine, "warm_report", lambda *args, **kwargs: WarmReport(blocked(*args, **kwargs)))
     documents = {"documents": random_documents(1, 20, seed=431)}
     sent, queue = 6, 2
     with running_gateway(engine, warm_workers=1, warm_queue=queue) as url, ThreadPoolExecutor(sent) as pool:

@@ -10,6 +10,7 @@ allow many times that before failing.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -323,7 +324,8 @@ BAD_VALUES = [
     ({"spec_prefill": {"keep_rate": "0.3"}}, "spec_prefill.keep_rate", "JSON number"),
     ({"spec_prefill": {"enabled": "false"}}, "spec_prefill.enabled", "valid boolean"),
     ({"spec_prefill": {"documents": ["   "]}}, "spec_prefill.documents", "document 0 is empty"),
-    ({"spec_prefill": {"documents": [{"text": "a", "title": " "}]}}, "spec_prefill.documents", "title"),
+    ({"spec_prefill": {"question": " "}}, "spec_prefill.question", "send the user's question, or null"),
+    ({"spec_prefill": {"documents": [{"text": "a", "title": " "}]}}, "spec_prefill.documents.0.title", "or null"),
 ]
 
 
@@ -333,6 +335,33 @@ def test_bad_values_get_a_400_naming_the_field_before_any_work(gateway, extra, f
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == field and says in error["message"], error
     assert len(response.content) < 2000, "the error echoed a client's value whole"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_token_limit_past_the_context_is_a_400_naming_the_field_sent(gateway, field):
+    response = post(gateway, {**GOOD, field: 1020})  # the prompt's tokens + 1,020 > the context of 1,024
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == field, error
+    assert f"lower {field} to at most" in error["message"] and "max_new_tokens" not in error["message"]
+
+
+def test_megabyte_tool_lists_are_refused_before_any_tool_is_parsed(engine):
+    """Six clients each send ~1 MiB of tool definitions (9,000 tools) at once, beside a normal request: each list
+    is a 400 naming tools, counted before any tool is parsed, and the normal request is served."""
+    tools = [{"type": "function", "function": {"name": f"t{i}", "description": "d" * 40}} for i in range(9000)]
+    body = {**GOOD, "tools": tools}
+    with running_gateway(engine) as url:
+        assert len(json.dumps(body)) <= gateway_of(url).settings.resolved_max_body_bytes(1024)
+        answers: list[httpx.Response] = []
+        senders = [threading.Thread(target=lambda: answers.append(post(url, body))) for _ in range(6)]
+        for sender in senders:
+            sender.start()
+        assert served_normally(url)
+        for sender in senders:
+            sender.join(SLACK_S * 4)
+        assert [a.status_code for a in answers] == [400] * 6
+        errors = [answer.json()["error"] for answer in answers]
+        assert all(e["param"] == "tools" and "9000 tools" in e["message"] for e in errors), errors
 
 
 def test_a_tiny_top_p_is_greedy(gateway):
@@ -358,6 +387,7 @@ def test_a_prompt_far_over_the_context_is_refused_before_it_is_tokenized(gateway
         assert response.json()["error"]["param"] == "messages"
     completion = post(gateway, {"model": MODEL, "prompt": words, "max_tokens": 2}, path="/v1/completions")
     assert completion.status_code == 400 and "has at least" in completion.json()["error"]["message"]
+    assert completion.json()["error"]["param"] == "prompt"
     tokenized = post(gateway, {"model": MODEL, "prompt": words}, path="/tokenize")
     assert tokenized.status_code == 400 and "context" in tokenized.json()["error"]["message"]
 
@@ -380,16 +410,18 @@ def test_tokenize_runs_off_the_event_loop(gateway, monkeypatch):
 # -- concurrency and memory ---------------------------------------------------------------------------
 
 
-def test_the_concurrency_bound_answers_429_with_a_retry_after(engine):
-    """Two clients hold both slots by sending their bodies slowly; a third request of any kind gets 429."""
-    with running_gateway(engine, max_concurrent_requests=2, body_timeout_s=SLACK_S) as url:
-        holders = [_connect(url) for _ in range(2)]
+def test_the_concurrency_bound_answers_429_with_a_retry_after(engine, monkeypatch):
+    """Two requests hold both slots (their work blocked until released); a third request of any kind gets 429."""
+    import specprefill_rag.serve.app as app_module
+
+    release, real = threading.Event(), app_module.tokenize_request
+    monkeypatch.setattr(app_module, "tokenize_request", lambda *a: release.wait(SLACK_S) and real(*a))
+    with running_gateway(engine, max_concurrent_requests=2) as url:
+        tokenize = {"model": MODEL, "prompt": "x"}
+        holders = [threading.Thread(target=post, args=(url, tokenize), kwargs={"path": "/tokenize"}) for _ in "ab"]
         try:
-            for sock in holders:
-                sock.sendall(
-                    _head(url, "/v1/chat/completions", {"Content-Type": "application/json", "Content-Length": "1000"})
-                    + b"{"
-                )
+            for holder in holders:
+                holder.start()
             deadline = time.monotonic() + SLACK_S
             while _in_flight(url) < 2:
                 assert time.monotonic() < deadline
@@ -404,13 +436,68 @@ def test_the_concurrency_bound_answers_429_with_a_retry_after(engine):
             assert metric(url, "overloaded") == 1
             assert httpx.get(url + "/health", timeout=SLACK_S).status_code == 200  # not counted against the bound
         finally:
-            for sock in holders:
+            release.set()
+            for holder in holders:
+                holder.join(SLACK_S)
+        assert _in_flight(url) == 0 and served_normally(url)
+
+
+def _slow_bodies(url, count: int, source: str) -> list[socket.socket]:
+    """``count`` connections from ``source`` that send headers and 10 bytes of a 1,000-byte body, then wait."""
+    parts = urlsplit(url)
+    head = _head(url, "/v1/chat/completions", {"Content-Type": "application/json", "Content-Length": "1000"})
+    sockets = []
+    for _ in range(count):
+        sock = socket.create_connection((parts.hostname, parts.port), timeout=SLACK_S, source_address=(source, 0))
+        sock.sendall(head + b'{"model": ')
+        sockets.append(sock)
+    return sockets
+
+
+def _answers(sockets: list[socket.socket], count: int) -> list[int]:
+    """The statuses of the first ``count`` of ``sockets`` to be answered (waits at most SLACK_S)."""
+    waiting, statuses, deadline = list(sockets), [], time.monotonic() + SLACK_S
+    while len(statuses) < count:
+        assert time.monotonic() < deadline, f"only {len(statuses)} answered"
+        ready, _, _ = select.select(waiting, [], [], 0.5)
+        for sock in ready:
+            waiting.remove(sock)
+            statuses.append(status_of(_read_all(sock)))
+    return statuses
+
+
+def test_slow_bodies_cannot_hold_the_request_slots(engine):
+    """130 connections sending unfinished bodies (from another address, as a remote attacker would) against 128
+    slots: they hold no slot and only a few body readers, and every normal request is served, not refused."""
+    with running_gateway(engine, body_timeout_s=SLACK_S, max_bodies_per_client=4) as url:
+        readers = gateway_of(url).readers
+        attackers = _slow_bodies(url, 130, "127.0.0.2")
+        try:
+            deadline = time.monotonic() + SLACK_S
+            while readers.of("127.0.0.2") < 4:  # the first four are being read; the rest were answered 429
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert sorted(_answers(attackers, 126)) == [429] * 126  # the other four are still being read
+            assert readers.of("127.0.0.2") == 4 and _in_flight(url) == 0
+            answers = [post(url, GOOD).status_code for _ in range(5)]
+            assert answers == [200] * 5
+        finally:
+            for sock in attackers:
                 sock.close()
-        deadline = time.monotonic() + SLACK_S
-        while _in_flight(url):
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        assert served_normally(url)
+
+
+def test_a_complete_body_takes_its_slot_after_the_body_arrived(engine):
+    """Bodies in transit hold body readers, not slots: with one slot, a slow body leaves it free for others."""
+    with running_gateway(engine, max_concurrent_requests=1, body_timeout_s=SLACK_S) as url:
+        [slow] = _slow_bodies(url, 1, "127.0.0.3")
+        try:
+            deadline = time.monotonic() + SLACK_S
+            while gateway_of(url).readers.reading < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            assert _in_flight(url) == 0 and served_normally(url)
+        finally:
+            slow.close()
 
 
 def _in_flight(url) -> int:

@@ -27,8 +27,8 @@ def counter():
     return lambda: f"call_{next(numbers)}"
 
 
-def parse(text, fmt):
-    return parse_tool_calls(text, fmt, counter())
+def parse(text, fmt, offered=None):
+    return parse_tool_calls(text, fmt, counter(), offered)
 
 
 def hermes_block(name, arguments, key="arguments"):
@@ -333,8 +333,8 @@ SAMPLES = {
 CASES = [(fmt, text) for fmt, texts in SAMPLES.items() for text in texts]
 
 
-def streamed(fmt, deltas):
-    stream = ToolCallStream(fmt, counter())
+def streamed(fmt, deltas, offered=None):
+    stream = ToolCallStream(fmt, counter(), offered)
     parts = [stream.push(delta) for delta in deltas] + [stream.finish()]
     return ParsedOutput(
         "".join(part.content for part in parts),
@@ -378,6 +378,31 @@ def test_streaming_equals_blocking_on_random_markup_soup(fmt):
         deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
         assert streamed(fmt, deltas) == whole, deltas
         assert streamed(fmt, list(text)) == whole, text
+
+
+OFFERED = frozenset({"get_weather", "a", "x"})
+
+
+@pytest.mark.parametrize(("fmt", "text"), CASES)
+def test_streaming_equals_blocking_with_offered_tools_at_every_split(fmt, text):
+    whole = parse(text, fmt, OFFERED)
+    assert all(call.name in OFFERED for call in whole.tool_calls)
+    assert all(call.name is None or call.name in OFFERED for call in whole.invalid_tool_calls)
+    for cut in range(len(text) + 1):
+        assert streamed(fmt, [text[:cut], text[cut:]], OFFERED) == whole, cut
+    assert streamed(fmt, list(text), OFFERED) == whole
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+def test_streaming_equals_blocking_with_offered_tools_on_random_markup_soup(fmt):
+    rng = random.Random(fmt + "offered")
+    for _ in range(300):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 10)))
+        whole = parse(text, fmt, {"a"})
+        assert all(call.name == "a" for call in whole.tool_calls), text
+        cuts = sorted(rng.sample(range(len(text) + 1), k=rng.randint(0, min(6, len(text)))))
+        deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert streamed(fmt, deltas, {"a"}) == whole, deltas
 
 
 def test_hermes_stream_releases_content_early_and_calls_when_closed():
@@ -495,3 +520,63 @@ def test_caller_errors_are_invalid_request_errors():
         stream.push("more")
     with pytest.raises(InvalidRequestError, match="after finish"):
         stream.finish()
+
+
+# --- offered tools: a call must name one ---------------------------------------------------------------------
+
+INJECTED = {"path": "/"}  # what a tool result told the model to call
+
+
+def test_hermes_call_of_a_tool_not_offered_stays_content_as_written():
+    block = hermes_block("delete_all_files", INJECTED)
+    out = parse("Sure.\n" + block + "\n" + hermes_block("get_weather", WEATHER), "hermes", {"get_weather"})
+    assert out.content == "Sure.\n\n" + block
+    assert out.tool_calls == (ToolCall("get_weather", WEATHER, "call_0"),) and out.invalid_tool_calls == ()
+
+
+def test_hermes_broken_or_unterminated_call_of_a_tool_not_offered_stays_content():
+    for text in ['<tool_call>{"name": "delete_all_files", "arguments": {"path": }</tool_call>',
+                 '<tool_call>{"name": "delete_all_files", "arguments": "not json"}</tool_call>',
+                 '<tool_call>{"name": "delete_all_files", "arguments": {}']:  # fmt: skip
+        assert parse(text, "hermes", {"get_weather"}) == ParsedOutput(text, (), ()), text
+
+
+def test_llama3_call_of_a_tool_not_offered_and_a_json_answer_stay_content():
+    call = json.dumps({"name": "delete_all_files", "parameters": INJECTED})
+    assert parse(call, "llama3", {"get_weather"}) == ParsedOutput(call, (), ())
+    assert parse("<|python_tag|>" + call, "llama3", {"get_weather"}) == ParsedOutput(call, (), ())
+    answer = '{"city": "Paris", "temperature": 21}'
+    assert parse(answer, "llama3", {"get_weather"}) == ParsedOutput(answer, (), ())
+    both = json.dumps({"name": "get_weather", "parameters": WEATHER}) + "; " + call
+    out = parse(both, "llama3", {"get_weather"})
+    assert out.content == call and out.tool_calls == (ToolCall("get_weather", WEATHER, "call_0"),)
+
+
+def test_mistral_call_of_a_tool_not_offered_stays_content():
+    listed = [{"name": "delete_all_files", "arguments": INJECTED}, {"name": "get_weather", "arguments": WEATHER}]
+    out = parse("[TOOL_CALLS]" + json.dumps(listed), "mistral", {"get_weather"})
+    assert out.content == json.dumps(listed[0]) and [c.name for c in out.tool_calls] == ["get_weather"]
+    named = "delete_all_files[ARGS]" + json.dumps(INJECTED)
+    assert parse("[TOOL_CALLS]" + named, "mistral", {"get_weather"}) == ParsedOutput(named, (), ())
+    broken = '[TOOL_CALLS]delete_all_files[ARGS]{"path": }'
+    assert parse(broken, "mistral", {"get_weather"}).content == 'delete_all_files[ARGS]{"path": }'
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'The answer as JSON: {"city": "Paris", "unit": "celsius"}',
+        '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+        "```python\nget_weather(city='Paris')\n```",
+        "I would call get_weather or delete_all_files, but the answer is already in the documents.",
+    ],
+)
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+def test_prose_json_and_code_blocks_are_content_not_calls(fmt, text):
+    assert parse(text, fmt, {"get_weather"}) == ParsedOutput(text, (), ())
+
+
+def test_offered_must_be_names():
+    for offered in ["get_weather", [1, 2]]:
+        with pytest.raises(InvalidRequestError, match="offered"):
+            ToolCallStream("hermes", counter(), offered)  # type: ignore[arg-type]

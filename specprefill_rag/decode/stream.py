@@ -166,14 +166,16 @@ class _LogprobCollector:
 
 
 class _CallCollector:
-    """The answer's tool calls, parsed from its text as it streams (``params.tool_format``); with no format,
-    text passes through untouched. With ``parallel_tool_calls=False`` every call after the first is an
+    """The answer's tool calls, parsed from its text as it streams (``params.tool_format``), each naming one of
+    ``params.tool_names`` (a call of another tool stays content); with no format, text passes through untouched.
+    With ``parallel_tool_calls=False`` every call after the first is an
     invalid call (reported, not dropped).
     """
 
     def __init__(self, params: GenerationParams) -> None:
         self.parsing = params.tool_format is not None
-        self._stream = ToolCallStream(params.tool_format) if params.tool_format is not None else None
+        fmt, offered = params.tool_format, params.tool_names
+        self._stream = ToolCallStream(fmt, offered=offered) if fmt is not None else None
         self._parallel = params.parallel_tool_calls
         output = params.output_format
         self._forced = output is not None and output.kind == "tool_call"  # the answer is nothing but calls

@@ -12,15 +12,21 @@ streamed (:class:`ToolCallStream`).
 
 Content is the text outside the markup. Whitespace next to removed markup is trimmed, and the pieces of text on
 either side of removed calls are joined by a blank line. A call the model wrote that cannot be decoded is an
-:class:`InvalidToolCall`, never an exception and never dropped. The blocking parser is the streaming one fed the
-whole text at once, so both give the same content, calls and ids however the text is split.
+:class:`InvalidToolCall`, never an exception and never dropped. Given the ``offered`` tool names, a call (valid
+or not) naming any other tool is no call at all: its text stays content, as written (its JSON re-serialised for
+a call inside a Mistral list), so text that a tool result or a document smuggled into the answer never becomes a
+call of a tool the client did not offer. Arguments must be a JSON object; they are not validated against the
+tool's ``parameters`` schema here (a forced ``tool_choice`` constrains them to it while they are generated).
+The blocking parser is the streaming one fed the whole text at once, so both give the same content, calls and
+ids however the text is split.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -140,9 +146,13 @@ class ToolCallStream:
     Args:
         fmt: the markup family (see :func:`tool_call_format`).
         new_id: makes the id of each call, valid or not, in the order the calls were written.
+        offered: the names of the tools offered to the model: a call naming another stays content. None: any
+            name counts (only for text that no client sees as calls; the engine always passes the names).
     """
 
-    def __init__(self, fmt: ToolCallFormat, new_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(
+        self, fmt: ToolCallFormat, new_id: Callable[[], str] = new_call_id, offered: Collection[str] | None = None
+    ) -> None:
         parser = _PARSERS.get(fmt) if isinstance(fmt, str) else None
         if parser is None:
             raise InvalidRequestError(
@@ -151,7 +161,10 @@ class ToolCallStream:
             )
         if not callable(new_id):
             raise InvalidRequestError(f"new_id must be a function returning a call id, got {type(new_id).__name__}")
+        if offered is not None and (isinstance(offered, str) or not all(isinstance(n, str) for n in offered)):
+            raise InvalidRequestError("offered must be a collection of tool names (strings), or None")
         self._parser = parser(new_id)
+        self._parser.offered = None if offered is None else frozenset(offered)
         self._finished = False
 
     def push(self, delta: str) -> StreamedPart:
@@ -176,17 +189,21 @@ class ToolCallStream:
             raise InvalidRequestError(f"{method}() after finish(): start a new ToolCallStream for each output")
 
 
-def parse_tool_calls(text: str, fmt: ToolCallFormat, new_id: Callable[[], str] = new_call_id) -> ParsedOutput:
+def parse_tool_calls(
+    text: str, fmt: ToolCallFormat, new_id: Callable[[], str] = new_call_id, offered: Collection[str] | None = None
+) -> ParsedOutput:
     """Split a whole generated text into content, tool calls and invalid tool calls.
 
     Args:
         text: the model's output.
         fmt: the markup family (see :func:`tool_call_format`).
         new_id: makes the id of each call, valid or not, in the order the calls were written.
+        offered: the names of the tools offered to the model: a call naming another stays content (None: any
+            name counts).
     """
     if not isinstance(text, str):
         raise InvalidRequestError(f"text must be a string, got {type(text).__name__}")
-    stream = ToolCallStream(fmt, new_id)
+    stream = ToolCallStream(fmt, new_id, offered)
     first = stream.push(text)
     last = stream.finish()
     return ParsedOutput(
@@ -234,6 +251,17 @@ def _decode_arguments(value: Any) -> tuple[dict[str, Any] | None, str]:
     return None, f"arguments must be a JSON object, got {_kind(value)}"
 
 
+_NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
+
+
+def _name_of(text: str) -> str | None:
+    """The name an undecodable call gives first (``"name": "..."``), None if it gives none: so a broken call of
+    a tool not offered stays content too.
+    """
+    found = _NAME.search(text)
+    return found.group(1) if found else None
+
+
 def _partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``tag``."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -249,6 +277,7 @@ class _Parser:
 
     def __init__(self, new_id: Callable[[], str]) -> None:
         self.new_id = new_id
+        self.offered: frozenset[str] | None = None
         self.buf = ""
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
@@ -306,13 +335,33 @@ class _Parser:
         self.emit(self.buf.lstrip() if self.trim_start else self.buf)
         self.buf = ""
 
-    def add_invalid(self, name: str | None, raw: str, error: str) -> None:
-        self.invalid.append(InvalidToolCall(name, raw, self.new_id(), error))
-
-    def add_call(self, name: Any, arguments: Any, whole: Any = None) -> None:
-        """Record a call from its decoded name and arguments (``whole``: the object they came from, shown as
-        the raw text of a call without a usable name).
+    def not_offered(self, name: Any, written: str) -> bool:
+        """True when ``name`` is a tool name that was not offered: then ``written`` (the call's text) was
+        released as content, a piece of its own.
         """
+        if self.offered is None or not isinstance(name, str) or not name or name in self.offered:
+            return False
+        self.as_content(written)
+        return True
+
+    def as_content(self, written: str) -> None:
+        """Release text that looked like a call but is none, as a piece of content of its own."""
+        self.new_piece(after_markup=False)
+        self.emit(written)
+        self.new_piece(after_markup=True)
+
+    def add_invalid(self, name: str | None, raw: str, error: str, written: str | None = None) -> None:
+        """Record an undecodable call; ``written``: its text with markup, content if ``name`` was not offered."""
+        if not self.not_offered(name, raw if written is None else written):
+            self.invalid.append(InvalidToolCall(name, raw, self.new_id(), error))
+
+    def add_call(self, name: Any, arguments: Any, whole: Any = None, written: str = "") -> None:
+        """Record a call from its decoded name and arguments (``whole``: the object they came from, shown as
+        the raw text of a call without a usable name; ``written``: the call's text, content if ``name`` was
+        not offered).
+        """
+        if self.not_offered(name, written):
+            return
         call_id = self.new_id()
         if not isinstance(name, str) or not name:
             error = 'the call has no "name"' if name in (None, "") else f'"name" must be a string, got {_kind(name)}'
@@ -325,16 +374,16 @@ class _Parser:
         else:
             self.calls.append(ToolCall(name, decoded, call_id))
 
-    def add_object(self, value: Any, keys: tuple[str, ...]) -> None:
+    def add_object(self, value: Any, keys: tuple[str, ...], written: str) -> None:
         """Record a call written as one JSON object with a name and arguments under the first of ``keys``
-        present (none: no arguments).
+        present (none: no arguments); ``written``: its text.
         """
         if not isinstance(value, dict):
             self.add_invalid(None, _raw(value), f"a tool call must be a JSON object, got {_kind(value)}")
             return
         key = next((key for key in keys if key in value), None)
         whole = value if key is None else None
-        self.add_call(value.get("name"), {} if key is None else value[key], whole)
+        self.add_call(value.get("name"), {} if key is None else value[key], whole, written)
 
 
 class _Hermes(_Parser):
@@ -373,12 +422,14 @@ class _Hermes(_Parser):
     def block(self, raw: str, terminated: bool) -> None:
         """Record the call of one block; an unterminated one counts when its JSON parses."""
         text = raw.strip()
+        written = _HERMES_OPEN + raw + (_HERMES_CLOSE if terminated else "")
         try:
             value = _loads(text)
         except json.JSONDecodeError as error:
-            self.add_invalid(None, text, _malformed(error) if terminated else "unterminated")
+            if not self.not_offered(_name_of(text), written):
+                self.add_invalid(None, text, _malformed(error) if terminated else "unterminated")
             return
-        self.add_object(value, ("arguments", "parameters"))
+        self.add_object(value, ("arguments", "parameters"), written)
 
 
 class _Llama3(_Parser):
@@ -424,9 +475,13 @@ class _Llama3(_Parser):
             try:
                 value, end = _raw_decode(text)
             except json.JSONDecodeError as error:
-                self.add_invalid(None, text.rstrip(), _malformed(error))
+                if not self.not_offered(_name_of(text), text.rstrip()):
+                    self.add_invalid(None, text.rstrip(), _malformed(error))
                 return
-            self.add_object(value, ("parameters", "arguments"))
+            if self.offered is not None and not (isinstance(value, dict) and "name" in value):
+                self.as_content(text[:end])  # an answer in JSON, not a call: it names no tool
+            else:
+                self.add_object(value, ("parameters", "arguments"), text[:end])
             text = text[end:].lstrip()
             expect_call = text.startswith(";")
             if expect_call:
@@ -476,8 +531,11 @@ class _Mistral(_Parser):
                     return False
                 self.skip_invalid(None, text, _malformed(error))
                 return True
-            for item in value if isinstance(value, list) else [value]:
-                self.add_object(item, ("arguments", "parameters"))
+            if isinstance(value, list):
+                for item in value:
+                    self.add_object(item, ("arguments", "parameters"), _raw(item))
+            else:
+                self.add_object(value, ("arguments", "parameters"), text[:end])
             self.buf = text[end:]
             self.after_marker = False
             return True
@@ -502,7 +560,7 @@ class _Mistral(_Parser):
         if not final and (not rest or rest[0] not in '[{"'):
             return False
         if not rest:
-            self.add_invalid(name or None, "", "no arguments after [ARGS]")
+            self.add_invalid(name or None, "", "no arguments after [ARGS]", f"{name}{_MISTRAL_ARGS}")
             self.buf = ""
             self.after_marker = False
             return True
@@ -511,18 +569,22 @@ class _Mistral(_Parser):
         except json.JSONDecodeError as error:
             if not final:
                 return False
-            self.skip_invalid(name or None, rest, _malformed(error))
+            self.skip_invalid(name or None, rest, _malformed(error), f"{name}{_MISTRAL_ARGS}")
             return True
-        self.add_call(name, value)
+        self.add_call(name, value, written=f"{name}{_MISTRAL_ARGS}{rest[:end]}")
         self.buf = rest[end:]
         self.after_marker = False
         return True
 
-    def skip_invalid(self, name: str | None, text: str, error: str) -> None:
-        """Record the undecodable text up to the next ``[TOOL_CALLS]`` as one invalid call."""
+    def skip_invalid(self, name: str | None, text: str, error: str, prefix: str = "") -> None:
+        """Record the undecodable text up to the next ``[TOOL_CALLS]`` as one invalid call (``prefix``: the
+        ``name[ARGS]`` written before it).
+        """
         end = text.find(_MISTRAL_CALLS)
         end = len(text) if end < 0 else end
-        self.add_invalid(name, text[:end].strip(), error)
+        raw = text[:end].strip()
+        if not self.not_offered(name or _name_of(raw), prefix + raw):
+            self.add_invalid(name, raw, error)
         self.buf = text[end:]
         self.after_marker = False
 

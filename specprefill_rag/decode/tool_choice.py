@@ -1,6 +1,7 @@
 """A request's tools and ``tool_choice`` -> what decoding parses and what it constrains.
 
-``auto``: the answer's tool calls are parsed in the model family's markup; ``none``: nothing is parsed
+``auto``: the answer's tool calls are parsed in the model family's markup, and only calls naming one of the
+tools count (a call of any other stays content); ``none``: nothing is parsed
 (the tools are still shown); ``required`` or a tool's name: the answer is constrained to calls (to that
 tool), so the model cannot answer otherwise.
 """
@@ -28,7 +29,8 @@ def tool_decoding(
             "this tokenizer has no chat template, and tool calls are written in chat turns; use a model with a chat "
             "template or leave tools out"
         )
-    fields: dict[str, Any] = {"tool_format": markup, "parallel_tool_calls": parallel}
+    names = tuple(tool["function"]["name"] for tool in tools)
+    fields: dict[str, Any] = {"tool_format": markup, "tool_names": names, "parallel_tool_calls": parallel}
     if chosen in ("auto",):
         return fields
     offered = tuple(tools) if chosen == "required" else tuple(t for t in tools if t["function"]["name"] == chosen)

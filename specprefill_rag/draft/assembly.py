@@ -133,10 +133,17 @@ def _new_cache(model: Any) -> Any:
 
 
 def _encoded(
-    model: Any, draft: DraftIdentity, key: DocumentKey, token_ids: torch.Tensor, store: DocumentStore, before: KVLayers
+    model: Any,
+    draft: DraftIdentity,
+    key: DocumentKey,
+    token_ids: torch.Tensor,
+    store: DocumentStore,
+    before: KVLayers,
+    evict: bool = True,
 ) -> tuple[KVLayers, bool]:
     """The KV of ``[T]`` ``token_ids`` encoded right after ``before`` (``[1, H_kv, P, d]`` per layer; P may be 0),
-    from ``store`` when it holds them (True), else computed and stored (False).
+    from ``store`` when it holds them (True), else computed and stored (False; with ``evict=False`` only where
+    that drops no entry).
     """
     layers = store.lookup(key, token_ids.cpu())
     if layers is not None:
@@ -148,7 +155,7 @@ def _encoded(
     positions = torch.arange(held, held + token_ids.numel(), device=token_ids.device)
     _forward(model, draft.layers, token_ids, positions, past)
     layers = _kv_of(past, draft.layers, held, held + token_ids.numel())
-    store.store(model, key, token_ids.cpu(), layers)
+    store.store(model, key, token_ids.cpu(), layers, evict=evict)
     return layers, False
 
 
@@ -160,20 +167,21 @@ def encode_documents(
     spans: torch.Tensor,
     store: DocumentStore,
     namespace: str | None = None,
+    evict: bool = True,
 ) -> tuple[KVLayers, list[tuple[KVLayers, bool]]]:
     """The KV of the prefix ``input_ids[:prefix_length]`` and of each ``[S, 2]`` span's document (encoded right
     after the prefix, positions ``P ..``), each from ``store``'s entries in ``namespace`` or computed and stored
-    there, with whether the store held it.
+    there (with ``evict=False`` only where storing drops no entry), with whether the store held it.
     """
     prefix_ids = input_ids[:prefix_length]
     digest = _digest(prefix_ids)
     prefix_key = DocumentKey(draft, namespace, digest, PREFIX_ENTRY)
-    prefix, _ = _encoded(model, draft, prefix_key, prefix_ids, store, ())
+    prefix, _ = _encoded(model, draft, prefix_key, prefix_ids, store, (), evict)
     documents = []
     for start, end in spans.tolist():
         token_ids = input_ids[start:end]
         key = _document_key(draft, namespace, digest, token_ids)
-        documents.append(_encoded(model, draft, key, token_ids, store, prefix))
+        documents.append(_encoded(model, draft, key, token_ids, store, prefix, evict))
     return prefix, documents
 
 

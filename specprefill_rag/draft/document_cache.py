@@ -67,8 +67,12 @@ class DocumentStore(Protocol):
         """The KV of document ``token_ids`` ``[T]`` under ``key`` (per layer ``[1, H_kv, T, d]``), or None."""
         ...
 
-    def store(self, model: Any, key: DocumentKey, token_ids: torch.Tensor, layers: KVLayers) -> None:
-        """Keep ``layers`` as the KV of document ``token_ids`` encoded after the prefix ``key`` names."""
+    def store(
+        self, model: Any, key: DocumentKey, token_ids: torch.Tensor, layers: KVLayers, evict: bool = True
+    ) -> None:
+        """Keep ``layers`` as the KV of document ``token_ids`` encoded after the prefix ``key`` names; with
+        ``evict=False`` only if that drops no entry (a warm-up never displaces what is held).
+        """
         ...
 
     def free_bytes(self) -> int:
@@ -108,7 +112,9 @@ class DocumentKVCache:
             self._entries.move_to_end(key)
             return entry.layers
 
-    def store(self, model: Any, key: DocumentKey, token_ids: torch.Tensor, layers: KVLayers) -> None:
+    def store(
+        self, model: Any, key: DocumentKey, token_ids: torch.Tensor, layers: KVLayers, evict: bool = True
+    ) -> None:
         layers = tuple((k.clone(), v.clone()) for k, v in layers)  # own storage: a view would pin the prompt's
         entry = _Entry(token_ids.cpu().clone(), layers, _storage_bytes(layers))
         if entry.nbytes > self.max_bytes:
@@ -116,6 +122,8 @@ class DocumentKVCache:
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
+                return
+            if not evict and self.nbytes + entry.nbytes > self.max_bytes:
                 return
             self._entries[key] = entry
             self.nbytes += entry.nbytes

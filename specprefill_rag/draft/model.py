@@ -145,8 +145,8 @@ class ModelDraft:
 
     def warm(self, input_ids: torch.Tensor, documents: DocumentSpans, namespace: str | None = None) -> int:
         """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (after their prefix) in
-        ``namespace``, without scoring; returns how many documents it holds there for this prompt (0 without a
-        cache).
+        ``namespace``, without scoring and without dropping any entry it holds; returns how many documents it holds
+        there for this prompt (0 without a cache; fewer than asked when the rest had no room).
         """
         layers = self.model.config.num_hidden_layers
         return _warm(self.model, layers, self.document_cache, input_ids, documents, namespace)
@@ -230,7 +230,8 @@ class LayerPrefixDraft:
 
     def warm(self, input_ids: torch.Tensor, documents: DocumentSpans, namespace: str | None = None) -> int:
         """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (its first ``n_layers``
-        layers) in ``namespace``, without scoring; returns how many documents it holds there for this prompt.
+        layers) in ``namespace``, without scoring and without dropping any entry it holds; returns how many documents
+        it holds there for this prompt.
         """
         return _warm(self.model, self.n_layers, self.document_cache, input_ids, documents, namespace)
 
@@ -261,7 +262,7 @@ def _warm(
     if store is None:
         return 0
     (spans, prefix_length), draft = documents.checked(input_ids.numel()), DraftIdentity.of(model, layers)
-    encode_documents(model, draft, input_ids, prefix_length, spans, store, namespace)
+    encode_documents(model, draft, input_ids, prefix_length, spans, store, namespace, evict=False)  # never displace
     return held_documents(draft, input_ids, prefix_length, spans, store, namespace)
 
 

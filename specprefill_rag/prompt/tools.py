@@ -21,6 +21,8 @@ from ..errors import InvalidRequestError
 from .layout import Role, Segment, ToolCall, Turn
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names (plus dots)
+MAX_TOOLS = 128  # OpenAI's bound on the tools of one request; every tool's schema is part of the prompt
+MAX_ARGUMENTS_DEPTH = 64  # nesting of a call's arguments: deeper JSON is refused, not recursed into
 ToolChoice = Literal["auto", "none", "required"] | str
 """``auto`` (the model decides), ``none`` (no call), ``required`` (at least one call) or a tool's name."""
 
@@ -65,20 +67,46 @@ def model_tool_format(tokenizer: Any) -> ToolCallFormat | None:
 
 
 def check_tools(tools: Sequence[Mapping[str, Any]] | None, field: str = "tools") -> tuple[dict[str, Any], ...]:
-    """The tool schemas, checked: each ``{"type": "function", "function": {...}}`` with a unique valid name,
-    an optional str description and an optional JSON-object ``parameters`` schema. Returned as plain dicts
-    (what chat templates read); nothing is added or dropped.
+    """The tool schemas, checked: at most :data:`MAX_TOOLS`, each ``{"type": "function", "function": {...}}``
+    with a unique valid name, an optional str description and an optional JSON-object ``parameters`` schema.
+    Returned as plain dicts (what chat templates read); nothing is added or dropped. Linear in the tools' size.
     """
     if tools is None:
         return ()
     if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
         raise InvalidRequestError(f"{field} must be a list of tool schemas, got {type(tools).__name__}")
+    check_tool_count(len(tools), field)
     checked = tuple(_check_tool(tool, f"{field}[{i}]") for i, tool in enumerate(tools))
-    names = [tool["function"]["name"] for tool in checked]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise InvalidRequestError(f"{field} names the tool {duplicates[0]!r} twice; give each tool once")
+    seen: set[str] = set()
+    for tool in checked:
+        name = tool["function"]["name"]
+        if name in seen:
+            raise InvalidRequestError(f"{field} names the tool {name!r} twice; give each tool once")
+        seen.add(name)
     return checked
+
+
+def check_tool_count(count: int, field: str = "tools") -> None:
+    """At most :data:`MAX_TOOLS` tools (checked before any of them is looked at)."""
+    if count > MAX_TOOLS:
+        raise InvalidRequestError(
+            f"{field} offers {count} tools; at most {MAX_TOOLS} per request (OpenAI's limit): offer only the tools "
+            "this step may call"
+        )
+
+
+def check_depth(value: Any, field: str, limit: int = MAX_ARGUMENTS_DEPTH) -> None:
+    """Refuse JSON (decoded) nested more than ``limit`` objects or lists deep; counted without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth > limit:
+            raise InvalidRequestError(
+                f"{field}: JSON nested more than {limit} objects or lists deep; send it nested at most {limit} deep"
+            )
+        stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
 
 
 def _check_tool(tool: Any, field: str) -> dict[str, Any]:
@@ -115,7 +143,7 @@ def _plain(value: Any, field: str) -> Any:
     """A JSON-serialisable copy (plain dicts and lists), or an error naming the field."""
     try:
         return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, RecursionError) as error:
         raise InvalidRequestError(f"{field} is not plain JSON ({error}); use dicts, lists, strings, numbers") from None
 
 
@@ -165,6 +193,7 @@ def check_tool_call(call: Any, field: str) -> ToolCall:
             f"{field}.arguments must be a JSON object (dict), got {type(call.arguments).__name__}; pass the "
             "arguments as a dict"
         )
+    check_depth(dict(call.arguments), f"{field}.arguments")
     return ToolCall(call.name, _plain(call.arguments, f"{field}.arguments"), call.id)
 
 

@@ -31,10 +31,10 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from .. import __version__
 from ..config import WARM_DOCUMENTS_PATH, GenerationParams
 from ..engine import SpecPrefillEngine
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, SpecPrefillError
 from ..prompt.chat import ChatLayout
 from ..results import ToolCall
-from .errors import GatewayError, as_gateway_error, bad_request, echoed
+from .errors import GatewayError, WireNames, as_gateway_error, bad_request, echoed
 from .gateway import Answer, Gateway, Plan
 from .guard import RequestGuard
 from .layouts import (
@@ -44,7 +44,7 @@ from .layouts import (
     completion_request_layout,
     tokenize_request,
 )
-from .request_stream import ClientGone, RequestStream
+from .request_stream import ClientGone, RequestStream, client_gone
 from .responses import CHAT, HEADER_NAMES, TEXT, ApiFormat, ResponseWriter, sse, stats_headers, with_invalid_calls
 from .schema import ChatCompletionRequest, CompletionRequest, TokenizeRequest, WarmDocumentsRequest, first_problem
 from .settings import GatewaySettings
@@ -112,6 +112,7 @@ def _guards(app: FastAPI, gateway: Gateway, settings: GatewaySettings) -> None:
         RequestGuard,
         api_keys=settings.api_keys(),
         slots=gateway.slots,
+        readers=gateway.readers,
         max_body_bytes=body_limit,
         body_timeout_s=settings.body_timeout_s,
         count=gateway.metrics.finished,
@@ -174,13 +175,17 @@ def _info_routes(app: FastAPI, gateway: Gateway, settings: GatewaySettings, serv
 
 def _document_routes(app: FastAPI, gateway: Gateway) -> None:
     @app.post(WARM_DOCUMENTS_PATH)
-    async def warm_documents(request: Request) -> dict[str, int]:
-        """Draft documents into the per-document cache: ``{"warmed", "documents", "held", "cache_bytes",
-        "cache_max_bytes"}`` (:meth:`Gateway.warm`).
+    async def warm_documents(request: Request) -> Any:
+        """Draft documents into the per-document cache: ``{"warmed", "documents", "held", "skipped",
+        "cache_bytes", "cache_max_bytes"}`` (:meth:`Gateway.warm`); stops drafting when the client goes away.
         """
         try:
             tenant = gateway.tenancy.tenant(request.headers)
-            warmed = await gateway.warm(_parse(WarmDocumentsRequest, await _json(request)), tenant)
+            body = _parse(WarmDocumentsRequest, await _json(request))
+            warmed = await gateway.warm(body, tenant, lambda: client_gone(request))
+        except ClientGone:
+            gateway.metrics.finished("warm", "disconnected")
+            return Response(status_code=499)
         except Exception as error:
             failure = as_gateway_error(error, False)
             gateway.metrics.finished("warm", failure.outcome)
@@ -254,7 +259,10 @@ async def _plan(
     body = _parse(schema, await _json(request))
     if body.model != served:
         raise _unknown_model(body.model, served)
-    layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
+    try:
+        layout = await asyncio.to_thread(make_layout, body)  # tokenizing 16k tokens would stall every stream
+    except SpecPrefillError as error:
+        raise as_gateway_error(error, False, body.wire_names) from None
     limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
     tools = await asyncio.to_thread(decoding, body, layout)
     output = tools.get("output_format")
@@ -288,9 +296,10 @@ async def _complete(
     decoding: DecodingFields = _no_decoding,
 ) -> Response:
     endpoint = "chat" if api.is_chat else "completions"
-    remote = gateway.settings.main_is_remote
+    remote, names = gateway.settings.main_is_remote, WireNames()
     try:
         body, plan = await _plan(gateway, request, schema, make_layout, served, decoding)
+        names = body.wire_names
         spent = time.perf_counter() - plan.started  # one deadline from arrival: the grammar's compile counts
         stream = RequestStream(gateway.answer(plan), request, gateway.settings.request_timeout_s, spent)
         try:
@@ -302,7 +311,7 @@ async def _complete(
         gateway.metrics.finished(endpoint, "disconnected")
         return Response(status_code=499)
     except Exception as error:
-        failure = as_gateway_error(error, remote)
+        failure = as_gateway_error(error, remote, names)
         gateway.metrics.finished(endpoint, failure.outcome)
         raise failure from None
     writer = ResponseWriter(api, served)

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..backends.vllm import VLLMServerError, VLLMServerTimeout
-from ..errors import ContextLengthError, InvalidRequestError, OutputFormatError, SpecPrefillError
+from ..errors import (
+    ContextLengthError,
+    DraftContextLengthError,
+    DraftLimitError,
+    InvalidRequestError,
+    OutputFormatError,
+    SpecPrefillError,
+)
 
 OUTCOMES = (
     "ok",
@@ -28,6 +35,10 @@ OUTCOMES = (
 )
 # Longest piece of a client's value an error message repeats (a 1 MB model name is not echoed back whole).
 _ECHO_LIMIT = 80
+
+
+class ClientGone(Exception):
+    """The client closed the connection; nothing more is sent."""
 
 
 def echoed(value: str) -> str:
@@ -106,6 +117,16 @@ def workers_busy(work: str, threads: int, queue: int, setting: str, retry_after_
     return GatewayError(503, message, "ServiceUnavailableError", "overloaded", headers=headers)
 
 
+def too_many_bodies(limit: int, scope: str) -> GatewayError:
+    message = (
+        f"the gateway is already receiving its limit of {limit} request bodies {scope}; send each body at once "
+        "and retry after 1 s"
+    )
+    return GatewayError(
+        429, message, "RateLimitError", "overloaded", headers={"Retry-After": "1", "Connection": "close"}
+    )
+
+
 def queue_full(depth: int, retry_after_s: int) -> GatewayError:
     message = f"the draft queue is full ({depth} requests waiting); retry after {retry_after_s} s"
     return GatewayError(429, message, "RateLimitError", "queue_full", headers={"Retry-After": str(retry_after_s)})
@@ -124,8 +145,58 @@ def draft_failed(error: BaseException) -> GatewayError:
     return GatewayError(500, message, "DraftScoringError", "draft_failed")
 
 
-def as_gateway_error(error: BaseException, main_is_remote: bool) -> GatewayError:
-    """The HTTP answer to an exception raised while serving one request."""
+@dataclass(frozen=True)
+class WireNames:
+    """A request's field names, for errors that name a field: ``tokens``, the one that set the answer's token
+    limit (``max_tokens`` or ``max_completion_tokens``, whichever the client sent); ``prompt``, the prompt's
+    (``messages`` or ``prompt``).
+    """
+
+    tokens: str = "max_tokens"
+    prompt: str = "messages"
+
+
+def _context_error(error: ContextLengthError, names: WireNames) -> GatewayError:
+    """A prompt past the main model's context, in the wire's words (the library's name Python arguments)."""
+    prompt, context = error.prompt_tokens, error.context_length
+    if prompt > context:
+        count = f"at least {prompt}" if error.at_least else str(prompt)
+        message = (
+            f"the prompt has {count} tokens but the main model's context is {context} tokens; send fewer or "
+            f"shorter {names.prompt}, documents or tools (nothing is truncated silently)"
+        )
+        return bad_request(message, names.prompt)
+    field, total = names.tokens, prompt + error.max_new_tokens
+    message = (
+        f"the prompt of {prompt} tokens + {field} {error.max_new_tokens} = {total} exceeds the main model's "
+        f"context of {context} tokens; lower {field} to at most {context - prompt}, or shorten the prompt"
+    )
+    return bad_request(message, field)
+
+
+def _draft_context_error(error: DraftContextLengthError, names: WireNames) -> GatewayError:
+    message = (
+        f"the prompt has {error.draft_tokens} tokens for the draft model (+{error.look_ahead - 1} look-ahead) but "
+        f"the draft's context is {error.context_length} tokens; send fewer or shorter documents, or send "
+        '"spec_prefill": {"keep_rate": 1.0} (no draft; nothing is truncated silently), or start the gateway '
+        "with a draft of a longer context (--draft)"
+    )
+    return bad_request(message, names.prompt)
+
+
+def _draft_limit_error(error: DraftLimitError, names: WireNames) -> GatewayError:
+    message = (
+        f"the prompt has {error.prompt_tokens} tokens but the draft may score at most {error.max_draft_tokens} "
+        "per request (--max-draft-tokens, which bounds the draft's memory); send fewer or shorter documents, or "
+        'send "spec_prefill": {"keep_rate": 1.0} to prefill the whole prompt without the draft'
+    )
+    return bad_request(message, names.prompt)
+
+
+def as_gateway_error(error: BaseException, main_is_remote: bool, names: WireNames = WireNames()) -> GatewayError:
+    """The HTTP answer to an exception raised while serving one request; ``names``: the request's field names,
+    so a message speaks the wire's (``max_completion_tokens``, ``spec_prefill.keep_rate``), not Python's.
+    """
     if isinstance(error, GatewayError):
         return error
     if isinstance(error, VLLMServerTimeout):
@@ -133,8 +204,11 @@ def as_gateway_error(error: BaseException, main_is_remote: bool) -> GatewayError
     if isinstance(error, VLLMServerError):
         return GatewayError(502, f"the main model server failed: {error}", "BadGatewayError", "upstream_error")
     if isinstance(error, ContextLengthError):
-        too_long = error.prompt_tokens > error.context_length
-        return bad_request(str(error), "messages" if too_long else "max_tokens")
+        return _context_error(error, names)
+    if isinstance(error, DraftContextLengthError):
+        return _draft_context_error(error, names)
+    if isinstance(error, DraftLimitError):
+        return _draft_limit_error(error, names)
     if isinstance(error, OutputFormatError):  # a dead end found while decoding: the format's own field
         return bad_request(str(error), "tools" if error.kind == "tool_call" else "response_format")
     if isinstance(error, InvalidRequestError):

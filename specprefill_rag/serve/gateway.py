@@ -12,7 +12,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,8 +31,8 @@ from ..pipeline import Budget, DraftCost
 from ..prompt.chat import ChatLayout
 from ..prompt.layout import Document, PromptLayout
 from ..results import DraftPath, Selection, StreamChunk
-from .errors import bad_request, deadline_exceeded, draft_failed, queue_full, workers_busy
-from .guard import Slots
+from .errors import ClientGone, bad_request, deadline_exceeded, draft_failed, queue_full, workers_busy
+from .guard import BodyReaders, Slots
 from .metrics import GatewayMetrics
 from .queue import DraftQueue, QueueFull
 from .schema import SpecPrefillOptions, WarmDocumentsRequest
@@ -101,6 +101,7 @@ class Gateway:
         self.grammar_workers = Workers("grammar", settings.grammar_workers, settings.grammar_queue)
         self.warm_workers = Workers("warm", settings.warm_workers, settings.warm_queue)
         self.tenancy = Tenancy.of(settings)
+        self.readers = BodyReaders(settings.max_connections, settings.max_bodies_per_client)
         self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache, engine.document_cache)
         self.queue.on_batch = self.metrics.batch
 
@@ -203,42 +204,57 @@ class Gateway:
             raise deadline_exceeded(self.settings.request_timeout_s, phase)
         job.result()
 
-    async def warm(self, request: WarmDocumentsRequest, tenant: str | None = None) -> dict[str, int]:
-        """Draft ``request.documents`` into the per-document cache in ``tenant``'s namespace (off the event loop;
-        each document under the draft's lock, between the queue's batches). 400 when the gateway has no such cache
-        or a document is bad; 504 when ``--request-timeout`` passes first (the documents drafted by then stay
-        held, the rest are not drafted: the worker stops after the document in hand). ``held`` and
-        ``cache_bytes`` count the tenant's own entries.
+    async def warm(
+        self,
+        request: WarmDocumentsRequest,
+        tenant: str | None = None,
+        gone: Callable[[], Awaitable[None]] | None = None,
+    ) -> dict[str, Any]:
+        """Draft ``request.documents`` into the per-document cache in ``tenant``'s namespace (on the warm-up
+        workers; each document under the draft's lock, between the queue's batches) without dropping what it holds;
+        the answer lists each document not held (``skipped``: index and reason), and ``held`` and ``cache_bytes``
+        count the tenant's own entries. 400 when the gateway has no such cache or a document is bad; 503 when the
+        warm-up workers are all taken; 504 when ``--request-timeout`` passes first, :class:`ClientGone` when
+        ``gone()`` (waits for the client's disconnect) completes first: either way the documents drafted by then
+        stay held and the worker stops after the document in hand.
         """
         store = self.engine.document_cache
         if store is None:
             raise bad_request(
                 "this gateway runs without the per-document draft cache (--document-cache-mb 0), so there is "
                 "nothing to warm; start it with --document-cache-mb above 0 and --draft-document-cache (or send "
-                f"{DOCUMENT_CACHE_FIELD} true with each request)"
+                f"{DOCUMENT_CACHE_FIELD} true with each request)",
+                "documents",
             )
         documents = [d if isinstance(d, str) else Document(d.text, d.title, d.id) for d in request.documents]
         stop = threading.Event()
         try:  # the warm-up workers: never the threads of other requests
             work = self.warm_workers.submit(
-                self.engine.warm_documents, documents, request.instructions, stop=stop, tenant=tenant
+                self.engine.warm_report, documents, request.instructions, stop=stop, tenant=tenant
             )
         except WorkersBusy as busy:
             raise workers_busy("warm-up", busy.threads, busy.queue, "--warm-workers or --warm-queue") from None
+        watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
-            done, _ = await asyncio.wait({work}, timeout=self.settings.request_timeout_s)
-            if not done:
+            waited: set[asyncio.Future[Any]] = {work} if watch is None else {work, watch}
+            await asyncio.wait(waited, timeout=self.settings.request_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
                 stop.set()
-                warmed = await work
-                phase = f"warming documents ({warmed} of {len(documents)} drafted and held; send the rest again)"
-                raise deadline_exceeded(self.settings.request_timeout_s, phase)
-            warmed = work.result()
+                report = await work
+                if watch is not None and watch.done():
+                    raise ClientGone
+                drafted = f"{report.warmed} of {len(documents)} drafted and held; send the rest again"
+                raise deadline_exceeded(self.settings.request_timeout_s, f"warming documents ({drafted})")
+            report = work.result()
         except InvalidRequestError as error:
             raise bad_request(str(error), "documents") from None
         finally:
             stop.set()  # a cancelled request (client gone) stops the worker too
+            if watch is not None:
+                watch.cancel()
         mine = store.held(tenant)
-        held = {"warmed": warmed, "documents": len(documents), "held": mine.entries}
+        skipped = [{"index": s.index, "reason": s.reason} for s in report.skipped]
+        held = {"warmed": report.warmed, "documents": len(documents), "held": mine.entries, "skipped": skipped}
         return {**held, "cache_bytes": mine.nbytes, "cache_max_bytes": store.max_bytes}
 
     def _after_draft_error(self, layout: PromptLayout, budget: Budget, error: Exception) -> Selection:

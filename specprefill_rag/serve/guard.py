@@ -1,10 +1,13 @@
-"""Admission of every HTTP request before a route runs: the key, the concurrency bound, the JSON content
-type, and the body, read under a size limit and a deadline.
+"""Admission of every HTTP request before a route runs: the key, the JSON content type, the body, read
+under a size limit and a deadline, and the concurrency bound.
 
 A request turned away here costs constant work and at most ``max_body_bytes`` of memory: no tokenizer,
 no model, no thread. The order is the cheapest refusal first: key (401; ``/metrics`` takes its own key when
-one is set), a free slot (429), content type (415), declared length (413), then the body as it arrives (413
-past the limit, 408 past the deadline).
+one is set), content type (415), declared length (413), a free body reader (429: bodies being received at once,
+in all and per client address), then the body as it arrives (413 past the limit, 408 past the deadline), and
+only then a request slot (429). A request holds a slot only once its body is complete, so clients that send
+bodies slowly cannot hold the slots that complete requests need; they hold body readers, of which one client
+address gets only a few.
 A client that disconnects mid-body is counted as ``disconnected``, not as an error.
 """
 
@@ -15,12 +18,13 @@ import hmac
 import json
 import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from ..config import WARM_DOCUMENTS_PATH
-from .errors import GatewayError, body_too_slow, not_json, overloaded, too_large, unauthorized
+from .errors import GatewayError, body_too_slow, not_json, overloaded, too_large, too_many_bodies, unauthorized
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -78,6 +82,50 @@ class Slots:
         finally:
             stayed = time.monotonic() - self._started.pop(slot)
             self._mean_s = stayed if self._mean_s is None else 0.9 * self._mean_s + 0.1 * stayed
+
+
+class BodyReaders:
+    """Bodies being received: at most ``capacity`` at once, and at most ``per_client`` from one client address.
+
+    Used from the event loop only (no lock). What a body holds until it is complete is one of these, never a
+    request slot, and a client address sending many bodies slowly holds ``per_client`` of them at most. The
+    gateway's ``capacity`` is ``max_connections``: a lower one would be a bound that fewer addresses could hold
+    than it takes to hold every connection.
+    """
+
+    def __init__(self, capacity: int, per_client: int) -> None:
+        self.capacity = capacity
+        self.per_client = per_client
+        self._by_client: Counter[str] = Counter()
+
+    @property
+    def reading(self) -> int:
+        return self._by_client.total()
+
+    def of(self, client: str) -> int:
+        """The bodies being received from ``client`` now."""
+        return self._by_client[client]
+
+    @contextmanager
+    def hold(self, client: str) -> Iterator[None]:
+        """One reader for the body of the ``with``; raises a 429 :class:`GatewayError` when none is free."""
+        if self._by_client[client] >= self.per_client:
+            raise too_many_bodies(self.per_client, "from this client address")
+        if self.reading >= self.capacity:
+            raise too_many_bodies(self.capacity, "in all")
+        self._by_client[client] += 1
+        try:
+            yield
+        finally:
+            self._by_client[client] -= 1
+            if not self._by_client[client]:
+                del self._by_client[client]
+
+
+def _client(scope: Scope) -> str:
+    """The client's address (its host, without the port); ``""`` when the server does not know it."""
+    client = scope.get("client")
+    return str(client[0]) if client else ""
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -149,7 +197,8 @@ class RequestGuard:
     Args:
         app: the routes.
         api_keys: the Bearer keys accepted (each its own tenant); none: an open gateway.
-        slots: the concurrency bound.
+        slots: the concurrency bound (taken once the body is complete).
+        readers: the bound on bodies being received.
         max_body_bytes: largest body.
         body_timeout_s: deadline of the whole body, from the headers.
         count: ``count(endpoint, outcome)`` for refused completion requests (metrics).
@@ -161,6 +210,7 @@ class RequestGuard:
         app: ASGIApp,
         api_keys: Sequence[str],
         slots: Slots,
+        readers: BodyReaders,
         max_body_bytes: int,
         body_timeout_s: float,
         count: Callable[[str, str], None],
@@ -170,6 +220,7 @@ class RequestGuard:
         self._keys = tuple(key.encode() for key in api_keys)
         self._metrics_keys = tuple(key.encode() for key in metrics_keys) or self._keys
         self.slots = slots
+        self.readers = readers
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
         self._count = count
@@ -186,9 +237,9 @@ class RequestGuard:
             if scope["path"] in UNCOUNTED_PATHS:
                 await self.app(scope, receive, send)
                 return
+            if scope["method"] == "POST":
+                receive = _replay(await self._body(scope, receive), receive)
             with self.slots.hold():
-                if scope["method"] == "POST":
-                    receive = _replay(await self._body(scope, receive), receive)
                 await self.app(scope, receive, send)
         except GatewayError as error:
             if endpoint is not None:
@@ -205,4 +256,5 @@ class RequestGuard:
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_body_bytes):
             raise too_large(self.max_body_bytes)
-        return await read_body(receive, self.max_body_bytes, self.body_timeout_s)
+        with self.readers.hold(_client(scope)):
+            return await read_body(receive, self.max_body_bytes, self.body_timeout_s)

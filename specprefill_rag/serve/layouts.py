@@ -188,6 +188,7 @@ def chat_request_layout(
     options = body.spec_prefill
     messages = _core_messages(body)
     documents = _documents(options)
+    _check_tools_fit(tokenizer, body, context_length)
     check_fits(tokenizer, [m.text for m in messages] + _tool_texts(body), context_length)
     check_fits(tokenizer, [d.text for d in documents or ()], context_length)  # located or inserted: both count
     _check_tool_text(tokenizer, body)
@@ -210,6 +211,21 @@ def chat_request_layout(
         raise
     except InvalidRequestError as error:
         raise bad_request(str(error), "messages") from None
+
+
+def _check_tools_fit(tokenizer: Any, body: ChatCompletionRequest, context_length: int) -> None:
+    """Tools whose schemas alone overflow the context are a 400 naming ``tools`` (not ``messages``)."""
+    if not body.tools:
+        return
+    try:
+        check_fits(tokenizer, [json.dumps(body.tool_schemas, ensure_ascii=False)], context_length)
+    except ContextLengthError as error:
+        raise bad_request(
+            f"the offered tools alone take at least {error.prompt_tokens} tokens, more than the main model's context "
+            f"of {context_length} tokens (the template writes every tool's schema into the prompt); offer fewer "
+            "tools, or shorter descriptions and parameters",
+            "tools",
+        ) from None
 
 
 def _check_tool_text(tokenizer: Any, body: ChatCompletionRequest) -> None:

@@ -12,15 +12,13 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from .errors import deadline_exceeded
+from .errors import ClientGone, deadline_exceeded
 from .gateway import Answer
 
-
-class ClientGone(Exception):
-    """The client closed the connection; nothing more is sent."""
+__all__ = ["ClientGone", "RequestStream", "client_gone"]
 
 
-async def _disconnect(request: Any) -> None:
+async def client_gone(request: Any) -> None:
     """Return when the ASGI server reports that the client disconnected (the body was read already)."""
     while True:
         message = await request.receive()
@@ -45,7 +43,7 @@ class RequestStream:
         self._answers = answers
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s - spent_s
-        self._watch = asyncio.ensure_future(_disconnect(request))
+        self._watch = asyncio.ensure_future(client_gone(request))
         self._step: asyncio.Future[Answer] | None = None
         self._started = False
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..config import (
@@ -31,9 +32,17 @@ from ..config import (
 )
 from ..errors import InvalidRequestError
 from ..prompt.context import SystemContext
-from ..prompt.tools import TOOL_NAME, ToolChoice, check_tool_choice, check_tools
+from ..prompt.tools import (
+    MAX_ARGUMENTS_DEPTH,
+    TOOL_NAME,
+    ToolChoice,
+    check_depth,
+    check_tool_choice,
+    check_tool_count,
+    check_tools,
+)
 from ..results import ToolCall
-from .errors import echoed
+from .errors import WireNames, echoed
 
 MAX_TOKENS = (1 << 31) - 1  # bound of every token count a request names (contexts are far smaller)
 MAX_STOP_STRINGS = 32  # each generated token is checked against every stop string
@@ -50,6 +59,14 @@ class DocumentOption(_Strict):
     text: str
     title: str | None = None
     id: str | None = None
+
+    @field_validator("title")
+    @classmethod
+    def _title_not_blank(cls, value: str | None) -> str | None:
+        """In the wire's words (the core's message speaks to Python callers)."""
+        if value is not None and not value.strip():
+            raise ValueError("is empty or only whitespace; send a title, or null for none")
+        return value
 
 
 class SpecPrefillOptions(_Strict):
@@ -102,6 +119,14 @@ class SpecPrefillOptions(_Strict):
         "together. None: the gateway's --draft-document-cache (default false). True needs --document-cache-mb "
         "above 0.",
     )
+
+    @field_validator("question")
+    @classmethod
+    def _question_not_blank(cls, value: str | None) -> str | None:
+        """In the wire's words (the core's message speaks to Python callers)."""
+        if value is not None and not value.strip():
+            raise ValueError("is empty or only whitespace; send the user's question, or null for the last user message")
+        return value
 
 
 class WarmDocumentsRequest(_Strict):
@@ -171,13 +196,28 @@ def _no_constant(name: str) -> Any:
 
 
 def json_object(text: str) -> dict[str, Any]:
-    """``text`` decoded as a JSON object (NaN and Infinity are not JSON); ValueError otherwise."""
+    """``text`` decoded as a JSON object nested at most :data:`MAX_ARGUMENTS_DEPTH` deep (NaN and Infinity are
+    not JSON); ValueError otherwise. Decoded by jiter, which bounds nesting itself (Python's ``json`` would
+    recurse until a ``RecursionError``); its other errors are told in Python's ``json`` words.
+    """
     try:
-        value = json.loads(text, parse_constant=_no_constant)
+        value = pydantic_core.from_json(text, allow_inf_nan=False)
     except ValueError as error:
+        if "recursion limit" in str(error):
+            raise ValueError(
+                f"must be a JSON object encoded as a string, nested at most {MAX_ARGUMENTS_DEPTH} deep ({error})"
+            ) from None
+        try:  # bounded: jiter found no nesting past its limit
+            json.loads(text, parse_constant=_no_constant)
+        except ValueError as described:
+            error = described
         raise ValueError(f"must be a JSON object encoded as a string ({error})") from None
     if not isinstance(value, dict):
         raise ValueError(f"must be a JSON object encoded as a string, got a JSON {type(value).__name__}")
+    try:
+        check_depth(value, "arguments")
+    except InvalidRequestError as error:
+        raise ValueError(str(error)) from None
     return value
 
 
@@ -428,6 +468,17 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError(f"top_logprobs={value} needs logprobs: true; send both, or leave top_logprobs out")
         return value
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _few_tools(cls, value: Any) -> Any:
+        """At most MAX_TOOLS, counted before any tool is parsed."""
+        if isinstance(value, list):
+            try:
+                check_tool_count(len(value))
+            except InvalidRequestError as error:
+                raise ValueError(str(error)) from None
+        return value
+
     @field_validator("tools")
     @classmethod
     def _checked_tools(cls, value: list[ToolOption] | None) -> list[ToolOption] | None:
@@ -493,6 +544,12 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
+    def wire_names(self) -> WireNames:
+        """The fields this request sent, for its errors: the one that set the token limit, and the prompt's."""
+        tokens = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return WireNames(tokens, "messages")
+
+    @property
     def logprob_fields(self) -> dict[str, Any]:
         """The :class:`~specprefill_rag.config.GenerationParams` fields of ``logprobs`` and ``top_logprobs``."""
         return {"logprobs": bool(self.logprobs), "top_logprobs": self.top_logprobs or 0}
@@ -531,6 +588,11 @@ class CompletionRequest(_Sampling):
     @property
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def wire_names(self) -> WireNames:
+        """The fields this request sent, for its errors."""
+        return WireNames("max_tokens", "prompt")
 
     @property
     def logprob_fields(self) -> dict[str, Any]:

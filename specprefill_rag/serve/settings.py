@@ -131,6 +131,15 @@ class GatewaySettings(EngineSettings):
         description="Requests in flight at once, of every kind (drafted, short, /tokenize, /v1/models); more get 429 "
         "with a Retry-After from measured service times. /health and /metrics are not counted.",
     )
+    max_bodies_per_client: int = Field(
+        64,
+        strict=True,
+        ge=1,
+        le=65536,
+        description="Request bodies one client address may be sending at once (more get 429). A request takes "
+        "its slot only once its body is complete, so slow bodies cannot hold the slots; behind a proxy that "
+        "forwards bodies unbuffered, raise it.",
+    )
     max_connections: int = Field(
         1024,
         strict=True,
