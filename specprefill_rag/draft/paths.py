@@ -26,6 +26,7 @@ from ..prompt.layout import PromptLayout, PromptSource, document_runs, instructi
 from ..results import DraftPath
 from .assembly import DocumentSpans
 from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
+from .document_cache import DocumentStore
 from .importance import DraftScore
 from .mapping import Reduce, map_importance
 
@@ -41,6 +42,7 @@ class TokenScorer(Protocol):
 
     model: Any
     prefix_cache: PrefixKVCache | None
+    document_cache: DocumentStore | None
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long ids -> ``[L]`` float32 importance."""
@@ -114,7 +116,7 @@ def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout) ->
     """
     prepared = scoring.prepare(layout)
     spans = document_spans(prepared)
-    if spans is None or getattr(scoring.draft, "document_cache", None) is None:
+    if spans is None or scoring.draft.document_cache is None:
         return 0
     device = next(scoring.draft.model.parameters()).device
     with model_lock(scoring.draft.model):

@@ -78,7 +78,8 @@ class GatewaySettings(CompressionSettings):
         strict=True,
         ge=1,
         description="Most prompt tokens one request may send through the draft (its memory; docs: "
-        "Resource bounds); None: the draft's context. Longer prompts follow on_draft_error.",
+        "Resource bounds); None: the draft's context. Longer prompts to compress are a 400 (as the engine's "
+        "DraftLimitError).",
     )
     draft_cache_mb: int = Field(
         DEFAULT_DRAFT_CACHE_MB,
