@@ -332,7 +332,7 @@ class SpecPrefillEngine:
         insert_missing: bool = True,
     ) -> ChatRequest:
         """Lay out a chat and set its decoding (:class:`ChatRequest`), the first step of every chat method;
-        :meth:`stream_request` then answers it. For a caller that reports where the documents came from (the
+        :meth:`stream_layout` then answers it. For a caller that reports where the documents came from (the
         framework adapters). ``params``: the decoding the tools' fields are added to; ``question`` and
         ``insert_missing``: as in :meth:`chat_layout`. Refuses bad messages, documents or tools before any model runs.
         """
@@ -341,16 +341,6 @@ class SpecPrefillEngine:
         chat = self.chat_layout(messages, documents, tools, question, insert_missing=insert_missing)
         decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls)
         return ChatRequest(chat, generation_params({**dict(base), **decoding}) if decoding else base)
-
-    def stream_request(
-        self, request: ChatRequest, options: RequestOptions | None = None, started: float | None = None
-    ) -> RequestStream:
-        """Stream the answer to a :meth:`chat_request` with its checked ``options`` (None: the engine's);
-        ``started``: ``time.perf_counter()`` at arrival (default now).
-        """
-        return self._stream(request.chat.layout, request.params, options or RequestOptions(), started)
-
-    astream_request = on_loop(stream_request)
 
     def stream_chat(
         self,
@@ -377,7 +367,8 @@ class SpecPrefillEngine:
         generation = generation_params(params)
         chat = (messages, documents, tools, tool_choice, parallel_tool_calls)
         request = self.chat_request(*chat, params=generation, question=question, insert_missing=insert_missing)
-        return self.stream_request(request, _options(keep_rate, reselect, draft_document_cache), started)
+        options = _options(keep_rate, reselect, draft_document_cache)
+        return self._stream(request.chat.layout, request.params, options, started)
 
     chat = answered(stream_chat)
     """Answer a chat (the arguments of :meth:`stream_chat`); ``result.tool_calls`` holds the calls the model made."""

@@ -14,7 +14,6 @@ import torch
 from specprefill_rag import DraftLimitError, DraftScoringError, GenerationParams, InvalidRequestError
 from specprefill_rag.engine import ChatRequest, SpecPrefillEngine
 from specprefill_rag.prompt.chat import ChatMessage
-from specprefill_rag.request import RequestOptions
 from specprefill_rag.results import GenerationResult
 from specprefill_rag.serve import GatewaySettings, create_app
 from specprefill_rag.serve.errors import GatewayError
@@ -45,7 +44,7 @@ def request(engine: SpecPrefillEngine, messages=None, documents=DOCUMENTS) -> Ch
 def through_engine(engine: SpecPrefillEngine, chat: ChatRequest, **options) -> GenerationResult | Exception:
     chunks = []
     try:
-        chunks = list(engine.stream_request(chat, RequestOptions.checked(**options)))
+        chunks = list(engine.stream_layout(chat.chat.layout, chat.params, **options))
     except Exception as error:
         return error
     assert chunks[-1].result is not None
@@ -75,38 +74,28 @@ def assert_same_selection(local: GenerationResult, served: dict) -> None:
         assert getattr(local.stats, name) == served["spec_prefill"][name], name
 
 
-@pytest.fixture(scope="module")
-def engines(tokenizer, tiny_model, tiny_draft):
-    return pair(tokenizer, tiny_model, tiny_draft)
-
-
 @pytest.mark.parametrize(
-    ("documents", "options", "reason"),
+    ("documents", "config", "options", "reason"),
     [
-        (DOCUMENTS, {}, None),
-        (DOCUMENTS, {"keep_rate": "auto"}, None),
-        (DOCUMENTS, {"max_document_tokens": 20}, None),
-        (DOCUMENTS, {"keep_rate": 1.0}, "keep_all"),
-        (None, {}, "no_documents"),
+        (DOCUMENTS, {}, {}, None),
+        (DOCUMENTS, {}, {"keep_rate": "auto"}, None),
+        (DOCUMENTS, {"max_document_tokens": 20}, {}, None),
+        (DOCUMENTS, {}, {"keep_rate": 1.0}, "keep_all"),
+        (None, {}, {}, "no_documents"),
+        (DOCUMENTS, {"min_prompt_tokens": 100_000}, {}, "short_prompt"),
     ],
-    ids=["compressed", "auto", "capped", "keep-all", "no-documents"],
+    ids=["compressed", "auto", "capped", "keep-all", "no-documents", "short-prompt"],
 )
-def test_both_paths_keep_the_same_tokens_for_the_same_reason(engines, documents, options, reason):
-    local_engine, served_engine = engines
+def test_both_paths_keep_the_same_tokens_for_the_same_reason(
+    tokenizer, tiny_model, tiny_draft, documents, config, options, reason
+):
+    local_engine, served_engine = pair(tokenizer, tiny_model, tiny_draft, **config)
     chat = request(local_engine, documents=documents)
     local = through_engine(local_engine, chat, **options)
     served = through_gateway(served_engine, chat, **options)
     assert_same_selection(local, served)
     assert local.stats.uncompressed_reason == reason
     assert (len(local.kept_positions) < len(chat.chat.layout)) == (reason is None)
-
-
-def test_a_short_prompt_goes_whole_on_both_paths(tokenizer, tiny_model, tiny_draft):
-    local_engine, served_engine = pair(tokenizer, tiny_model, tiny_draft, min_prompt_tokens=100_000)
-    chat = request(local_engine)
-    local, served = through_engine(local_engine, chat), through_gateway(served_engine, chat)
-    assert_same_selection(local, served)
-    assert local.stats.uncompressed_reason == "short_prompt"
 
 
 def test_a_second_turn_recalls_the_same_spans_on_both_paths(tokenizer, tiny_model, tiny_draft):

@@ -82,6 +82,18 @@ def draft_score(draft: TokenScorer, input_ids: torch.Tensor, documents: Document
     return replace(scored, importance=scored.importance.cpu())
 
 
+def draft_score_batch(
+    draft: TokenScorer, prompts: list[torch.Tensor], documents: list[DocumentSpans | None] | None = None
+) -> list[DraftScore | Exception]:
+    """:func:`draft_score` for several ``[L_i]`` prompts in one forward (the gateway's batches): each its result or
+    its own error, importance on the CPU. ``documents``: per prompt its documents for the per-document cache.
+    """
+    device = next(draft.model.parameters()).device
+    with model_lock(draft.model):
+        results = draft.score_batch([p.to(device) for p in prompts], documents)
+    return [replace(r, importance=r.importance.cpu()) if isinstance(r, DraftScore) else r for r in results]
+
+
 def score_layout(
     scoring: DirectScoring | MappedScoring,
     layout: PromptLayout,

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,10 +24,9 @@ from ..config import GenerationParams
 from ..decode.stream import selected
 from ..draft.assembly import DocumentSpans
 from ..draft.importance import DraftScore
-from ..draft.paths import DraftInput
+from ..draft.paths import DraftInput, draft_score_batch
 from ..engine import SpecPrefillEngine
 from ..errors import DraftContextLengthError, DraftLimitError, InvalidRequestError
-from ..models.loading import model_lock
 from ..pipeline import DocumentCacheOff, DraftCost, Drafted, DraftPlan
 from ..prompt.chat import ChatLayout
 from ..prompt.layout import Document
@@ -131,11 +130,7 @@ class Gateway:
         """Blocking: one batched draft forward (in the queue's worker thread), results on the CPU. ``documents``:
         per prompt its documents to take from the per-document cache, or None.
         """
-        draft = self.engine.draft
-        device = next(draft.model.parameters()).device
-        with model_lock(draft.model):
-            results = draft.score_batch([p.to(device) for p in prompts], documents)
-        return [replace(r, importance=r.importance.cpu()) if isinstance(r, DraftScore) else r for r in results]
+        return draft_score_batch(self.engine.draft, prompts, documents)
 
     async def answer(self, plan: Plan) -> AsyncGenerator[Answer, None]:
         """Stream one request; raises :class:`GatewayError` or the engine's errors before the first chunk."""

@@ -25,7 +25,6 @@ from langchain_specprefill.documents import (
 from langchain_specprefill.retrievers import located_documents
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.gateway_client import GatewayClient
-from specprefill_rag.request import RequestOptions
 from specprefill_rag.results import StreamChunk
 
 if TYPE_CHECKING:  # the engine needs torch; a gateway session never imports it
@@ -89,26 +88,34 @@ class LocalSession:
         source = request.chat.document_source
         return request, RETRIEVER_LOCATED if retrieved and source == "argument-located" else source
 
-    def _options(self, options: dict[str, Any]) -> RequestOptions:
-        """The call's SpecPrefill options, each else the constructor's (also for an engine given with
-        ``from_engine``); a ``draft_document_cache`` the constructor was not given is the engine's.
-        """
-        return RequestOptions.checked(
-            keep_rate=options.get("keep_rate", self.settings.keep_rate),
-            reselect=options.get("reselect", self.settings.reselect),
-            draft_document_cache=options.get("draft_document_cache", _given(self.settings, "draft_document_cache")),
-        )
+    def _keep_rate(self, options: dict[str, Any]) -> Any:
+        """The call's keep rate, else the constructor's (also for an engine given with ``from_engine``)."""
+        return options.get("keep_rate", self.settings.keep_rate)
+
+    def _reselect(self, options: dict[str, Any]) -> Any:
+        """The call's ``reselect``, else the constructor's."""
+        return options.get("reselect", self.settings.reselect)
+
+    def _document_cache(self, options: dict[str, Any]) -> Any:
+        """The call's ``draft_document_cache``, else the constructor's when given; None: the engine's."""
+        return options.get("draft_document_cache", _given(self.settings, "draft_document_cache"))
 
     def stream(self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]) -> Iterator[Reply]:
         request, source = self._request(messages, params, options)
-        for chunk in self.settings.engine.stream_request(request, self._options(options)):
+        keep_rate, reselect = self._keep_rate(options), self._reselect(options)
+        cache = self._document_cache(options)
+        chunks = self.settings.engine.stream_layout(request.chat.layout, request.params, keep_rate, reselect, cache)
+        for chunk in chunks:
             yield chunk, {"document_source": source}
 
     async def astream(
         self, messages: list[BaseMessage], params: GenerationParams, options: dict[str, Any]
     ) -> AsyncGenerator[Reply, None]:
         request, source = self._request(messages, params, options)
-        async with aclosing(self.settings.engine.astream_request(request, self._options(options))) as chunks:
+        keep_rate, reselect = self._keep_rate(options), self._reselect(options)
+        cache = self._document_cache(options)
+        chunks = self.settings.engine.astream_layout(request.chat.layout, request.params, keep_rate, reselect, cache)
+        async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk, {"document_source": source}
 

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.gateway_client import GatewayClient, tool_calls_json
-from specprefill_rag.request import RequestOptions
 from specprefill_rag.results import StreamChunk, ToolCall
 
 if TYPE_CHECKING:  # the engine needs torch; a gateway session never imports it
@@ -99,22 +98,20 @@ class LocalSession:
     def _extras(prepared: ChatRequest) -> dict[str, Any]:
         return {"document_source": prepared.chat.document_source, "n_documents": prepared.chat.n_documents}
 
-    @staticmethod
-    def _options(request: Request) -> RequestOptions:
-        return RequestOptions.checked(
-            keep_rate=request.keep_rate,
-            reselect=request.reselect,
-            draft_document_cache=request.draft_document_cache,
-        )
-
     def stream(self, request: Request) -> Iterator[Reply]:
         prepared = self._request(request)
-        for chunk in self.llm.engine.stream_request(prepared, self._options(request)):
+        chunks = self.llm.engine.stream_layout(
+            prepared.chat.layout, prepared.params, request.keep_rate, request.reselect, request.draft_document_cache
+        )
+        for chunk in chunks:
             yield chunk, self._extras(prepared)
 
     async def astream(self, request: Request) -> AsyncGenerator[Reply, None]:
         prepared = self._request(request)
-        async with aclosing(self.llm.engine.astream_request(prepared, self._options(request))) as chunks:
+        chunks = self.llm.engine.astream_layout(
+            prepared.chat.layout, prepared.params, request.keep_rate, request.reselect, request.draft_document_cache
+        )
+        async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk, self._extras(prepared)
 
