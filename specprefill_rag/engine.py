@@ -294,8 +294,14 @@ class SpecPrefillEngine:
         return self._stream(layout, params, _options(keep_rate, reselect, draft_document_cache))
 
     generate_layout = answered(stream_layout)
+    """Answer a prepared layout (the arguments of :meth:`stream_layout`)."""
     agenerate_layout = answered_on_loop(stream_layout)
+    """:meth:`generate_layout` for an event loop (awaitable)."""
     astream_layout = on_loop(stream_layout)
+    """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from the
+    backend's async interface (over HTTP for a vLLM server: no thread per request). Close the generator (``aclose``)
+    to stop early; that ends the main model's request.
+    """
 
     def stream(
         self,
@@ -317,7 +323,9 @@ class SpecPrefillEngine:
     generate = answered(stream)
     """Answer ``question`` over ``documents`` (the arguments of :meth:`stream`); only document tokens are compressed."""
     agenerate = answered_on_loop(stream)
+    """:meth:`generate` for an event loop (awaitable)."""
     astream = on_loop(stream)
+    """:meth:`stream` for an event loop (the prompt is tokenized on the loop)."""
 
     def chat_request(
         self,
@@ -373,7 +381,9 @@ class SpecPrefillEngine:
     chat = answered(stream_chat)
     """Answer a chat (the arguments of :meth:`stream_chat`); ``result.tool_calls`` holds the calls the model made."""
     achat = answered_on_loop(stream_chat)
+    """:meth:`chat` for an event loop (awaitable)."""
     astream_chat = on_loop(stream_chat)
+    """:meth:`stream_chat` for an event loop (the chat is laid out on the loop)."""
 
     def generate_text(
         self,
