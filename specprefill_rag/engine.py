@@ -416,7 +416,8 @@ class SpecPrefillEngine:
         """
         self.check_length(len(layout), params.max_new_tokens)
         self.check_output(params)
-        return self._astream_kept(layout, params, chosen, started, options or RequestOptions())
+        decoding, prompt = self._start(layout, params, chosen, started, options or RequestOptions())
+        return self._agenerate(prompt, params, decoding)
 
     # -- the core: every entry point above ends here ---------------------------------------------------
 
@@ -464,21 +465,17 @@ class SpecPrefillEngine:
     async def _adecode(
         self, plan: DraftPlan, params: GenerationParams, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
+        """Answer on the event loop: the draft in a worker thread, tokens from the backend's async interface."""
         chosen = await self.pipeline.achoose(plan, self.scorer)
-        async with aclosing(self._astream_kept(plan.layout, params, chosen, started, plan.options)) as chunks:
+        decoding, prompt = self._start(plan.layout, params, chosen, started, plan.options)
+        async with aclosing(self._agenerate(prompt, params, decoding)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
-    async def _astream_kept(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams,
-        chosen: Selection,
-        started: float,
-        options: RequestOptions,
+    async def _agenerate(
+        self, prompt: SparsePrompt, params: GenerationParams, decoding: Decoding
     ) -> AsyncGenerator[StreamChunk, None]:
-        """Answer on the event loop: tokens come from the backend's async interface."""
-        decoding, prompt = self._start(layout, params, chosen, started, options)
+        """The chunks of ``prompt``'s tokens from the backend's async interface, then the last one."""
         async with aclosing(self.backend.agenerate(prompt, params, decoding.report)) as generated:
             async for token in generated:
                 if chunk := decoding.push(token):
