@@ -446,8 +446,8 @@ class EngineSettings(CompressionSettings, GrammarLimits):
         strict=True,
         ge=1,
         description="Most prompt tokens one request may send through the draft (its memory grows with them; "
-        "docs: Resource bounds); None = the draft's context. A longer prompt gets a DraftLimitError (the gateway: "
-        "what on_draft_error says).",
+        "docs: Resource bounds); None = the draft's context. A longer prompt to compress gets a DraftLimitError (the "
+        "gateway: a 400).",
     )
     self_draft_window: int = Field(
         16,

@@ -1,55 +1,49 @@
-"""SpecPrefillEngine: layout -> draft scoring -> selection -> sparse prefill and decoding.
+"""SpecPrefillEngine: the public entry points over one request path (:mod:`specprefill_rag.pipeline`).
 
 Example::
 
     engine = SpecPrefillEngine(keep_rate=0.2)            # embedded SmolLM2-135M as draft and main
     result = engine.generate("When did the bridge open?", documents=[text_a, text_b])
     print(result.text, result.stats.keep_rate, result.stats.ttft_ms)
+
+Every entry point lays out its prompt, checks its options once (:class:`~specprefill_rag.request.RequestOptions`)
+and hands both to one core: :meth:`SpecPrefillEngine._plan` (refuse before any model runs), the pipeline's
+``choose`` (draft and selection), the backend's decoding. The models are assembled by :mod:`specprefill_rag.factory`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Generator, Mapping, Sequence
+from contextlib import aclosing, closing
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
-from pydantic import ValidationError
 
 from .arguments import (
     check_documents,
     check_flag,
-    check_keep_rate,
-    check_optional_flag,
     check_optional_text,
     check_params,
     generation_params,
 )
-from .backends.base import MainBackend, SparsePrompt
-from .backends.hf import MAIN_MIN_REUSE_SHARE, HFBackend, eos_token_ids
-from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
-from .decode.stream import Decoding, alast_result, last_result
+from .backends.base import SparsePrompt
+from .config import GenerationParams, SpecPrefillConfig
+from .decode.requests import RequestStream, answered, answered_on_loop, on_loop
+from .decode.stream import Decoding, last_result
 from .decode.tool_choice import tool_decoding
-from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, parameter_count, pays_from
-from .draft.document_cache import DocumentKVCache, DocumentStore, shared_document_cache
-from .draft.hooks import decoder_layers
-from .draft.model import LayerPrefixDraft, ModelDraft
-from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring, warm_layout
-from .draft.repair import DocumentRepair
 from .errors import ContextLengthError, InvalidRequestError
-from .kvcache.prefix_cache import PrefixKVCache, shared_prefix_cache
-from .models.loading import LoadedModel, load_tokenizer, model_lock, shared_model
-from .pipeline import Budget, DraftCost, Pipeline
+from .factory import DocumentStore, DraftInput, EngineParts, load, make_config, on_vllm, over_models, warm_layout
+from .pipeline import DraftPlan, InlineScorer
 from .prompt.chat import ChatLayout, ChatMessage, chat_layout
 from .prompt.documents import as_document
 from .prompt.layout import Document, DocumentLike, PromptLayout, check_layout
 from .prompt.render import build_rag_layout, build_text_layout
 from .prompt.tools import ToolChoice
+from .request import RequestOptions
 from .results import DraftPath, GenerationResult, Selection, SkippedDocument, StreamChunk, WarmReport
 from .selection import KeepBudget
 
@@ -57,13 +51,8 @@ from .selection import KeepBudget
 RequestKeepRate = float | Literal["auto"] | None
 
 
-log = logging.getLogger("specprefill_rag")
 _engines: dict[tuple[SpecPrefillConfig, str], SpecPrefillEngine] = {}
 _engines_lock = threading.Lock()
-
-
-def _milliseconds(since: float) -> float:
-    return (time.perf_counter() - since) * 1000.0
 
 
 @dataclass(frozen=True)
@@ -81,27 +70,45 @@ class ChatRequest:
     params: GenerationParams
 
 
+def _options(
+    keep_rate: RequestKeepRate = None,
+    reselect: bool | None = None,
+    draft_document_cache: bool | None = None,
+    tenant: str | None = None,
+) -> RequestOptions:
+    """A public method's per-request keywords as one checked :class:`RequestOptions`."""
+    return RequestOptions.checked(
+        keep_rate=keep_rate, reselect=reselect, draft_document_cache=draft_document_cache, tenant=tenant
+    )
+
+
 class SpecPrefillEngine:
     """SpecPrefill in front of a main model.
 
     Args:
         config: a :class:`SpecPrefillConfig`; or pass its fields as keyword arguments.
+        parts: models, draft, caches and backend already assembled (:mod:`specprefill_rag.factory`); the
+            constructors :meth:`from_models` and :meth:`for_vllm` pass them.
 
     Loads both models at construction (see :meth:`from_models` for models already in memory).
     Thread-safe: requests may run concurrently; forward passes on the shared models are serialised.
     """
 
-    def __init__(self, config: SpecPrefillConfig | None = None, **settings: Any) -> None:
-        config = _with_default_draft(_make_config(config, settings))
-        if config.tokenizer is not None:
-            raise InvalidRequestError(
-                "tokenizer= names the tokenizer of a main model on vLLM; in-process the main model's own is used"
-            )
-        main = shared_model(config.main, config.device, config.dtype)
-        draft = None
-        if config.draft is not None and not config.is_self_draft and config.draft != config.main:
-            draft = shared_model(config.draft, config.device, config.dtype)
-        self._setup(config, main, draft)
+    def __init__(
+        self, config: SpecPrefillConfig | None = None, *, parts: EngineParts | None = None, **settings: Any
+    ) -> None:
+        if parts is not None and (config is not None or settings):
+            raise InvalidRequestError("pass either assembled parts or a config, not both")
+        parts = parts or load(make_config(config, settings))
+        self.config = parts.config
+        self.tokenizer = parts.tokenizer
+        self.backend = parts.backend
+        self.draft_scoring = parts.scoring
+        self.draft = parts.scoring.draft  # scores token ids of its own vocabulary
+        self.main = parts.main  # None when the main model runs elsewhere (vLLM)
+        self.pipeline = parts.pipeline
+        self.min_prompt_tokens = parts.pipeline.min_prompt_tokens  # config.min_prompt_tokens resolved for the pair
+        self.scorer = InlineScorer(self.draft)
 
     @classmethod
     def shared(
@@ -131,86 +138,8 @@ class SpecPrefillEngine:
         itself (whole, or its first n layers with ``draft='self'`` or ``'self:<n>'``). ``draft_tokenizer``: the
         draft's own, when it differs from the main model's (the mapped path); default ``tokenizer``.
         """
-        engine = cls.__new__(cls)
-        config = _make_config(config, settings)
-        draft = LoadedModel(draft_model, draft_tokenizer or tokenizer, "draft") if draft_model is not None else None
-        engine._setup(config, LoadedModel(main_model, tokenizer, "main"), draft)
-        return engine
-
-    def _setup(self, config: SpecPrefillConfig, main: LoadedModel, draft: LoadedModel | None) -> None:
-        eos = eos_token_ids(main.model, main.tokenizer)
-        if config.is_self_draft:
-            available = len(decoder_layers(main.model))
-            n_layers = config.self_draft_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * available))
-            if n_layers > available:
-                raise InvalidRequestError(
-                    f"draft 'self:{n_layers}' asks for more layers than the main model has ({available})"
-                )
-            window, cache = config.self_draft_window, _prefix_cache(config, main.model)
-            documents = _document_cache(config, main.model)
-            scorer: Any = LayerPrefixDraft(
-                main.model,
-                n_layers,
-                config.pool_kernel,
-                window,
-                cache,
-                documents,
-                DocumentRepair.of(config),
-            )
-            scoring: DirectScoring | MappedScoring = DirectScoring(
-                scorer, main.context_length, 1, config.max_draft_tokens, path="self"
-            )
-            share = n_layers / available
-        else:
-            drafting = draft if draft is not None else main
-            draft_eos = eos_token_ids(drafting.model, drafting.tokenizer)
-            cache = _prefix_cache(config, drafting.model)
-            scorer = ModelDraft(
-                drafting.model,
-                config.look_ahead,
-                config.pool_kernel,
-                draft_eos,
-                cache,
-                _document_cache(config, drafting.model),
-                DocumentRepair.of(config),
-            )
-            scoring = draft_scoring(
-                scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens
-            )
-            share = parameter_count(drafting.model) / parameter_count(main.model)
-        floor = _prompt_floor(config, share, config.effective_look_ahead, main.context_length)
-        device = next(main.model.parameters()).device
-        main_cache = shared_prefix_cache(device, config.main_cache_mb * 2**20, MAIN_MIN_REUSE_SHARE)
-        backend = HFBackend(main.model, eos, model_lock(main.model), main.tokenizer, main_cache, config)
-        self._assemble(config, main.tokenizer, backend, scoring, main, floor)
-
-    def _assemble(
-        self,
-        config: SpecPrefillConfig,
-        tokenizer: Any,
-        backend: MainBackend,
-        scoring: DirectScoring | MappedScoring,
-        main: LoadedModel | None,
-        min_prompt_tokens: int,
-    ) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.backend = backend
-        self.draft_scoring = scoring
-        self.draft = scoring.draft  # scores token ids of its own vocabulary
-        self.main = main  # None when the main model runs elsewhere (vLLM)
-        self.min_prompt_tokens = min_prompt_tokens  # config.min_prompt_tokens, "auto" resolved for this pair
-        self.pipeline = Pipeline(config, backend.supports_sparse_prefill, min_prompt_tokens)
-
-    @property
-    def document_cache(self) -> DocumentStore | None:
-        """The draft's per-document KV store (None when ``document_cache_mb`` is 0)."""
-        return getattr(self.draft, "document_cache", None)
-
-    @property
-    def draft_path(self) -> DraftPath:
-        """How the draft scores: ``direct`` (main's vocabulary), ``mapped`` (its own) or ``self``."""
-        return self.draft_scoring.path
+        config = make_config(config, settings)
+        return cls(parts=over_models(config, main_model, tokenizer, draft_model, draft_tokenizer))
 
     @classmethod
     def for_vllm(
@@ -228,34 +157,24 @@ class SpecPrefillEngine:
         served model's name or folder), by default the draft's; the server's ``/tokenize`` checks it.
         A draft of another vocabulary than that tokenizer scores through the mapped path.
         """
-        from .backends.vllm import connect
+        return cls(parts=on_vllm(make_config(config, settings), server, on_missing_plugin, timeout))
 
-        config = _make_config(config, settings)
-        if config.draft is None:
-            raise InvalidRequestError(
-                "a main model on vLLM needs a draft named: pass draft='<HF id, folder or .gguf>' of a small model "
-                "with the served model's tokenizer (its smaller sibling; another vocabulary also works, mapped)"
-            )
-        if config.is_self_draft:
-            raise InvalidRequestError("a 'self:<n>' draft needs the main model in-process; pick a separate draft model")
-        if config.positions == "contiguous" and on_missing_plugin == "error":
-            on_missing_plugin = "full_prompt"  # its prompts are ordinary ones: without the plugin it still compresses
-        backend = connect(server, timeout, on_missing_plugin)  # type: ignore[arg-type]
-        draft = shared_model(config.draft, config.device, config.dtype)
-        draft_eos = eos_token_ids(draft.model, draft.tokenizer)
-        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else draft.tokenizer
-        main_eos = draft_eos if tokenizer is draft.tokenizer else eos_token_ids(None, tokenizer)
-        backend.adopt_tokenizer(tokenizer, main_eos)
-        backend.grammar_limits = config  # a SpecPrefillConfig is GrammarLimits
-        engine = cls.__new__(cls)
-        cache = _prefix_cache(config, draft.model)
-        documents = _document_cache(config, draft.model)
-        repair = DocumentRepair.of(config)
-        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache, documents, repair)
-        scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead, config.max_draft_tokens)
-        floor = REMOTE_MAIN_MIN_PROMPT_TOKENS if config.min_prompt_tokens == AUTO else config.min_prompt_tokens
-        engine._assemble(config, tokenizer, backend, scoring, None, floor)
-        return engine
+    @property
+    def document_cache(self) -> DocumentStore | None:
+        """The draft's per-document KV store (None when ``document_cache_mb`` is 0)."""
+        return self.draft.document_cache
+
+    @property
+    def draft_path(self) -> DraftPath:
+        """How the draft scores: ``direct`` (main's vocabulary), ``mapped`` (its own) or ``self``."""
+        return self.draft_scoring.path
+
+    @property
+    def max_draft_tokens(self) -> int | None:
+        """Most prompt tokens (the draft's own) one request may send through the draft:
+        ``config.max_draft_tokens``, at most the draft's context less its look-ahead (None: no limit).
+        """
+        return self.draft_scoring.token_limit
 
     # -- prompts ---------------------------------------------------------------------------------
 
@@ -333,61 +252,38 @@ class SpecPrefillEngine:
         documents' draft KV from the per-document cache (default ``config.draft_document_cache``).
         ``tenant``: the namespace of the caches it reads and fills (the draft's, the selection memo; None: shared).
         """
-        budget = self._budget(layout, keep_rate)
-        if not budget.compressed:
-            return self.pipeline.whole(layout, budget)
-        recalled = self.pipeline.recall(layout, budget, check_optional_flag(reselect, "reselect"), tenant)
-        if recalled is not None and recalled.complete:
-            return self.pipeline.select(layout, budget, None, recalled=recalled)
-        started = time.perf_counter()
-        documents = self.uses_document_cache(draft_document_cache)
-        scored = self.draft_scoring.score(layout, prepared, documents, tenant)
-        cost = DraftCost(
-            _milliseconds(started),
-            scored.cached_tokens,
-            document_cached_tokens=scored.document_cached_tokens,
-            documents_cached=scored.documents_cached,
-        )
-        return self.pipeline.select(layout, budget, scored.importance, cost, recalled)
-
-    def _budget(self, layout: PromptLayout, keep_rate: RequestKeepRate) -> Budget:
-        checked = check_keep_rate(keep_rate)
-        rate = self.config.keep_rate if checked is None else checked
-        return self.pipeline.budget(layout, rate, self.config.max_document_tokens)
-
-    def _needs_draft(self, layout: PromptLayout, keep_rate: RequestKeepRate, reselect: bool | None) -> bool:
-        """Whether :meth:`select` will run the draft: compressed, and some span is not recalled."""
-        budget = self._budget(layout, keep_rate)
-        recalled = self.pipeline.recall(layout, budget, reselect)
-        return budget.compressed and (recalled is None or not recalled.complete)
+        options = _options(keep_rate, reselect, draft_document_cache, tenant)
+        return self.pipeline.choose(self.pipeline.plan(layout, options, prepared), self.scorer)
 
     def uses_document_cache(self, draft_document_cache: bool | None = None) -> bool:
         """Whether a request's draft takes its documents' KV from the per-document cache: the request's
         ``draft_document_cache`` (a bool, or None for ``config.draft_document_cache``). Asking for it from an
         engine without that cache (``document_cache_mb=0``) raises :class:`InvalidRequestError`.
         """
-        asked = check_optional_flag(draft_document_cache, "draft_document_cache")
-        if asked is None:
-            return self.config.draft_document_cache
-        if asked and self.document_cache is None:
-            raise InvalidRequestError(
-                "draft_document_cache=True, but this engine's draft has no per-document cache (document_cache_mb=0); "
-                "build the engine with document_cache_mb above 0, or leave draft_document_cache off"
-            )
-        return asked
+        return bool(self.pipeline.resolve(_options(draft_document_cache=draft_document_cache)).draft_document_cache)
 
-    def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor, tenant: str | None = None) -> SparsePrompt:
-        """What the main model prefills (:meth:`Pipeline.sparse_prompt`), in ``tenant``'s cache namespace."""
-        return self.pipeline.sparse_prompt(layout, kept, tenant)
+    def sparse_prompt(
+        self, layout: PromptLayout, kept: torch.Tensor, options: RequestOptions | None = None
+    ) -> SparsePrompt:
+        """What the main model prefills (:meth:`Pipeline.sparse_prompt`)."""
+        return self.pipeline.sparse_prompt(layout, kept, options)
 
-    @property
-    def max_draft_tokens(self) -> int | None:
-        """Most prompt tokens (the draft's own) one request may send through the draft:
-        ``config.max_draft_tokens``, at most the draft's context less its look-ahead (None: no limit).
-        """
-        return self.draft_scoring.token_limit
+    def ran(self, selection: Selection) -> DraftPath | None:
+        """The draft path for the stats: None when :meth:`select` ran no draft (it then reports 0 ms)."""
+        return self.draft_path if selection.draft_ms > 0 else None
 
-    # -- generation ------------------------------------------------------------------------------
+    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise :class:`ContextLengthError` unless the prompt and the tokens to generate fit the main model."""
+        context = self.backend.context_length
+        if prompt_tokens + max_new_tokens > context:
+            raise ContextLengthError(prompt_tokens, max_new_tokens, context)
+
+    def check_output(self, params: GenerationParams) -> None:
+        """Refuse an output format the backend cannot enforce (compiled now and cached), before any model runs."""
+        if params.output_format is not None:
+            self.backend.check_output_format(params.output_format)
+
+    # -- generation: each form lays out its prompt, checks its options and runs the one core below ------
 
     def stream_layout(
         self,
@@ -396,23 +292,23 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate = None,
         reselect: bool | None = None,
         draft_document_cache: bool | None = None,
-    ) -> Iterator[StreamChunk]:
+    ) -> RequestStream:
         """Stream the answer to a prepared layout; the last chunk carries the stats and full result.
         ``reselect``: score spans compressed by an earlier request again (default ``config.reselect``).
         ``draft_document_cache``: the documents' draft KV from the per-document cache (default: the config's).
         """
         params = check_params(params) or GenerationParams()
-        return self._stream(layout, params, keep_rate, time.perf_counter(), reselect, draft_document_cache)
+        return self._stream(layout, params, _options(keep_rate, reselect, draft_document_cache))
 
-    def generate_layout(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams | None = None,
-        keep_rate: RequestKeepRate = None,
-        reselect: bool | None = None,
-        draft_document_cache: bool | None = None,
-    ) -> GenerationResult:
-        return last_result(self.stream_layout(layout, params, keep_rate, reselect, draft_document_cache))
+    generate_layout = answered(stream_layout)
+    """Answer a prepared layout (the arguments of :meth:`stream_layout`)."""
+    agenerate_layout = answered_on_loop(stream_layout)
+    """:meth:`generate_layout` for an event loop (awaitable)."""
+    astream_layout = on_loop(stream_layout)
+    """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from the
+    backend's async interface (over HTTP for a vLLM server: no thread per request). Close the generator (``aclose``)
+    to stop early; that ends the main model's request.
+    """
 
     def stream(
         self,
@@ -422,26 +318,21 @@ class SpecPrefillEngine:
         keep_rate: RequestKeepRate = None,
         draft_document_cache: bool | None = None,
         **params: Any,
-    ) -> Iterator[StreamChunk]:
+    ) -> RequestStream:
         """Stream the answer to ``question`` over ``documents``; ``params`` are :class:`GenerationParams` fields.
         ``draft_document_cache``: the documents' draft KV from the per-document cache (default: the config's).
         """
         started = time.perf_counter()
         generation = generation_params(params)
         layout = self.layout(question, documents, instructions)
-        return self._stream(layout, generation, keep_rate, started, document_cache=draft_document_cache)
+        return self._stream(layout, generation, _options(keep_rate, None, draft_document_cache), started)
 
-    def generate(
-        self,
-        question: str,
-        documents: Sequence[DocumentLike],
-        instructions: str | None = None,
-        keep_rate: RequestKeepRate = None,
-        draft_document_cache: bool | None = None,
-        **params: Any,
-    ) -> GenerationResult:
-        """Answer ``question`` over ``documents``; only document tokens are compressed."""
-        return last_result(self.stream(question, documents, instructions, keep_rate, draft_document_cache, **params))
+    generate = answered(stream)
+    """Answer ``question`` over ``documents`` (the arguments of :meth:`stream`); only document tokens are compressed."""
+    agenerate = answered_on_loop(stream)
+    """:meth:`generate` for an event loop (awaitable)."""
+    astream = on_loop(stream)
+    """:meth:`stream` for an event loop (the prompt is tokenized on the loop)."""
 
     def chat_request(
         self,
@@ -455,7 +346,7 @@ class SpecPrefillEngine:
         question: str | None = None,
         insert_missing: bool = True,
     ) -> ChatRequest:
-        """Lay out a chat and set its decoding (:class:`ChatRequest`), the first step of :meth:`stream_chat`;
+        """Lay out a chat and set its decoding (:class:`ChatRequest`), the first step of every chat method;
         :meth:`stream_layout` then answers it. For a caller that reports where the documents came from (the
         framework adapters). ``params``: the decoding the tools' fields are added to; ``question`` and
         ``insert_missing``: as in :meth:`chat_layout`. Refuses bad messages, documents or tools before any model runs.
@@ -480,7 +371,7 @@ class SpecPrefillEngine:
         question: str | None = None,
         insert_missing: bool = True,
         **params: Any,
-    ) -> Iterator[StreamChunk]:
+    ) -> RequestStream:
         """Stream the answer to a chat; chunks carry the model's tool calls as they complete (``tool_choice``:
         ``auto``, ``none``, ``required`` or a tool's name, :mod:`specprefill_rag.decode.tool_choice`). Documents
         and tool results compressed in an earlier turn keep their tokens unless ``reselect`` (docs: Conversations).
@@ -488,48 +379,18 @@ class SpecPrefillEngine:
         ``question`` and ``insert_missing``: as in :meth:`chat_layout`.
         """
         started = time.perf_counter()
-        request = self.chat_request(
-            messages,
-            documents,
-            tools,
-            tool_choice,
-            parallel_tool_calls,
-            params=generation_params(params),
-            question=question,
-            insert_missing=insert_missing,
-        )
-        return self._stream(request.chat.layout, request.params, keep_rate, started, reselect, draft_document_cache)
+        generation = generation_params(params)
+        chat = (messages, documents, tools, tool_choice, parallel_tool_calls)
+        request = self.chat_request(*chat, params=generation, question=question, insert_missing=insert_missing)
+        options = _options(keep_rate, reselect, draft_document_cache)
+        return self._stream(request.chat.layout, request.params, options, started)
 
-    def chat(
-        self,
-        messages: Sequence[ChatMessage],
-        documents: Sequence[DocumentLike] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: ToolChoice | None = None,
-        parallel_tool_calls: bool = True,
-        keep_rate: RequestKeepRate = None,
-        reselect: bool | None = None,
-        draft_document_cache: bool | None = None,
-        *,
-        question: str | None = None,
-        insert_missing: bool = True,
-        **params: Any,
-    ) -> GenerationResult:
-        """Answer a chat (:meth:`stream_chat`); ``result.tool_calls`` holds the calls the model made."""
-        chunks = self.stream_chat(
-            messages,
-            documents,
-            tools,
-            tool_choice,
-            parallel_tool_calls,
-            keep_rate,
-            reselect,
-            draft_document_cache,
-            question=question,
-            insert_missing=insert_missing,
-            **params,
-        )
-        return last_result(chunks)
+    chat = answered(stream_chat)
+    """Answer a chat (the arguments of :meth:`stream_chat`); ``result.tool_calls`` holds the calls the model made."""
+    achat = answered_on_loop(stream_chat)
+    """:meth:`chat` for an event loop (awaitable)."""
+    astream_chat = on_loop(stream_chat)
+    """:meth:`stream_chat` for an event loop (the chat is laid out on the loop)."""
 
     def generate_text(
         self,
@@ -547,224 +408,7 @@ class SpecPrefillEngine:
         started = time.perf_counter()
         generation = generation_params(params)
         layout = self.text_layout(prompt, parse_special_tokens)
-        return last_result(self._stream(layout, generation, keep_rate, started, document_cache=draft_document_cache))
-
-    def ran(self, selection: Selection) -> DraftPath | None:
-        """The draft path for the stats: None when :meth:`select` ran no draft (it then reports 0 ms)."""
-        return self.draft_path if selection.draft_ms > 0 else None
-
-    def check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise :class:`ContextLengthError` unless the prompt and the tokens to generate fit the main model."""
-        context = self.backend.context_length
-        if prompt_tokens + max_new_tokens > context:
-            raise ContextLengthError(prompt_tokens, max_new_tokens, context)
-
-    def check_output(self, params: GenerationParams) -> None:
-        """Refuse an output format the backend cannot enforce (compiled now and cached), before any model runs."""
-        if params.output_format is not None:
-            self.backend.check_output_format(params.output_format)
-
-    def _check_request(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams,
-        keep_rate: RequestKeepRate,
-        reselect: bool | None,
-        document_cache: bool | None = None,
-    ) -> DraftInput | None:
-        """Refuse a request before any model runs: bad layout or keep rate, too long for the main model's
-        context, or for the draft (its context, ``max_draft_tokens``). Returns what the draft will read
-        (None when no draft runs), for :meth:`select`.
-        """
-        check_layout(layout, len(self.tokenizer))
-        check_keep_rate(keep_rate)
-        check_optional_flag(reselect, "reselect")
-        self.uses_document_cache(document_cache)
-        self.check_length(len(layout), params.max_new_tokens)
-        self.check_output(params)
-        if self._needs_draft(layout, keep_rate, reselect):
-            return self.draft_scoring.prepare(layout)  # raises DraftContextLengthError or DraftLimitError
-        return None
-
-    def _stream(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams,
-        keep_rate: RequestKeepRate,
-        started: float,
-        reselect: bool | None = None,
-        document_cache: bool | None = None,
-    ) -> Iterator[StreamChunk]:
-        prepared = self._check_request(layout, params, keep_rate, reselect, document_cache)
-        return self._decode(layout, params, keep_rate, started, prepared, reselect, document_cache)
-
-    def _decoding(self, layout: PromptLayout, params: GenerationParams, chosen: Selection, started: float) -> Decoding:
-        return Decoding(self.tokenizer, layout, params, chosen, started, self.ran(chosen))
-
-    def _decode(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams,
-        keep_rate: RequestKeepRate,
-        started: float,
-        prepared: DraftInput | None,
-        reselect: bool | None,
-        document_cache: bool | None = None,
-    ) -> Iterator[StreamChunk]:
-        chosen = self.select(layout, keep_rate, prepared, reselect, document_cache)
-        decoding = self._decoding(layout, params, chosen, started)
-        generated = self.backend.generate(self.sparse_prompt(layout, chosen.kept), params, decoding.report)
-        try:
-            for token in generated:
-                if chunk := decoding.push(token):
-                    yield chunk
-                if decoding.stopped:
-                    break
-        finally:
-            generated.close()
-        yield decoding.finish()
-
-    # -- async generation (native on the event loop; see :mod:`specprefill_rag.backends.threads`) ----------
-
-    def astream_layout(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams | None = None,
-        keep_rate: RequestKeepRate = None,
-        reselect: bool | None = None,
-        draft_document_cache: bool | None = None,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        """:meth:`stream_layout` for an event loop: draft scoring runs in a worker thread, tokens come from
-        the backend's async interface (over HTTP for a vLLM server: no thread per request). Close the
-        generator (``aclose``) to stop early; that ends the main model's request.
-        """
-        params = check_params(params) or GenerationParams()
-        return self._astream(layout, params, keep_rate, time.perf_counter(), reselect, draft_document_cache)
-
-    async def agenerate_layout(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams | None = None,
-        keep_rate: RequestKeepRate = None,
-        reselect: bool | None = None,
-        draft_document_cache: bool | None = None,
-    ) -> GenerationResult:
-        return await alast_result(self.astream_layout(layout, params, keep_rate, reselect, draft_document_cache))
-
-    def astream(
-        self,
-        question: str,
-        documents: Sequence[DocumentLike],
-        instructions: str | None = None,
-        keep_rate: RequestKeepRate = None,
-        draft_document_cache: bool | None = None,
-        **params: Any,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        """:meth:`stream` for an event loop (the prompt is tokenized on the loop)."""
-        started = time.perf_counter()
-        generation = generation_params(params)
-        layout = self.layout(question, documents, instructions)
-        return self._astream(layout, generation, keep_rate, started, document_cache=draft_document_cache)
-
-    async def agenerate(
-        self,
-        question: str,
-        documents: Sequence[DocumentLike],
-        instructions: str | None = None,
-        keep_rate: RequestKeepRate = None,
-        draft_document_cache: bool | None = None,
-        **params: Any,
-    ) -> GenerationResult:
-        """:meth:`generate` for an event loop."""
-        chunks = self.astream(question, documents, instructions, keep_rate, draft_document_cache, **params)
-        return await alast_result(chunks)
-
-    def astream_chat(
-        self,
-        messages: Sequence[ChatMessage],
-        documents: Sequence[DocumentLike] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: ToolChoice | None = None,
-        parallel_tool_calls: bool = True,
-        keep_rate: RequestKeepRate = None,
-        reselect: bool | None = None,
-        draft_document_cache: bool | None = None,
-        *,
-        question: str | None = None,
-        insert_missing: bool = True,
-        **params: Any,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        """:meth:`stream_chat` for an event loop (the chat is laid out on the loop)."""
-        started = time.perf_counter()
-        request = self.chat_request(
-            messages,
-            documents,
-            tools,
-            tool_choice,
-            parallel_tool_calls,
-            params=generation_params(params),
-            question=question,
-            insert_missing=insert_missing,
-        )
-        return self._astream(request.chat.layout, request.params, keep_rate, started, reselect, draft_document_cache)
-
-    async def achat(
-        self,
-        messages: Sequence[ChatMessage],
-        documents: Sequence[DocumentLike] | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        tool_choice: ToolChoice | None = None,
-        parallel_tool_calls: bool = True,
-        keep_rate: RequestKeepRate = None,
-        reselect: bool | None = None,
-        draft_document_cache: bool | None = None,
-        *,
-        question: str | None = None,
-        insert_missing: bool = True,
-        **params: Any,
-    ) -> GenerationResult:
-        """:meth:`chat` for an event loop."""
-        chunks = self.astream_chat(
-            messages,
-            documents,
-            tools,
-            tool_choice,
-            parallel_tool_calls,
-            keep_rate,
-            reselect,
-            draft_document_cache,
-            question=question,
-            insert_missing=insert_missing,
-            **params,
-        )
-        return await alast_result(chunks)
-
-    def _astream(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams,
-        keep_rate: RequestKeepRate,
-        started: float,
-        reselect: bool | None = None,
-        document_cache: bool | None = None,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        prepared = self._check_request(layout, params, keep_rate, reselect, document_cache)
-        return self._adecode(layout, params, keep_rate, started, prepared, reselect, document_cache)
-
-    async def _adecode(
-        self,
-        layout: PromptLayout,
-        params: GenerationParams,
-        keep_rate: RequestKeepRate,
-        started: float,
-        prepared: DraftInput | None,
-        reselect: bool | None,
-        document_cache: bool | None = None,
-    ) -> AsyncGenerator[StreamChunk, None]:
-        chosen = await asyncio.to_thread(self.select, layout, keep_rate, prepared, reselect, document_cache)
-        async with aclosing(self._astream_kept(layout, params, chosen, started)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        return last_result(self._stream(layout, generation, _options(keep_rate, None, draft_document_cache), started))
 
     def astream_selected(
         self,
@@ -772,26 +416,73 @@ class SpecPrefillEngine:
         params: GenerationParams,
         chosen: Selection,
         started: float,
-        tenant: str | None = None,
+        options: RequestOptions | None = None,
     ) -> AsyncGenerator[StreamChunk, None]:
         """:meth:`astream_layout` with the kept indices chosen elsewhere: the gateway scores the drafts of
-        concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival; ``tenant``: the
-        namespace of the main model's prefix cache (None: shared).
+        concurrent requests in batches. ``started``: ``time.perf_counter()`` at arrival; ``options``: the request's.
         """
         self.check_length(len(layout), params.max_new_tokens)
         self.check_output(params)
-        return self._astream_kept(layout, params, chosen, started, tenant)
+        decoding, prompt = self._start(layout, params, chosen, started, options or RequestOptions())
+        return self._agenerate(prompt, params, decoding)
 
-    async def _astream_kept(
+    # -- the core: every entry point above ends here ---------------------------------------------------
+
+    def _stream(
+        self, layout: PromptLayout, params: GenerationParams, options: RequestOptions, started: float | None = None
+    ) -> RequestStream:
+        """A request checked and planned now (:meth:`_plan`), answered when iterated or taken onto a loop."""
+        started = time.perf_counter() if started is None else started
+        plan = self._plan(layout, params, options)
+        return RequestStream(
+            partial(self._decode, plan, params, started), partial(self._adecode, plan, params, started)
+        )
+
+    def _plan(self, layout: PromptLayout, params: GenerationParams, options: RequestOptions) -> DraftPlan:
+        """Refuse a request before any model runs: a bad layout, a document cache the draft lacks, too long for
+        the main model's context or for the draft (its context, ``max_draft_tokens``), an output format the
+        backend cannot enforce. Returns its plan (:meth:`Pipeline.plan`: what the draft will read).
+        """
+        check_layout(layout, len(self.tokenizer))
+        options = self.pipeline.resolve(options)
+        self.check_length(len(layout), params.max_new_tokens)
+        self.check_output(params)
+        return self.pipeline.plan(layout, options)  # raises DraftContextLengthError or DraftLimitError
+
+    def _start(
         self,
         layout: PromptLayout,
         params: GenerationParams,
         chosen: Selection,
         started: float,
-        tenant: str | None = None,
+        options: RequestOptions,
+    ) -> tuple[Decoding, SparsePrompt]:
+        """The decoding of a request's tokens, made right before the main prefill, and what that prefills."""
+        decoding = Decoding(self.tokenizer, layout, params, chosen, started, self.ran(chosen))
+        return decoding, self.sparse_prompt(layout, chosen.kept, options)
+
+    def _decode(self, plan: DraftPlan, params: GenerationParams, started: float) -> Generator[StreamChunk, None, None]:
+        """Answer in this thread: the draft and the main model run here (blocking)."""
+        chosen = self.pipeline.choose(plan, self.scorer)
+        decoding, prompt = self._start(plan.layout, params, chosen, started, plan.options)
+        with closing(self.backend.generate(prompt, params, decoding.report)) as generated:
+            yield from decoding.chunks(generated)
+        yield decoding.finish()
+
+    async def _adecode(
+        self, plan: DraftPlan, params: GenerationParams, started: float
     ) -> AsyncGenerator[StreamChunk, None]:
-        decoding = self._decoding(layout, params, chosen, started)
-        prompt = self.sparse_prompt(layout, chosen.kept, tenant)
+        """Answer on the event loop: the draft in a worker thread, tokens from the backend's async interface."""
+        chosen = await self.pipeline.achoose(plan, self.scorer)
+        decoding, prompt = self._start(plan.layout, params, chosen, started, plan.options)
+        async with aclosing(self._agenerate(prompt, params, decoding)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _agenerate(
+        self, prompt: SparsePrompt, params: GenerationParams, decoding: Decoding
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """The chunks of ``prompt``'s tokens from the backend's async interface, then the last one."""
         async with aclosing(self.backend.agenerate(prompt, params, decoding.report)) as generated:
             async for token in generated:
                 if chunk := decoding.push(token):
@@ -862,44 +553,3 @@ class SpecPrefillEngine:
 
 
 _WARM_QUESTION = "?"  # the question comes after the documents: it never changes what is warmed
-
-
-def _prefix_cache(config: SpecPrefillConfig, draft_model: Any) -> PrefixKVCache | None:
-    """The shared draft prefix cache for ``draft_model``'s device, or ``None`` when ``config`` turns it off."""
-    return shared_prefix_cache(next(draft_model.parameters()).device, config.draft_cache_mb * 2**20)
-
-
-def _document_cache(config: SpecPrefillConfig, draft_model: Any) -> DocumentKVCache | None:
-    """The shared per-document draft cache for ``draft_model``'s device, or ``None`` when ``config`` turns it off."""
-    return shared_document_cache(next(draft_model.parameters()).device, config.document_cache_mb * 2**20)
-
-
-def _with_default_draft(config: SpecPrefillConfig) -> SpecPrefillConfig:
-    """``config`` with 'self' as its draft when none is named; a set ``look_ahead`` then asks for a draft."""
-    try:
-        return config.with_default_draft()
-    except ValidationError as error:  # look_ahead was set, and no draft model named
-        raise InvalidRequestError(str(error.errors()[0]["msg"]).removeprefix("Value error, ")) from None
-
-
-def _prompt_floor(config: SpecPrefillConfig, draft_share: float, look_ahead: int, context_length: int) -> int:
-    """``config.min_prompt_tokens``, or for "auto" the length from which this draft pays
-    (:func:`~specprefill_rag.draft.cost.pays_from`); past the context (nothing compressed) when it never does.
-    """
-    if config.min_prompt_tokens != AUTO:
-        return config.min_prompt_tokens
-    floor = pays_from(draft_share, look_ahead)
-    if floor is None:
-        log.warning(
-            "the draft costs %.0f%% of the main model per prompt token, so it cannot save time and no prompt is "
-            "compressed; use draft='self' or a smaller draft, or set min_prompt_tokens to compress anyway",
-            100 * draft_share,
-        )
-        return context_length + 1
-    return floor
-
-
-def _make_config(config: SpecPrefillConfig | None, settings: dict[str, Any]) -> SpecPrefillConfig:
-    if config is not None and settings:
-        raise InvalidRequestError("pass either a SpecPrefillConfig or its fields as keyword arguments, not both")
-    return config if config is not None else SpecPrefillConfig(**settings)

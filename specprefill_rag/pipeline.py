@@ -1,23 +1,33 @@
-"""One request's way to the main model, written once for the engine and the gateway:
-budget -> draft input -> (importance, scored by the caller) -> kept tokens -> sparse prompt.
+"""One request's way to the main model, written once for the engine, the gateway and the adapters:
+options -> budget -> recall -> draft input -> importance (scored by a :class:`Scorer`) -> kept tokens -> sparse prompt.
 
-The only step that differs is who runs the draft: the engine scores a prompt itself, the gateway in
-its batched draft queue. Whether a request is compressed, with which keep policy, how importance
-becomes kept chunks and what the main model then prefills are decided here.
+:meth:`Pipeline.plan` decides, before any model runs, whether and what the draft reads (and refuses what the client
+must fix: a prompt too long for the draft, a document cache that is off); :meth:`Pipeline.choose` (or
+:meth:`Pipeline.achoose` on an event loop) runs the draft through a scorer and selects the kept tokens. The only
+thing that differs between callers is the scorer (the engine's :class:`InlineScorer` drafts in the caller's thread,
+the gateway's queue in batches) and what a failed draft does (``on_draft_error``: the engine raises, the gateway
+sends the prompt whole or answers 500).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Literal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Literal, NoReturn, Protocol
 
 import torch
 
 from .backends.base import SparsePrompt
 from .config import AUTO, SpecPrefillConfig
+from .draft.assembly import DocumentSpans
+from .draft.paths import DirectScoring, DraftInput, MappedScoring, TokenScorer, document_spans, draft_score
+from .errors import InvalidRequestError
 from .prompt.layout import PromptLayout
+from .request import RequestOptions
 from .results import KeepPolicy, NotCompressed, Selection
 from .selection import FixedRate, ImportanceMass, KeepBudget, select_kept
 from .selection.memo import RecalledSpans, SelectionMemo
@@ -87,18 +97,208 @@ class Budget:
         return "auto" if self.keep_rate == AUTO else "fixed"
 
 
-class Pipeline:
-    """The request path of one engine: its config, whether its backend prefills sparse prompts, and the
-    prompt length below which nothing is compressed (``config.min_prompt_tokens`` resolved for the pair).
+class DocumentCacheOff(InvalidRequestError):
+    """A request asks for the per-document draft cache of a draft that has none (``document_cache_mb`` 0)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "draft_document_cache=True, but this draft has no per-document cache (document_cache_mb=0; a gateway: "
+            "--document-cache-mb 0); build the engine with document_cache_mb above 0 (serve --document-cache-mb "
+            "above 0), or leave draft_document_cache off"
+        )
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """One request's way through the pipeline, decided before any model runs (:meth:`Pipeline.plan`).
+
+    Attributes:
+        layout: the prompt.
+        options: the request's options, unset ones resolved (the engine's config).
+        budget: what it keeps, and whether it is compressed.
+        recalled: spans whose kept tokens an earlier request chose (stable selection), or None.
+        prepared: what the draft reads; None when no draft runs (not compressed, every span recalled, or
+            ``draft_error``).
+        documents: the draft prompt's documents to take from the per-document cache, or None.
+        draft_error: why the draft could not read this prompt, when the error policy sends it whole.
     """
 
-    def __init__(self, config: SpecPrefillConfig, sparse_prefill: bool, min_prompt_tokens: int) -> None:
+    layout: PromptLayout
+    options: RequestOptions
+    budget: Budget
+    recalled: RecalledSpans | None = None
+    prepared: DraftInput | None = None
+    documents: DocumentSpans | None = None
+    draft_error: str | None = None
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """A scorer's answer for one prompt: ``[L_d + Q]`` importance of the draft's own tokens, and its cost."""
+
+    importance: torch.Tensor
+    cost: DraftCost
+
+
+class Scorer(Protocol):
+    """Runs the draft on one prepared prompt, blocking (the engine's sync path)."""
+
+    def score(self, prepared: DraftInput, documents: DocumentSpans | None, options: RequestOptions) -> Drafted:
+        """The draft's importance of ``prepared.token_ids``; ``documents``: take their KV from the per-document
+        cache; ``options``: the request's (resolved) options.
+        """
+        ...
+
+
+class AsyncScorer(Protocol):
+    """Runs the draft on one prepared prompt from an event loop (the engine's async path, the gateway's queue)."""
+
+    async def ascore(self, prepared: DraftInput, documents: DocumentSpans | None, options: RequestOptions) -> Drafted:
+        """:meth:`Scorer.score`, awaited."""
+        ...
+
+
+@dataclass(frozen=True)
+class InlineScorer:
+    """The engine's scorer: the draft runs in the caller's thread (a worker thread from an event loop), on its own
+    device under its model's lock.
+    """
+
+    draft: TokenScorer
+
+    def score(self, prepared: DraftInput, documents: DocumentSpans | None, options: RequestOptions) -> Drafted:
+        started = time.perf_counter()
+        scored = draft_score(self.draft, prepared.token_ids, documents, options.tenant)
+        cost = DraftCost(
+            _milliseconds(started),
+            scored.cached_tokens,
+            document_cached_tokens=scored.document_cached_tokens,
+            documents_cached=scored.documents_cached,
+        )
+        return Drafted(scored.importance, cost)
+
+    async def ascore(self, prepared: DraftInput, documents: DocumentSpans | None, options: RequestOptions) -> Drafted:
+        return await asyncio.to_thread(self.score, prepared, documents, options)
+
+
+# What a failed draft does: raise, or return the ``draft_error`` text the prompt then goes whole with.
+DraftErrorPolicy = Callable[[Exception], str]
+
+
+def reraise(error: Exception) -> NoReturn:
+    """The engine's policy: a failed draft fails the request with its own error."""
+    raise error
+
+
+def _milliseconds(since: float) -> float:
+    return (time.perf_counter() - since) * 1000.0
+
+
+class Pipeline:
+    """The request path of one engine: its config, whether its backend prefills sparse prompts, the prompt
+    length below which nothing is compressed (``config.min_prompt_tokens`` resolved for the pair) and how the
+    draft reads a layout (``scoring``; None for a pipeline that is only given importance, :meth:`select`).
+    """
+
+    def __init__(
+        self,
+        config: SpecPrefillConfig,
+        sparse_prefill: bool,
+        min_prompt_tokens: int,
+        scoring: DirectScoring | MappedScoring | None = None,
+    ) -> None:
         self.config = config
         self.sparse_prefill = sparse_prefill
         self.min_prompt_tokens = min_prompt_tokens
+        self.scoring = scoring
+        self.defaults = RequestOptions(
+            config.keep_rate, config.max_document_tokens, config.reselect, config.draft_document_cache
+        )
         self.memo = SelectionMemo()
         self._noticed: set[NotCompressed] = set()
         self._notice_lock = threading.Lock()
+
+    def resolve(self, options: RequestOptions) -> RequestOptions:
+        """``options`` with each unset one taken from the config; refuses the per-document draft cache where the
+        draft has none (:class:`DocumentCacheOff`).
+        """
+        resolved = options.over(self.defaults)
+        if resolved.draft_document_cache and (self.scoring is None or self.scoring.draft.document_cache is None):
+            raise DocumentCacheOff()
+        return resolved
+
+    def plan(
+        self,
+        layout: PromptLayout,
+        options: RequestOptions,
+        prepared: DraftInput | None = None,
+        on_draft_error: DraftErrorPolicy = reraise,
+    ) -> DraftPlan:
+        """What this request does, before any model runs: its budget, the spans it recalls, and what the draft
+        reads (``prepared``, when the caller already has it). A prompt too long for the draft
+        (:class:`~specprefill_rag.errors.DraftContextLengthError`, ``DraftLimitError``) is refused whatever the
+        policy: sending it whole would turn a compressed request into a full-cost one the client did not ask for
+        (it can: ``keep_rate=1.0`` or ``enabled=False``); another failure to prepare it follows ``on_draft_error``.
+        """
+        options = self.resolve(options)
+        rate = self.config.keep_rate if options.keep_rate is None else options.keep_rate
+        budget = self.budget(layout, rate, options.max_document_tokens, options.enabled)
+        recalled = self.recall(layout, budget, options.reselect, options.tenant)
+        if not budget.compressed or (recalled is not None and recalled.complete):
+            return DraftPlan(layout, options, budget, recalled)
+        try:
+            prepared = prepared or self._scoring.prepare(layout)
+        except InvalidRequestError:
+            raise
+        except Exception as error:  # the draft cannot read it (a mapped draft's template changes the documents)
+            return DraftPlan(layout, options, budget, recalled, draft_error=on_draft_error(error))
+        documents = document_spans(prepared) if options.draft_document_cache else None
+        return DraftPlan(layout, options, budget, recalled, prepared, documents)
+
+    def choose(self, plan: DraftPlan, scorer: Scorer, on_draft_error: DraftErrorPolicy = reraise) -> Selection:
+        """The kept tokens of a planned request, its draft run by ``scorer``; a failed draft follows
+        ``on_draft_error`` (raise, or send the prompt whole with the text it returns as ``draft_error``).
+        """
+        if plan.prepared is None:
+            return self._undrafted(plan)
+        try:
+            return self._drafted(plan, scorer.score(plan.prepared, plan.documents, plan.options))
+        except Exception as error:  # the draft failed on this prompt: out of memory, non-finite scores...
+            return self.whole(plan.layout, plan.budget, on_draft_error(error))
+
+    async def achoose(
+        self, plan: DraftPlan, scorer: AsyncScorer, on_draft_error: DraftErrorPolicy = reraise
+    ) -> Selection:
+        """:meth:`choose` on an event loop: the scorer is awaited (a worker thread, the gateway's queue)."""
+        if plan.prepared is None:
+            return self._undrafted(plan)
+        try:
+            drafted = await scorer.ascore(plan.prepared, plan.documents, plan.options)
+            return self._drafted(plan, drafted)
+        except Exception as error:  # the draft failed on this prompt: out of memory, non-finite scores...
+            return self.whole(plan.layout, plan.budget, on_draft_error(error))
+
+    def _undrafted(self, plan: DraftPlan) -> Selection:
+        """A request no draft runs for: whole (not compressed, or the draft could not read it), or every span
+        recalled from an earlier request.
+        """
+        if plan.draft_error is not None or not plan.budget.compressed:
+            return self.whole(plan.layout, plan.budget, plan.draft_error)
+        return self.select(plan.layout, plan.budget, None, recalled=plan.recalled)
+
+    def _drafted(self, plan: DraftPlan, drafted: Drafted) -> Selection:
+        """Selection from the draft's importance carried onto the layout (the mapping counts as draft time)."""
+        assert plan.prepared is not None
+        started = time.perf_counter()
+        importance = self._scoring.finish(plan.prepared, drafted.importance)
+        cost = replace(drafted.cost, draft_ms=drafted.cost.draft_ms + _milliseconds(started))
+        return self.select(plan.layout, plan.budget, importance, cost, plan.recalled)
+
+    @property
+    def _scoring(self) -> DirectScoring | MappedScoring:
+        if self.scoring is None:
+            raise InvalidRequestError("this pipeline has no draft (built without scoring); pass importance to select")
+        return self.scoring
 
     def budget(
         self, layout: PromptLayout, keep_rate: KeepRate, max_document_tokens: int | None, enabled: bool = True
@@ -217,10 +417,14 @@ class Pipeline:
         )
         log.warning("%s (stats: uncompressed_reason=%r; logged once)", fix, reason)
 
-    def sparse_prompt(self, layout: PromptLayout, kept: torch.Tensor, tenant: str | None = None) -> SparsePrompt:
+    def sparse_prompt(
+        self, layout: PromptLayout, kept: torch.Tensor, options: RequestOptions | None = None
+    ) -> SparsePrompt:
         """What the main model prefills: the ``[K]`` kept tokens at their original positions, or renumbered
-        ``0..K-1`` with ``config.positions="contiguous"``; in ``tenant``'s prefix-cache namespace.
+        ``0..K-1`` with ``config.positions="contiguous"``; in the prefix-cache namespace of the request's tenant
+        (``options.tenant``).
         """
+        tenant = options.tenant if options is not None else None
         if self.config.positions == "contiguous":
             return SparsePrompt.renumbered(layout.input_ids, kept, tenant)
         return SparsePrompt.kept(layout.input_ids, kept, tenant)

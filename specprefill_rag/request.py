@@ -4,7 +4,7 @@ public boundary (engine methods, the gateway's ``spec_prefill`` object, the adap
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
 from .arguments import check_flag, check_keep_rate, check_optional_flag, check_optional_text
@@ -51,3 +51,10 @@ class RequestOptions:
             enabled=check_flag(options.get("enabled", True), "enabled"),
             tenant=check_optional_text(options.get("tenant"), "tenant", "a cache namespace"),
         )
+
+    def over(self, defaults: RequestOptions) -> RequestOptions:
+        """These options, each unset one (None) taken from ``defaults``: a gateway's settings over the engine's,
+        the engine's config under every request.
+        """
+        unset = {f.name: getattr(defaults, f.name) for f in fields(self) if getattr(self, f.name) is None}
+        return replace(self, **unset)

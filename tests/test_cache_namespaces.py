@@ -18,6 +18,7 @@ from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.kvcache.prefix_cache import DraftIdentity, PrefixKVCache
 from specprefill_rag.positions import cache_salt, encode_runs, namespace_salt
 from specprefill_rag.prompt.layout import document_runs
+from specprefill_rag.request import RequestOptions
 from specprefill_rag.results import PrefillReport
 from specprefill_rag.selection.memo import SelectionMemo
 from specprefill_rag.serve.queue import DraftQueue
@@ -155,7 +156,7 @@ def test_engine_selection_takes_a_tenant_and_defaults_to_the_shared_namespace(en
     assert engine.select(layout, 0.3, tenant="tenant-a").draft_cached_tokens == 0
     assert engine.select(layout, 0.3).draft_cached_tokens > 0  # the engine API, no tenant: as before
     assert engine.select(layout, 0.3, tenant="tenant-a").draft_cached_tokens > 0
-    prompt = engine.sparse_prompt(layout, torch.arange(len(layout)), "tenant-a")
+    prompt = engine.sparse_prompt(layout, torch.arange(len(layout)), RequestOptions(tenant="tenant-a"))
     assert prompt.namespace == "tenant-a" and engine.sparse_prompt(layout, torch.arange(3)).namespace is None
 
 

@@ -55,7 +55,9 @@ def test_compressed_request_keeps_question_and_template(engine, monkeypatch):
     importance = constant_per_document(layout, [1.0, 4.0, 2.0, 3.0])
     scored = engine.draft.score_prompt
     monkeypatch.setattr(
-        engine.draft, "score_prompt", lambda ids, documents=None: replace(scored(ids, documents), importance=importance)
+        engine.draft,
+        "score_prompt",
+        lambda ids, documents=None, namespace=None: replace(scored(ids, documents, namespace), importance=importance),
     )
     result = engine.generate_layout(layout, GenerationParams(max_new_tokens=8))
     stats = result.stats

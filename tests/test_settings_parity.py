@@ -10,7 +10,7 @@ from llama_index.llms.specprefill import SpecPrefillLLM
 from pydantic import Field
 
 from langchain_specprefill import ChatSpecPrefill
-from specprefill_rag.adapter_settings import ADAPTER_NAMES, AdapterSettings
+from specprefill_rag.adapters.settings import ADAPTER_NAMES, AdapterSettings
 from specprefill_rag.cli import ASK_DECODING, _described, parser
 from specprefill_rag.config import (
     DECODING_DEFAULTS,

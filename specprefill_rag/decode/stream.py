@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterable, Iterator
 from contextlib import aclosing
 from typing import Any
 
@@ -94,6 +94,16 @@ class Decoding:
         chunk = StreamChunk(delta, self._pending, tool_calls=calls, logprobs=self._pending_logprobs())
         self._pending = []
         return chunk
+
+    def chunks(self, tokens: Iterable[int]) -> Iterator[StreamChunk]:
+        """The chunks of a blocking backend's ``tokens`` (:meth:`push` each), up to a stop string; the caller closes
+        ``tokens`` and adds :meth:`finish`.
+        """
+        for token in tokens:
+            if chunk := self.push(token):
+                yield chunk
+            if self.stopped:
+                return
 
     def _pending_logprobs(self) -> tuple[TokenLogprob, ...] | None:
         """The log-probabilities of the tokens not yet in a chunk (None when the request did not ask)."""

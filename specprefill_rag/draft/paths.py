@@ -26,6 +26,7 @@ from ..prompt.layout import PromptLayout, PromptSource, document_runs, instructi
 from ..results import DraftPath
 from .assembly import DocumentSpans
 from .budget import check_draft_tokens, draft_token_limit, score_or_out_of_memory
+from .document_cache import DocumentStore
 from .importance import DraftScore
 from .mapping import Reduce, map_importance
 
@@ -41,6 +42,7 @@ class TokenScorer(Protocol):
 
     model: Any
     prefix_cache: PrefixKVCache | None
+    document_cache: DocumentStore | None
 
     def score(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[L]`` long ids -> ``[L]`` float32 importance."""
@@ -94,6 +96,22 @@ def draft_score(
     return replace(scored, importance=scored.importance.cpu())
 
 
+def draft_score_batch(
+    draft: TokenScorer,
+    prompts: list[torch.Tensor],
+    documents: list[DocumentSpans | None] | None = None,
+    namespaces: list[str | None] | None = None,
+) -> list[DraftScore | Exception]:
+    """:func:`draft_score` for several ``[L_i]`` prompts in one forward (the gateway's batches): each its result or
+    its own error, importance on the CPU. ``documents``: per prompt its documents for the per-document cache;
+    ``namespaces``: per prompt its tenant's cache namespace (None: all shared).
+    """
+    device = next(draft.model.parameters()).device
+    with model_lock(draft.model):
+        results = draft.score_batch([p.to(device) for p in prompts], documents, namespaces)
+    return [replace(r, importance=r.importance.cpu()) if isinstance(r, DraftScore) else r for r in results]
+
+
 def score_layout(
     scoring: DirectScoring | MappedScoring,
     layout: PromptLayout,
@@ -131,7 +149,7 @@ def warm_layout(scoring: DirectScoring | MappedScoring, layout: PromptLayout, na
     """
     prepared = scoring.prepare(layout)
     spans = document_spans(prepared)
-    if spans is None or getattr(scoring.draft, "document_cache", None) is None:
+    if spans is None or scoring.draft.document_cache is None:
         return 0
     device = next(scoring.draft.model.parameters()).device
     with model_lock(scoring.draft.model):

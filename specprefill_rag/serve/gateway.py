@@ -1,9 +1,10 @@
 """One request through the gateway: layout -> (draft queue) -> selection -> main model, as stream chunks.
 
 The gateway owns no model code: it takes the engine's request path (:class:`~specprefill_rag.pipeline.Pipeline`:
-budget, kept tokens, sparse prompt), scores the prompt in the shared
-:class:`~specprefill_rag.serve.queue.DraftQueue` instead of one at a time, and streams through
-:meth:`SpecPrefillEngine.astream_selected`. A draft failure follows ``on_draft_error``.
+plan, draft, kept tokens, sparse prompt) with its own scorer, :class:`QueuedScorer` (the shared
+:class:`~specprefill_rag.serve.queue.DraftQueue` scores concurrent prompts in batches), and streams through
+:meth:`SpecPrefillEngine.astream_selected`. A draft failure follows ``on_draft_error``; a prompt too long for the
+draft is a 400, as the engine's ``DraftLimitError``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,13 +24,13 @@ from ..config import GenerationParams
 from ..decode.stream import selected
 from ..draft.assembly import DocumentSpans
 from ..draft.importance import DraftScore
-from ..draft.paths import document_spans
+from ..draft.paths import DraftInput, draft_score_batch
 from ..engine import SpecPrefillEngine
 from ..errors import InvalidRequestError
-from ..models.loading import model_lock
-from ..pipeline import Budget, DraftCost
+from ..pipeline import DocumentCacheOff, DraftCost, Drafted, DraftPlan
 from ..prompt.chat import ChatLayout
-from ..prompt.layout import Document, PromptLayout
+from ..prompt.layout import Document
+from ..request import RequestOptions
 from ..results import DraftPath, Selection, StreamChunk
 from .errors import ClientGone, bad_request, deadline_exceeded, draft_failed, queue_full, workers_busy
 from .guard import BodyReaders, Slots
@@ -84,6 +85,29 @@ class Answer:
         }
 
 
+@dataclass(frozen=True)
+class QueuedScorer:
+    """The gateway's scorer (:class:`~specprefill_rag.pipeline.AsyncScorer`): prompts wait in the draft queue and
+    are scored in batches; the cost records the wait and the batch.
+    """
+
+    queue: DraftQueue
+
+    async def ascore(self, prepared: DraftInput, documents: DocumentSpans | None, options: RequestOptions) -> Drafted:
+        queued = time.perf_counter()
+        scored = await self.queue.score(prepared.token_ids, documents, options.tenant)
+        queue_ms = max((time.perf_counter() - queued) * 1000.0 - scored.draft_ms, 0.0)
+        cost = DraftCost(
+            scored.draft_ms,
+            scored.cached_tokens,
+            queue_ms,
+            scored.batch_size,
+            scored.document_cached_tokens,
+            scored.documents_cached,
+        )
+        return Drafted(scored.importance, cost)
+
+
 class Gateway:
     """The engine, the draft queue, the bound on requests in flight and the metrics of one gateway process."""
 
@@ -104,6 +128,10 @@ class Gateway:
         self.readers = BodyReaders(settings.max_connections, settings.max_bodies_per_client)
         self.metrics = GatewayMetrics(lambda: self.queue.depth, engine.draft.prefix_cache, engine.document_cache)
         self.queue.on_batch = self.metrics.batch
+        self.scorer = QueuedScorer(self.queue)
+        self.defaults = RequestOptions(
+            settings.keep_rate, settings.max_document_tokens, draft_document_cache=settings.draft_document_cache
+        )
 
     def _score_batch(
         self,
@@ -115,73 +143,58 @@ class Gateway:
         per prompt its documents to take from the per-document cache, or None; ``namespaces``: per prompt its
         tenant's cache namespace.
         """
-        draft = self.engine.draft
-        device = next(draft.model.parameters()).device
-        with model_lock(draft.model):
-            results = draft.score_batch([p.to(device) for p in prompts], documents, namespaces)
-        return [replace(r, importance=r.importance.cpu()) if isinstance(r, DraftScore) else r for r in results]
+        return draft_score_batch(self.engine.draft, prompts, documents, namespaces)
 
     async def answer(self, plan: Plan) -> AsyncGenerator[Answer, None]:
         """Stream one request; raises :class:`GatewayError` or the engine's errors before the first chunk."""
         layout = plan.layout.layout
         self.engine.check_length(len(layout), plan.params.max_new_tokens)
-        selection = await self._select(plan)
-        chunks = self.engine.astream_selected(layout, plan.params, selection, plan.started, plan.tenant)
+        drafting = self._plan(plan)
+        selection = await self._select(drafting)
+        chunks = self.engine.astream_selected(layout, plan.params, selection, plan.started, drafting.options)
         async with aclosing(chunks):
             async for chunk in chunks:
                 yield Answer(chunk, selection)
 
-    async def _select(self, plan: Plan) -> Selection:
-        """The engine's request path (:class:`~specprefill_rag.pipeline.Pipeline`), the draft scored in the queue."""
-        layout, options, pipeline = plan.layout.layout, plan.options, self.engine.pipeline
-        use_cache = self._document_cache(options)
-        rate = options.keep_rate if options.keep_rate is not None else self.settings.keep_rate
-        cap = (
-            options.max_document_tokens
-            if options.max_document_tokens is not None
-            else self.settings.max_document_tokens
-        )
-        budget = pipeline.budget(layout, rate, cap, options.enabled)
-        if not budget.compressed:
-            return pipeline.whole(layout, budget)
-        recalled = pipeline.recall(layout, budget, options.reselect, plan.tenant)
-        if recalled is not None and recalled.complete:  # every span kept its tokens from an earlier turn
-            return pipeline.select(layout, budget, None, recalled=recalled)
-        queued = time.perf_counter()
-        scoring = self.engine.draft_scoring  # direct: the layout's ids; mapped: its rendering for the draft
-        try:
-            prepared = scoring.prepare(layout)
-            spans = document_spans(prepared) if use_cache else None  # the draft's own tokens, on every path
-            scored = await self.queue.score(prepared.token_ids, spans, plan.tenant)
-            importance = scoring.finish(prepared, scored.importance)
-        except QueueFull as full:
-            raise queue_full(full.depth, full.retry_after_s) from None
-        except Exception as error:  # the draft failed on this prompt: too long for it, out of memory, non-finite...
-            return self._after_draft_error(layout, budget, error)
-        queue_ms = max((time.perf_counter() - queued) * 1000.0 - scored.draft_ms, 0.0)
-        cost = DraftCost(
-            scored.draft_ms,
-            scored.cached_tokens,
-            queue_ms,
-            scored.batch_size,
-            scored.document_cached_tokens,
-            scored.documents_cached,
-        )
-        return pipeline.select(layout, budget, importance, cost, recalled)
+    async def _select(self, drafting: DraftPlan) -> Selection:
+        """The engine's request path (:meth:`Pipeline.achoose`), the draft scored in the queue."""
+        return await self.engine.pipeline.achoose(drafting, self.scorer, self._on_draft_error)
 
-    def _document_cache(self, options: SpecPrefillOptions) -> bool:
-        """Whether this request's draft takes its documents from the per-document cache: its
-        ``spec_prefill.draft_document_cache``, else ``--draft-document-cache``; 400 when there is no cache.
+    def _plan(self, plan: Plan) -> DraftPlan:
+        """The request's way through the engine's pipeline (:meth:`Pipeline.plan`), its options over the gateway's
+        defaults; a 400 naming the field for what the client must fix (a document cache the gateway lacks; a prompt
+        too long for the draft raises the engine's error, which the app answers as a 400 in the wire's words).
         """
-        asked = options.draft_document_cache
-        wanted = self.settings.draft_document_cache if asked is None else asked
-        if wanted and self.engine.document_cache is None:
-            raise bad_request(
-                f"{DOCUMENT_CACHE_FIELD} is true but this gateway runs without the per-document draft cache "
-                "(--document-cache-mb 0); send false, or start the gateway with --document-cache-mb above 0",
-                DOCUMENT_CACHE_FIELD,
-            )
-        return wanted
+        options = self._options(plan)
+        try:
+            return self.engine.pipeline.plan(plan.layout.layout, options, on_draft_error=self._on_draft_error)
+        except DocumentCacheOff as error:
+            raise bad_request(str(error), DOCUMENT_CACHE_FIELD) from None
+
+    def _options(self, plan: Plan) -> RequestOptions:
+        """A request's ``spec_prefill`` options over the gateway's settings (then the engine's config), in its
+        tenant's cache namespace.
+        """
+        fields = ("keep_rate", "max_document_tokens", "reselect", "draft_document_cache", "enabled")
+        given = {name: getattr(plan.options, name) for name in fields}
+        return RequestOptions(**given, tenant=plan.tenant).over(self.defaults)
+
+    def _on_draft_error(self, error: Exception) -> str:
+        """``--on-draft-error`` for a draft that failed on a request: ``fail`` answers 500, ``full`` returns the
+        ``draft_error`` the request then goes uncompressed with. A full queue is a 429 either way.
+        """
+        if isinstance(error, QueueFull):
+            raise queue_full(error.depth, error.retry_after_s) from None
+        on_error = self.settings.on_draft_error
+        self.metrics.draft_errors.labels(type(error).__name__, on_error).inc()
+        if on_error == "fail":
+            raise draft_failed(error) from error
+        log.warning(
+            "draft failed (%s: %s); sending the request uncompressed (--on-draft-error full)",
+            type(error).__name__,
+            error,
+        )
+        return f"{type(error).__name__}: {error}"
 
     async def check_output(self, check: Callable[[], None], started: float) -> None:
         """Run ``check`` (the backend compiling a request's output grammar, blocking) on the grammar workers, within
@@ -256,15 +269,3 @@ class Gateway:
         skipped = [{"index": s.index, "reason": s.reason} for s in report.skipped]
         held = {"warmed": report.warmed, "documents": len(documents), "held": mine.entries, "skipped": skipped}
         return {**held, "cache_bytes": mine.nbytes, "cache_max_bytes": store.max_bytes}
-
-    def _after_draft_error(self, layout: PromptLayout, budget: Budget, error: Exception) -> Selection:
-        on_error = self.settings.on_draft_error
-        self.metrics.draft_errors.labels(type(error).__name__, on_error).inc()
-        if on_error == "fail":
-            raise draft_failed(error)
-        log.warning(
-            "draft failed (%s: %s); sending the request uncompressed (--on-draft-error full)",
-            type(error).__name__,
-            error,
-        )
-        return self.engine.pipeline.whole(layout, budget, draft_error=f"{type(error).__name__}: {error}")

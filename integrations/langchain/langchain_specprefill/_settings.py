@@ -10,7 +10,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from langchain_specprefill._sessions import GatewaySession, LocalSession, Reply
 from langchain_specprefill.retrievers import install_retriever_recorder, retrieved_documents
-from specprefill_rag.adapter_settings import AdapterSettings
+from specprefill_rag.adapters.settings import AdapterSettings
 from specprefill_rag.arguments import generation_params
 from specprefill_rag.config import GenerationParams, LogprobSettings, declared_field
 from specprefill_rag.errors import InvalidRequestError

@@ -46,7 +46,7 @@ from llama_index.llms.specprefill._sessions import GatewaySession, LocalSession,
 from llama_index.llms.specprefill._tools import prepared_tools, resolve_tool_choice, tool_choice_name, tool_schemas
 from llama_index.llms.specprefill._tools import tool_selections as _tool_selections
 
-from specprefill_rag.adapter_settings import AdapterSettings
+from specprefill_rag.adapters.settings import AdapterSettings
 from specprefill_rag.arguments import check_flag, check_text, generation_params
 from specprefill_rag.config import GenerationParams, LogprobSettings, declared_field
 from specprefill_rag.errors import InvalidRequestError

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from typing_extensions import Self
 
-from .config import (
+from ..config import (
     CompressionSettings,
     EngineSettings,
     GenerationParams,
@@ -22,7 +22,7 @@ from .config import (
     adapter_config,
     declared_field,
 )
-from .gateway_client import api_key_from_environment
+from ..gateway_client import api_key_from_environment
 
 ADAPTER_NAMES = {"model": "main", "draft_model": "draft"}
 """The adapters' names of engine settings that their ecosystems name otherwise, to the engine's names."""

@@ -1,0 +1,1 @@
+"""What the framework adapters (LangChain, LlamaIndex) share: their settings, generated from the one declaration."""
