@@ -29,6 +29,7 @@ fresh and recomputed tokens, and the scored last token with the look-ahead).
     python benchmarks/document_cache_speed.py speed --out benchmarks/results/document-cache-speed/speed
     python benchmarks/document_cache_speed.py zipf --out benchmarks/results/document-cache-speed/zipf
     python benchmarks/document_cache_speed.py draft --out benchmarks/results/document-cache-speed/draft-phases
+    python benchmarks/document_cache_speed.py draft --repairs blend query query:0.05 --out ...  # issue #44
 
 Both rewrite ``<out>.json`` (settings, every record) and ``<out>.md`` after every request and resume
 from the JSON (``--resume``).
@@ -58,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks  # noqa: E402
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
+from specprefill_rag.config import SHARED_REPAIRS  # noqa: E402
 from specprefill_rag.draft import assembly  # noqa: E402
 from specprefill_rag.draft.model import ModelDraft  # noqa: E402
 from specprefill_rag.draft.repair import DEFAULT_REPAIR, DocumentRepair  # noqa: E402
@@ -146,11 +148,11 @@ def load(out: Path, settings: dict, resume: bool) -> dict:
 
 
 def repair_of(spec: str) -> DocumentRepair:
-    """A ``--repairs`` entry: ``naive``, ``epic``, ``blend`` or ``blend:<share>`` (blend computing that share of
-    the cached document tokens again)."""
+    """A ``--repairs`` entry: ``naive``, ``epic``, ``blend``, ``query``, or ``blend:<share>`` / ``query:<share>``
+    (the repair computing that share of the cached document tokens again)."""
     kind, _, share = spec.partition(":")
-    if share and kind != "blend":
-        raise argparse.ArgumentTypeError(f"only blend takes a share, not {spec!r}")
+    if share and kind not in SHARED_REPAIRS:
+        raise argparse.ArgumentTypeError(f"only blend and query take a share, not {spec!r}")
     return DocumentRepair(kind, share=float(share)) if share else DocumentRepair(kind)  # type: ignore[arg-type]
 
 
@@ -329,6 +331,8 @@ def run_zipf(args) -> None:
     }
     if args.warm_popular:  # named only when used, so runs made before the option existed still resume
         settings["warm_popular"] = args.warm_popular
+    if args.repair != DEFAULT_REPAIR.kind:  # likewise
+        settings["repair"] = args.repair
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
@@ -346,6 +350,7 @@ def run_zipf(args) -> None:
         draft_document_cache=True,
         **common,
     )
+    cached.draft.repair = repair_of(args.repair)  # type: ignore[attr-defined]
     cold = SpecPrefillEngine.from_models(
         main_loaded.model, tokenizer, draft_loaded.model, document_cache_mb=0, **common
     )
@@ -551,7 +556,7 @@ def zipf_table(report: dict) -> str:
 
 PHASES = {  # the assembly's steps, timed where the draft calls them
     "encode_documents": (assembly, "encode_documents"),  # documents looked up, or encoded alone and stored
-    "probe": (assembly, "_recomputed"),  # blend's joint probe and choice of tokens (nothing for naive)
+    "probe": (assembly, "_recomputed"),  # blend's joint probe or query's question pass, and the choice of tokens
     "fresh_forward": (assembly, "_with_fresh"),  # labels, question and recomputed tokens, in context
     "score": (ModelDraft, "_score_from"),  # the last token and the look-ahead, scored
 }
@@ -672,13 +677,19 @@ def main(argv: list[str] | None = None) -> None:
     speed.add_argument("--repeats", type=int, default=3)
     speed.add_argument("--corpus", type=int, default=80, help="paragraphs warmed and drawn from")
     speed.add_argument(
-        "--repairs", nargs="+", default=["blend"], type=repair_spec, help="cached arms' repairs (blend:<share> too)"
+        "--repairs",
+        nargs="+",
+        default=["blend"],
+        type=repair_spec,
+        help="cached arms' repairs (blend:<share>, query:<share> too)",
     )
     draft = studies.choices["draft"]
     draft.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000], help="document tokens per prompt")
     draft.add_argument("--keep", type=float, default=0.1)
     draft.add_argument("--repeats", type=int, default=3)
-    draft.add_argument("--repairs", nargs="+", default=["blend", "naive"], type=repair_spec, help="blend:<share> too")
+    draft.add_argument(
+        "--repairs", nargs="+", default=["blend", "naive"], type=repair_spec, help="blend:<share>, query:<share> too"
+    )
     zipf = studies.choices["zipf"]
     zipf.add_argument("--keep", type=float, default=0.1)
     for workload in (zipf, studies.choices["replay"]):
@@ -691,6 +702,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     studies.choices["replay"].add_argument(
         "--pin", type=int, nargs="+", default=[0, 10, 20, 30, 40, 50], help="most popular paragraphs pinned"
+    )
+    zipf.add_argument(
+        "--repair", default=DEFAULT_REPAIR.kind, type=repair_spec, help="the cached engine's repair (query:0.1...)"
     )
     zipf.add_argument(
         "--warm-popular", type=int, default=0, help="warm the N most popular paragraphs before the first question"

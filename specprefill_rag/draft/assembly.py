@@ -15,12 +15,23 @@ model draft, ``L - W`` for a layer-prefix draft's query window) is put together 
 
 The result is a ``DynamicCache`` whose slot ``i`` holds position ``i``, exactly what a cold prefill of the
 first ``until`` tokens leaves, up to the approximation that cached documents did not see each other.
+
+Which document tokens are recomputed (:mod:`.repair`) is decided before that forward pass. ``blend`` runs its
+joint probe over the first layers. ``query`` reads what the question attends to: one forward pass over the
+tokens that are not cached (labels, the question, and the tokens the draft will score: the last prompt token
+or a layer-prefix draft's window) against the placed cached KV, recording, layer by layer, the attention of
+the rows after the last cached document onto every key. Those tokens are a few dozen against the documents'
+thousands, so this costs a small share of the fresh forward and no pass over the documents; its KV is thrown
+away, and the fresh forward then computes the question again over the repaired documents (so a share of 1
+gives the joint KV). The alternative, the look-ahead's own attention, comes only after the KV is assembled:
+using it would mean a second look-ahead over the repaired KV, which costs more than this pass (the scored
+look-ahead is the largest fixed cost of a warm draft: docs, Document cache).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +40,16 @@ from ..errors import InvalidRequestError
 from ..kvcache.prefix_cache import DraftIdentity, KVLayers
 from .document_cache import DocumentKey, DocumentStore
 from .hooks import StopForward, attention_dispatch, stop_after_layers
-from .repair import NAIVE, DocumentRepair, first_tokens_of, kv_deviation, most_deviating
+from .repair import (
+    NAIVE,
+    DocumentRepair,
+    first_tokens_of,
+    kv_deviation,
+    most_attended,
+    most_deviating,
+    question_attention,
+    recompute_count,
+)
 from .rotation import rotary_inv_freq, rotate_keys
 
 PREFIX_ENTRY = b"prefix"  # the store's third key part for a prefix's own KV
@@ -44,11 +64,13 @@ class AssembledKV:
             position ``i``.
         cached_tokens: document tokens whose KV the store served (rotated), not recomputed.
         documents_cached: documents the store served.
+        recomputed: ``[R]`` sorted long positions of the document tokens the repair computed in context.
     """
 
     past: Any
     cached_tokens: int
     documents_cached: int
+    recomputed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
 
 @dataclass(frozen=True)
@@ -263,10 +285,12 @@ def assemble_prompt_kv(
         raise InvalidRequestError(f"the prefix ({prefix_length} tokens) reaches past the assembled {until} tokens")
     prefix, encoded = encode_documents(model, draft, input_ids, prefix_length, served, store, namespace)
     full, cached = _placed(prefix, served, [layers for layers, _ in encoded], until, inv_freq)
-    cached[_recomputed(model, input_ids[:until], served, full, repair)] = False
+    recomputed = _recomputed(model, draft.layers, input_ids, served, full, cached, repair)
+    cached[recomputed] = False
     hits = [hit for _, hit in encoded]
     hit_tokens = sum(int(cached[start:end].sum()) for (start, end), hit in zip(served.tolist(), hits) if hit)
-    return AssembledKV(_with_fresh(model, draft.layers, input_ids, full, cached), hit_tokens, sum(hits))
+    past = _with_fresh(model, draft.layers, input_ids, full, cached)
+    return AssembledKV(past, hit_tokens, sum(hits), recomputed)
 
 
 def _placed(
@@ -324,21 +348,31 @@ def _with_fresh(
 
 def _recomputed(
     model: Any,
+    layers: int,
     input_ids: torch.Tensor,
     spans: torch.Tensor,
     full: list[tuple[torch.Tensor, torch.Tensor]],
+    cached: torch.Tensor,
     repair: DocumentRepair,
 ) -> torch.Tensor:
-    """``[R]`` long positions of document tokens to compute in context; for ``blend``, also overwrites the first
-    ``probe_layers`` layers of ``full`` (per layer ``[1, H_kv, n, d]``, position order) with the joint KV.
+    """``[R]`` sorted long positions of document tokens to compute in context, for the ``[L]`` prompt whose first
+    ``until`` positions ``full`` holds (per layer ``[1, H_kv, until, d]``, position order; ``cached``: the
+    ``[until]`` bool mask of those filled). For ``blend``, also overwrites the first ``probe_layers`` layers of
+    ``full`` with the joint KV.
     """
     if repair.kind == "naive" or not spans.numel():
         return torch.zeros(0, dtype=torch.long)
     if repair.kind == "epic":
         return first_tokens_of(spans, repair.first_tokens)
-    probe_layers = min(repair.probe_layers, len(full))
-    joint = _probe(model, input_ids, probe_layers)
     positions = torch.cat([torch.arange(start, end) for start, end in spans.tolist()])
+    if repair.kind == "query":
+        if not recompute_count(positions.numel(), repair.share):
+            return torch.zeros(0, dtype=torch.long)
+        attention = _question_attention(model, layers, input_ids, full, cached, int(spans[-1, 1]))
+        return most_attended(positions, attention[positions], repair.share)
+    until = cached.numel()
+    probe_layers = min(repair.probe_layers, len(full))
+    joint = _probe(model, input_ids[:until], probe_layers)
     index = positions.to(input_ids.device)
     last = probe_layers - 1
     cached_layer = (full[last][0][:, :, index], full[last][1][:, :, index])
@@ -347,3 +381,44 @@ def _recomputed(
         keys.copy_(joint_keys)
         values.copy_(joint_values)
     return most_deviating(positions, deviation.cpu(), repair.share)
+
+
+def _question_attention(
+    model: Any,
+    layers: int,
+    input_ids: torch.Tensor,
+    full: list[tuple[torch.Tensor, torch.Tensor]],
+    cached: torch.Tensor,
+    first_question: int,
+) -> torch.Tensor:
+    """``[L]`` float32 attention of the question onto each prompt position over the placed cached KV: one forward
+    pass (the first ``layers`` layers) of the ``[L]`` prompt's tokens not ``cached`` (``[until]`` bool) and those
+    from ``until`` on, each seeing the keys before its position; per key, the max over layers and heads of the
+    attention of each row at or after ``first_question``, averaged over those rows (SpecPrefill's aggregation,
+    without pooling). The pass's KV is discarded.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    until = cached.numel()
+    device = input_ids.device
+    kept = torch.nonzero(cached).flatten().to(device)
+    scored = torch.arange(until, input_ids.numel(), device=device)  # what the draft scores after the assembly
+    fresh = torch.cat([torch.nonzero(~cached).flatten().to(device), scored])
+    key_positions = torch.cat([kept, fresh])
+    visible = key_positions[None, :] <= fresh[:, None]  # [F, C + F]
+    rows = fresh >= first_question
+    attended = torch.zeros(int(rows.sum()), key_positions.numel(), device=device)
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        layer = question_attention(query[0][:, rows], key[0], visible[rows], scale)
+        torch.maximum(attended, layer.to(device), out=attended)
+        return sdpa_attention_forward(module, query, key, value, visible[None, None], scaling=scaling, **kwargs)
+
+    past = _new_cache(model)
+    _start_from(past, tuple((keys[:, :, kept], values[:, :, kept]) for keys, values in full))
+    with attention_dispatch(model, attention):
+        _forward(model, layers, input_ids[fresh], fresh, past)
+    per_position = torch.zeros(input_ids.numel(), device=device)
+    per_position[key_positions] = attended.mean(dim=0)
+    return per_position.cpu()
