@@ -30,6 +30,7 @@ fresh and recomputed tokens, and the scored last token with the look-ahead).
     python benchmarks/document_cache_speed.py zipf --out benchmarks/results/document-cache-speed/zipf
     python benchmarks/document_cache_speed.py draft --out benchmarks/results/document-cache-speed/draft-phases
     python benchmarks/document_cache_speed.py draft --repairs blend query query:0.05 --out ...  # issue #44
+    python benchmarks/document_cache_speed.py draft --draft-layers 12 8 --out ...  # a shorter draft, issue #44
 
 Both rewrite ``<out>.json`` (settings, every record) and ``<out>.md`` after every request and resume
 from the JSON (``--resume``).
@@ -595,6 +596,8 @@ def draft_arm(engine: SpecPrefillEngine, documents: list[str], question: str) ->
 
 def run_draft(args) -> None:
     settings = {k: getattr(args, k) for k in ("draft", "dtype", "lengths", "keep", "repeats", "seed", "repairs")}
+    if args.draft_layers:  # named only when used, so runs made before the option existed still resume
+        settings["draft_layers"] = args.draft_layers
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     loaded = load_model(args.draft, "cpu", args.dtype)
@@ -603,6 +606,12 @@ def run_draft(args) -> None:
     corpus = squad_paragraphs(args.seed)[:200]
     common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
     cold = SpecPrefillEngine.from_models(model, tokenizer, model, document_cache_mb=0, **common)
+    shorter = {
+        f"cold-layers{n}": SpecPrefillEngine.from_models(
+            model, tokenizer, model, document_cache_mb=0, draft_layers=n, **common
+        )
+        for n in args.draft_layers
+    }
     done = {(r["length"], r["repeat"]) for r in report["records"]}
     rng = random.Random(args.seed)
     for number, (length, repeat) in enumerate(itertools.product(args.lengths, range(args.repeats))):
@@ -614,6 +623,8 @@ def run_draft(args) -> None:
         )
         row: dict[str, Any] = {"length": length, "repeat": repeat, "documents": len(documents)}
         row["cold"] = draft_arm(cold, documents, target["question"])
+        for name, engine in shorter.items():
+            row[name] = draft_arm(engine, documents, target["question"])
         row["first"] = draft_arm(cached, documents, target["question"])
         for repair in args.repairs:
             cached.draft.repair = repair_of(repair)  # type: ignore[attr-defined]
@@ -625,7 +636,8 @@ def run_draft(args) -> None:
 
 def draft_table(report: dict) -> str:
     settings, records = report["settings"], report["records"]
-    arms = ["first", *(f"warm-{repair}" for repair in settings["repairs"])]
+    shorter = [f"cold-layers{n}" for n in settings.get("draft_layers", [])]
+    arms = [*shorter, "first", *(f"warm-{repair}" for repair in settings["repairs"])]
     lines = table_head(
         "The draft's time on the per-document cache path against a cold joint draft (the same prompt, one process).",
         f"Settings: `{json.dumps(settings)}`",
@@ -651,7 +663,8 @@ def draft_table(report: dict) -> str:
             )
     lines += [
         "",
-        "Arms: `first`: an empty store, every document encoded alone and stored, then assembled (blend);",
+        "Arms: `cold-layers<N>`: a cold joint draft of the draft's first N layers (`draft_layers`; its phases are not "
+        "timed); `first`: an empty store, every document encoded alone and stored, then assembled (blend);",
         "`warm-<repair>`: the same prompt again, every document a hit. Cells: median (min-max) over requests, in ms;",
         "ratios per request.",
     ]
@@ -689,6 +702,13 @@ def main(argv: list[str] | None = None) -> None:
     draft.add_argument("--repeats", type=int, default=3)
     draft.add_argument(
         "--repairs", nargs="+", default=["blend", "naive"], type=repair_spec, help="blend:<share>, query:<share> too"
+    )
+    draft.add_argument(
+        "--draft-layers",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also a cold joint draft of the draft's first N layers (draft_layers=N; its queries: the last 16 tokens)",
     )
     zipf = studies.choices["zipf"]
     zipf.add_argument("--keep", type=float, default=0.1)

@@ -35,10 +35,10 @@ from .backends.hf import MAIN_MIN_REUSE_SHARE, HFBackend, eos_token_ids
 from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, GenerationParams, SpecPrefillConfig
 from .decode.stream import Decoding, alast_result, last_result
 from .decode.tool_choice import tool_decoding
-from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, parameter_count, pays_from
+from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, draft_parameter_count, parameter_count, pays_from
 from .draft.document_cache import DocumentKVCache, DocumentStore, shared_document_cache
 from .draft.hooks import decoder_layers
-from .draft.model import LayerPrefixDraft, ModelDraft
+from .draft.model import LayerPrefixDraft, separate_draft
 from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring, warm_layout
 from .draft.repair import DocumentRepair
 from .errors import ContextLengthError, InvalidRequestError
@@ -165,7 +165,7 @@ class SpecPrefillEngine:
             drafting = draft if draft is not None else main
             draft_eos = eos_token_ids(drafting.model, drafting.tokenizer)
             cache = _prefix_cache(config, drafting.model)
-            scorer = ModelDraft(
+            scorer = separate_draft(
                 drafting.model,
                 config.look_ahead,
                 config.pool_kernel,
@@ -173,11 +173,13 @@ class SpecPrefillEngine:
                 cache,
                 _document_cache(config, drafting.model),
                 DocumentRepair.of(config),
+                config.draft_layers,
+                config.self_draft_window,
             )
             scoring = draft_scoring(
-                scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens
+                scorer, drafting.tokenizer, main.tokenizer, config.effective_look_ahead, config.max_draft_tokens
             )
-            share = parameter_count(drafting.model) / parameter_count(main.model)
+            share = draft_parameter_count(drafting.model, config.draft_layers) / parameter_count(main.model)
         floor = _prompt_floor(config, share, config.effective_look_ahead, main.context_length)
         device = next(main.model.parameters()).device
         main_cache = shared_prefix_cache(device, config.main_cache_mb * 2**20, MAIN_MIN_REUSE_SHARE)
@@ -250,8 +252,20 @@ class SpecPrefillEngine:
         cache = _prefix_cache(config, draft.model)
         documents = _document_cache(config, draft.model)
         repair = DocumentRepair.of(config)
-        scorer = ModelDraft(draft.model, config.look_ahead, config.pool_kernel, draft_eos, cache, documents, repair)
-        scoring = draft_scoring(scorer, draft.tokenizer, tokenizer, config.look_ahead, config.max_draft_tokens)
+        scorer = separate_draft(
+            draft.model,
+            config.look_ahead,
+            config.pool_kernel,
+            draft_eos,
+            cache,
+            documents,
+            repair,
+            config.draft_layers,
+            config.self_draft_window,
+        )
+        scoring = draft_scoring(
+            scorer, draft.tokenizer, tokenizer, config.effective_look_ahead, config.max_draft_tokens
+        )
         floor = REMOTE_MAIN_MIN_PROMPT_TOKENS if config.min_prompt_tokens == AUTO else config.min_prompt_tokens
         engine._assemble(config, tokenizer, backend, scoring, None, floor)
         return engine

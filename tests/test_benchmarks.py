@@ -670,6 +670,35 @@ def test_a_quality_method_names_the_query_repair_and_its_share(tiny_model, tiny_
     assert seen == [quality.DocumentRepair("query", share=0.1)]
 
 
+def test_a_quality_method_runs_the_draft_to_its_first_layers(tiny_model, tokenizer):
+    """``--methods specprefill-layers<N>`` scores as ``draft_layers=N`` builds the draft: its first N layers."""
+    import argparse
+
+    import quality
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.testing import build_model, random_documents
+
+    deep = build_model(tokenizer, layers=3, seed=2, initializer_range=0.2)
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, deep, min_prompt_tokens=0, look_ahead=2)
+    args = argparse.Namespace(
+        methods=["specprefill-layers2"],
+        self_layers=[],
+        self_windows=[],
+        extra_drafts=[],
+        seed=0,
+        auto_floors=[0.1],
+        auto_ceilings=[0.5],
+    )
+    layout = engine.layout("When?", random_documents(2, 40, seed=1))
+    kept = quality.make_methods(engine, args)["specprefill-layers2"]({}, layout, 0.3).kept
+    built = SpecPrefillEngine.from_models(tiny_model, tokenizer, deep, min_prompt_tokens=0, draft_layers=2)
+    importance = built.draft_scoring.importance(layout)
+    expected = quality.select_kept(importance, layout.document_index, keep_rate=0.3, chunk_size=32)
+    assert kept.tolist() == expected.tolist()
+    assert not quality.LAYERS_METHOD.fullmatch("specprefill-layers0")
+
+
 def test_the_draft_phase_timer_counts_each_phase_and_restores_the_originals():
     import document_cache_speed as study
 
@@ -692,11 +721,13 @@ def test_the_draft_table_reads_each_arm_against_the_cold_draft():
     def arm(draft_ms):
         return {"draft_ms": draft_ms, "prompt_tokens": 2100, "phases_ms": dict.fromkeys(study.PHASES, 1.0)}
 
-    settings = {"lengths": [2000], "repairs": ["blend"]}
-    records = [{"length": 2000, "cold": arm(1000.0), "first": arm(1200.0), "warm-blend": arm(300.0)}]
+    settings = {"lengths": [2000], "repairs": ["blend"], "draft_layers": [8]}
+    arms = {"cold": arm(1000.0), "cold-layers8": arm(400.0), "first": arm(1200.0), "warm-blend": arm(300.0)}
+    records = [{"length": 2000, **arms}]
     table = study.draft_table({"settings": settings, "machine": [], "records": records})
     rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| 2,000")}
-    assert set(rows) == {"cold (joint)", "first", "warm-blend"}
+    assert set(rows) == {"cold (joint)", "cold-layers8", "first", "warm-blend"}
+    assert "| 0.40 (0.40-0.40) |" in rows["cold-layers8"]
     assert "| 1.20 (1.20-1.20) |" in rows["first"] and "| 0.30 (0.30-0.30) |" in rows["warm-blend"]
 
 
