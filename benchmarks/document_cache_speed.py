@@ -31,6 +31,7 @@ fresh and recomputed tokens, and the scored last token with the look-ahead).
     python benchmarks/document_cache_speed.py draft --out benchmarks/results/document-cache-speed/draft-phases
     python benchmarks/document_cache_speed.py draft --repairs blend query query:0.05 --out ...  # issue #44
     python benchmarks/document_cache_speed.py draft --draft-layers 12 8 --out ...  # a shorter draft, issue #44
+    python benchmarks/document_cache_speed.py draft --first-sights alone in_context --out ...  # first sight, #44
 
 Both rewrite ``<out>.json`` (settings, every record) and ``<out>.md`` after every request and resume
 from the JSON (``--resume``).
@@ -49,6 +50,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +336,8 @@ def run_zipf(args) -> None:
         settings["warm_popular"] = args.warm_popular
     if args.repair != DEFAULT_REPAIR.kind:  # likewise
         settings["repair"] = args.repair
+    if args.first_sight != "alone":  # likewise
+        settings["first_sight"] = args.first_sight
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
@@ -351,7 +355,7 @@ def run_zipf(args) -> None:
         draft_document_cache=True,
         **common,
     )
-    cached.draft.repair = repair_of(args.repair)  # type: ignore[attr-defined]
+    cached.draft.repair = replace(repair_of(args.repair), first_sight=args.first_sight)  # type: ignore[attr-defined]
     cold = SpecPrefillEngine.from_models(
         main_loaded.model, tokenizer, draft_loaded.model, document_cache_mb=0, **common
     )
@@ -598,6 +602,8 @@ def run_draft(args) -> None:
     settings = {k: getattr(args, k) for k in ("draft", "dtype", "lengths", "keep", "repeats", "seed", "repairs")}
     if args.draft_layers:  # named only when used, so runs made before the option existed still resume
         settings["draft_layers"] = args.draft_layers
+    if args.first_sights != ["alone"]:  # likewise
+        settings["first_sights"] = args.first_sights
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     loaded = load_model(args.draft, "cpu", args.dtype)
@@ -618,14 +624,18 @@ def run_draft(args) -> None:
         documents, target = draw(corpus, length, count, rng)
         if (length, repeat) in done:
             continue
-        cached = SpecPrefillEngine.from_models(  # a new, empty store (stores are shared per device and size)
-            model, tokenizer, model, document_cache_mb=4096 - number, draft_document_cache=True, **common
-        )
         row: dict[str, Any] = {"length": length, "repeat": repeat, "documents": len(documents)}
         row["cold"] = draft_arm(cold, documents, target["question"])
         for name, engine in shorter.items():
             row[name] = draft_arm(engine, documents, target["question"])
-        row["first"] = draft_arm(cached, documents, target["question"])
+        stores = {}
+        for sight, size in zip(args.first_sights, (4096 - number, 2048 - number)):
+            stores[sight] = SpecPrefillEngine.from_models(  # a new, empty store (shared per device and size)
+                model, tokenizer, model, document_cache_mb=size, draft_document_cache=True, **common
+            )
+            stores[sight].draft.repair = replace(DEFAULT_REPAIR, first_sight=sight)  # type: ignore[attr-defined]
+            row[first_arm(sight)] = draft_arm(stores[sight], documents, target["question"])
+        cached = stores.get("alone", stores[args.first_sights[0]])  # the warm arms: documents as drafted alone
         for repair in args.repairs:
             cached.draft.repair = repair_of(repair)  # type: ignore[attr-defined]
             row[f"warm-{repair}"] = draft_arm(cached, documents, target["question"])
@@ -634,10 +644,16 @@ def run_draft(args) -> None:
         print(json.dumps({"length": length, "repeat": repeat, "cold": round(row["cold"]["draft_ms"])}), flush=True)
 
 
+def first_arm(sight: str) -> str:
+    """The draft study's arm of a first sight: ``first`` (documents drafted alone), ``first-in_context``."""
+    return "first" if sight == "alone" else f"first-{sight}"
+
+
 def draft_table(report: dict) -> str:
     settings, records = report["settings"], report["records"]
     shorter = [f"cold-layers{n}" for n in settings.get("draft_layers", [])]
-    arms = [*shorter, "first", *(f"warm-{repair}" for repair in settings["repairs"])]
+    firsts = [first_arm(sight) for sight in settings.get("first_sights", ["alone"])]
+    arms = [*shorter, *firsts, *(f"warm-{repair}" for repair in settings["repairs"])]
     lines = table_head(
         "The draft's time on the per-document cache path against a cold joint draft (the same prompt, one process).",
         f"Settings: `{json.dumps(settings)}`",
@@ -664,7 +680,8 @@ def draft_table(report: dict) -> str:
     lines += [
         "",
         "Arms: `cold-layers<N>`: a cold joint draft of the draft's first N layers (`draft_layers`; its phases are not "
-        "timed); `first`: an empty store, every document encoded alone and stored, then assembled (blend);",
+        "timed); `first`: an empty store, every document encoded alone and stored, then assembled (blend); "
+        "`first-in_context`: an empty store, the documents computed in the scoring pass and stored from it;",
         "`warm-<repair>`: the same prompt again, every document a hit. Cells: median (min-max) over requests, in ms;",
         "ratios per request.",
     ]
@@ -704,6 +721,13 @@ def main(argv: list[str] | None = None) -> None:
         "--repairs", nargs="+", default=["blend", "naive"], type=repair_spec, help="blend:<share>, query:<share> too"
     )
     draft.add_argument(
+        "--first-sights",
+        nargs="+",
+        default=["alone"],
+        choices=["alone", "in_context"],
+        help="first-sight arms (document_first_sight; in_context: misses computed in the scoring pass)",
+    )
+    draft.add_argument(
         "--draft-layers",
         type=int,
         nargs="+",
@@ -725,6 +749,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     zipf.add_argument(
         "--repair", default=DEFAULT_REPAIR.kind, type=repair_spec, help="the cached engine's repair (query:0.1...)"
+    )
+    zipf.add_argument(
+        "--first-sight", default="alone", choices=["alone", "in_context"], help="the cached engine's first sight"
     )
     zipf.add_argument(
         "--warm-popular", type=int, default=0, help="warm the N most popular paragraphs before the first question"

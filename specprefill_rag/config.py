@@ -70,6 +70,8 @@ DocumentRepairKind = Literal["naive", "epic", "blend", "query"]
 """What the per-document draft cache computes again in context (:mod:`specprefill_rag.draft.repair`)."""
 DEFAULT_BLEND_SHARE = 0.15  # CacheBlend's share; docs/guide/document-cache.md measures 0.05 against it
 SHARED_REPAIRS = ("blend", "query")  # the repairs that recompute a share of the cached document tokens
+DocumentFirstSight = Literal["alone", "in_context"]
+"""How the per-document draft cache encodes a document it does not hold yet (:mod:`specprefill_rag.draft.assembly`)."""
 # Sampling temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them overflows float32 (1e-45 gives
 # inf and then NaN probabilities), and below 0.01 sampling is greedy in all but name. vLLM raises such values to
 # 0.01 with a warning; here nothing is changed silently, so they are refused with the fix (0 = greedy).
@@ -344,6 +346,14 @@ class CompressionSettings(BaseModel):
         description="document_repair='blend' or 'query': share of the prompt's cached document tokens computed "
         "again in context, in [0, 1]. The recompute is most of a warm draft's time, but on HotpotQA 0.05 scored 17 "
         "points under joint scoring at keep 0.1 where blend's 0.15 was level with it (docs: Document cache).",
+    )
+    document_first_sight: DocumentFirstSight = Field(
+        "alone",
+        description="With draft_document_cache: how a document the cache does not hold yet is drafted. 'alone': "
+        "encoded alone after the prefix, stored, then assembled like a hit (a first sight costs 1.07-1.35 of a cold "
+        "draft; docs: Document cache). 'in_context' (not yet measured): computed in the pass that scores the "
+        "request, as a cold draft would, and stored from it, so a miss costs no more than a cold draft; the "
+        "stored KV then saw the documents before it in that prompt.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import DEFAULT_BLEND_SHARE, SHARED_REPAIRS, CompressionSettings, DocumentRepairKind
+from ..config import (
+    DEFAULT_BLEND_SHARE,
+    SHARED_REPAIRS,
+    CompressionSettings,
+    DocumentFirstSight,
+    DocumentRepairKind,
+)
 from ..errors import InvalidRequestError
 
 
@@ -38,16 +44,24 @@ class DocumentRepair:
         first_tokens: ``epic``: tokens at the start of each document computed in context.
         share: ``blend``, ``query``: share of the prompt's cached document tokens computed in context.
         probe_layers: ``blend``: leading layers run jointly over the prompt to find the deviating tokens.
+        first_sight: how a document the store does not hold is drafted: ``alone`` (encoded alone after the prefix,
+            stored, then assembled as a hit) or ``in_context`` (computed in the pass that scores the prompt, then
+            stored from it; the repair then covers the documents the store held): :mod:`.assembly`.
     """
 
     kind: DocumentRepairKind = "blend"
     first_tokens: int = 16
     share: float = DEFAULT_BLEND_SHARE
     probe_layers: int = 2
+    first_sight: DocumentFirstSight = "alone"
 
     def __post_init__(self) -> None:
         if self.kind not in ("naive", "epic", *SHARED_REPAIRS):
             raise InvalidRequestError(f"document repair must be 'naive', 'epic', 'blend' or 'query', not {self.kind!r}")
+        if self.first_sight not in ("alone", "in_context"):
+            raise InvalidRequestError(
+                f"a document's first sight must be 'alone' or 'in_context', not {self.first_sight!r}"
+            )
         if self.first_tokens < 0 or not 0.0 <= self.share <= 1.0 or self.probe_layers < 1:
             raise InvalidRequestError(
                 "document repair needs first_tokens >= 0, 0 <= share <= 1 and probe_layers >= 1, not "
@@ -56,8 +70,14 @@ class DocumentRepair:
 
     @classmethod
     def of(cls, settings: CompressionSettings) -> DocumentRepair:
-        """The repair ``settings`` ask for (``document_repair`` and, for blend and query, ``document_repair_share``)."""
-        return cls(settings.document_repair, share=settings.document_repair_share)
+        """The repair ``settings`` ask for (``document_repair``; for blend and query, ``document_repair_share``; and
+        ``document_first_sight``).
+        """
+        return cls(
+            settings.document_repair,
+            share=settings.document_repair_share,
+            first_sight=settings.document_first_sight,
+        )
 
 
 NAIVE = DocumentRepair("naive")
