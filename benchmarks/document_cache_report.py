@@ -1,7 +1,8 @@
 """The per-document draft cache against joint scoring, paired, from benchmarks/quality.py runs (issue #28).
 
-Reads runs made with ``--methods specprefill specprefill-documents [specprefill-documents-naive]`` and writes
-one table: per task, keep rate and repair (blend, or naive where the run has it), the main model's correctness
+Reads runs made with ``--methods specprefill specprefill-documents [specprefill-documents-naive]
+[specprefill-documents-query<NN>]`` and writes one table: per task, keep rate and repair (blend, or naive and
+query where the run has them), the main model's correctness
 (``contains``) with joint scoring and with the cache, the paired difference (cache - joint) with its 95%
 bootstrap interval over samples, retention against the full prefill, whether the answer string survived in
 the kept tokens, and the Jaccard overlap of the two methods' kept document tokens (for samples whose records
@@ -21,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality import bootstrap_interval  # noqa: E402
+from quality import QUERY_METHOD, bootstrap_interval, query_repair  # noqa: E402
 
 JOINT = "specprefill"
 CACHED = {
@@ -29,6 +30,13 @@ CACHED = {
     "specprefill-documents-naive": "naive",
     "specprefill-documents-blend05": "blend 5%",
 }
+
+
+def repair_label(method: str) -> str | None:
+    """The repair a cache method's rows are labelled with (None: not a cache method)."""
+    if QUERY_METHOD.fullmatch(method):
+        return f"query {query_repair(method).share:.0%}"
+    return CACHED.get(method)
 
 
 def positions(runs: list[list[int]]) -> set[int]:
@@ -52,7 +60,10 @@ def pairs_of(path: Path) -> Pairs:
     full = {r["sample"]: r for r in records if r["method"] == "full"}
     pairs: Pairs = {}
     for keep in settings["keep_rates"]:
-        for method, repair in CACHED.items():
+        for method in [*CACHED, *sorted({r["method"] for r in records} - set(CACHED))]:
+            repair = repair_label(method)
+            if repair is None:
+                continue
             samples = sorted(s for s in full if (s, JOINT, keep) in by and (s, method, keep) in by)
             if samples:
                 joint = [by[(s, JOINT, keep)] for s in samples]

@@ -29,6 +29,9 @@ fresh and recomputed tokens, and the scored last token with the look-ahead).
     python benchmarks/document_cache_speed.py speed --out benchmarks/results/document-cache-speed/speed
     python benchmarks/document_cache_speed.py zipf --out benchmarks/results/document-cache-speed/zipf
     python benchmarks/document_cache_speed.py draft --out benchmarks/results/document-cache-speed/draft-phases
+    python benchmarks/document_cache_speed.py draft --repairs blend query query:0.05 --out ...  # issue #44
+    python benchmarks/document_cache_speed.py draft --draft-layers 12 8 --out ...  # a shorter draft, issue #44
+    python benchmarks/document_cache_speed.py draft --first-sights alone in_context --out ...  # first sight, #44
 
 Both rewrite ``<out>.json`` (settings, every record) and ``<out>.md`` after every request and resume
 from the JSON (``--resume``).
@@ -47,6 +50,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tasks  # noqa: E402
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
+from specprefill_rag.config import SHARED_REPAIRS  # noqa: E402
 from specprefill_rag.draft import assembly  # noqa: E402
 from specprefill_rag.draft.model import ModelDraft  # noqa: E402
 from specprefill_rag.draft.repair import DEFAULT_REPAIR, DocumentRepair  # noqa: E402
@@ -146,11 +151,11 @@ def load(out: Path, settings: dict, resume: bool) -> dict:
 
 
 def repair_of(spec: str) -> DocumentRepair:
-    """A ``--repairs`` entry: ``naive``, ``epic``, ``blend`` or ``blend:<share>`` (blend computing that share of
-    the cached document tokens again)."""
+    """A ``--repairs`` entry: ``naive``, ``epic``, ``blend``, ``query``, or ``blend:<share>`` / ``query:<share>``
+    (the repair computing that share of the cached document tokens again)."""
     kind, _, share = spec.partition(":")
-    if share and kind != "blend":
-        raise argparse.ArgumentTypeError(f"only blend takes a share, not {spec!r}")
+    if share and kind not in SHARED_REPAIRS:
+        raise argparse.ArgumentTypeError(f"only blend and query take a share, not {spec!r}")
     return DocumentRepair(kind, share=float(share)) if share else DocumentRepair(kind)  # type: ignore[arg-type]
 
 
@@ -329,6 +334,10 @@ def run_zipf(args) -> None:
     }
     if args.warm_popular:  # named only when used, so runs made before the option existed still resume
         settings["warm_popular"] = args.warm_popular
+    if args.repair != DEFAULT_REPAIR.kind:  # likewise
+        settings["repair"] = args.repair
+    if args.first_sight != "alone":  # likewise
+        settings["first_sight"] = args.first_sight
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
@@ -346,6 +355,7 @@ def run_zipf(args) -> None:
         draft_document_cache=True,
         **common,
     )
+    cached.draft.repair = replace(repair_of(args.repair), first_sight=args.first_sight)  # type: ignore[attr-defined]
     cold = SpecPrefillEngine.from_models(
         main_loaded.model, tokenizer, draft_loaded.model, document_cache_mb=0, **common
     )
@@ -551,7 +561,7 @@ def zipf_table(report: dict) -> str:
 
 PHASES = {  # the assembly's steps, timed where the draft calls them
     "encode_documents": (assembly, "encode_documents"),  # documents looked up, or encoded alone and stored
-    "probe": (assembly, "_recomputed"),  # blend's joint probe and choice of tokens (nothing for naive)
+    "probe": (assembly, "_recomputed"),  # blend's joint probe or query's question pass, and the choice of tokens
     "fresh_forward": (assembly, "_with_fresh"),  # labels, question and recomputed tokens, in context
     "score": (ModelDraft, "_score_from"),  # the last token and the look-ahead, scored
 }
@@ -590,6 +600,10 @@ def draft_arm(engine: SpecPrefillEngine, documents: list[str], question: str) ->
 
 def run_draft(args) -> None:
     settings = {k: getattr(args, k) for k in ("draft", "dtype", "lengths", "keep", "repeats", "seed", "repairs")}
+    if args.draft_layers:  # named only when used, so runs made before the option existed still resume
+        settings["draft_layers"] = args.draft_layers
+    if args.first_sights != ["alone"]:  # likewise
+        settings["first_sights"] = args.first_sights
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     loaded = load_model(args.draft, "cpu", args.dtype)
@@ -598,18 +612,30 @@ def run_draft(args) -> None:
     corpus = squad_paragraphs(args.seed)[:200]
     common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
     cold = SpecPrefillEngine.from_models(model, tokenizer, model, document_cache_mb=0, **common)
+    shorter = {
+        f"cold-layers{n}": SpecPrefillEngine.from_models(
+            model, tokenizer, model, document_cache_mb=0, draft_layers=n, **common
+        )
+        for n in args.draft_layers
+    }
     done = {(r["length"], r["repeat"]) for r in report["records"]}
     rng = random.Random(args.seed)
     for number, (length, repeat) in enumerate(itertools.product(args.lengths, range(args.repeats))):
         documents, target = draw(corpus, length, count, rng)
         if (length, repeat) in done:
             continue
-        cached = SpecPrefillEngine.from_models(  # a new, empty store (stores are shared per device and size)
-            model, tokenizer, model, document_cache_mb=4096 - number, draft_document_cache=True, **common
-        )
         row: dict[str, Any] = {"length": length, "repeat": repeat, "documents": len(documents)}
         row["cold"] = draft_arm(cold, documents, target["question"])
-        row["first"] = draft_arm(cached, documents, target["question"])
+        for name, engine in shorter.items():
+            row[name] = draft_arm(engine, documents, target["question"])
+        stores = {}
+        for sight, size in zip(args.first_sights, (4096 - number, 2048 - number)):
+            stores[sight] = SpecPrefillEngine.from_models(  # a new, empty store (shared per device and size)
+                model, tokenizer, model, document_cache_mb=size, draft_document_cache=True, **common
+            )
+            stores[sight].draft.repair = replace(DEFAULT_REPAIR, first_sight=sight)  # type: ignore[attr-defined]
+            row[first_arm(sight)] = draft_arm(stores[sight], documents, target["question"])
+        cached = stores.get("alone", stores[args.first_sights[0]])  # the warm arms: documents as drafted alone
         for repair in args.repairs:
             cached.draft.repair = repair_of(repair)  # type: ignore[attr-defined]
             row[f"warm-{repair}"] = draft_arm(cached, documents, target["question"])
@@ -618,9 +644,16 @@ def run_draft(args) -> None:
         print(json.dumps({"length": length, "repeat": repeat, "cold": round(row["cold"]["draft_ms"])}), flush=True)
 
 
+def first_arm(sight: str) -> str:
+    """The draft study's arm of a first sight: ``first`` (documents drafted alone), ``first-in_context``."""
+    return "first" if sight == "alone" else f"first-{sight}"
+
+
 def draft_table(report: dict) -> str:
     settings, records = report["settings"], report["records"]
-    arms = ["first", *(f"warm-{repair}" for repair in settings["repairs"])]
+    shorter = [f"cold-layers{n}" for n in settings.get("draft_layers", [])]
+    firsts = [first_arm(sight) for sight in settings.get("first_sights", ["alone"])]
+    arms = [*shorter, *firsts, *(f"warm-{repair}" for repair in settings["repairs"])]
     lines = table_head(
         "The draft's time on the per-document cache path against a cold joint draft (the same prompt, one process).",
         f"Settings: `{json.dumps(settings)}`",
@@ -646,7 +679,9 @@ def draft_table(report: dict) -> str:
             )
     lines += [
         "",
-        "Arms: `first`: an empty store, every document encoded alone and stored, then assembled (blend);",
+        "Arms: `cold-layers<N>`: a cold joint draft of the draft's first N layers (`draft_layers`; its phases are not "
+        "timed); `first`: an empty store, every document encoded alone and stored, then assembled (blend); "
+        "`first-in_context`: an empty store, the documents computed in the scoring pass and stored from it;",
         "`warm-<repair>`: the same prompt again, every document a hit. Cells: median (min-max) over requests, in ms;",
         "ratios per request.",
     ]
@@ -672,13 +707,33 @@ def main(argv: list[str] | None = None) -> None:
     speed.add_argument("--repeats", type=int, default=3)
     speed.add_argument("--corpus", type=int, default=80, help="paragraphs warmed and drawn from")
     speed.add_argument(
-        "--repairs", nargs="+", default=["blend"], type=repair_spec, help="cached arms' repairs (blend:<share> too)"
+        "--repairs",
+        nargs="+",
+        default=["blend"],
+        type=repair_spec,
+        help="cached arms' repairs (blend:<share>, query:<share> too)",
     )
     draft = studies.choices["draft"]
     draft.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000], help="document tokens per prompt")
     draft.add_argument("--keep", type=float, default=0.1)
     draft.add_argument("--repeats", type=int, default=3)
-    draft.add_argument("--repairs", nargs="+", default=["blend", "naive"], type=repair_spec, help="blend:<share> too")
+    draft.add_argument(
+        "--repairs", nargs="+", default=["blend", "naive"], type=repair_spec, help="blend:<share>, query:<share> too"
+    )
+    draft.add_argument(
+        "--first-sights",
+        nargs="+",
+        default=["alone"],
+        choices=["alone", "in_context"],
+        help="first-sight arms (document_first_sight; in_context: misses computed in the scoring pass)",
+    )
+    draft.add_argument(
+        "--draft-layers",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also a cold joint draft of the draft's first N layers (draft_layers=N; its queries: the last 16 tokens)",
+    )
     zipf = studies.choices["zipf"]
     zipf.add_argument("--keep", type=float, default=0.1)
     for workload in (zipf, studies.choices["replay"]):
@@ -691,6 +746,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     studies.choices["replay"].add_argument(
         "--pin", type=int, nargs="+", default=[0, 10, 20, 30, 40, 50], help="most popular paragraphs pinned"
+    )
+    zipf.add_argument(
+        "--repair", default=DEFAULT_REPAIR.kind, type=repair_spec, help="the cached engine's repair (query:0.1...)"
+    )
+    zipf.add_argument(
+        "--first-sight", default="alone", choices=["alone", "in_context"], help="the cached engine's first sight"
     )
     zipf.add_argument(
         "--warm-popular", type=int, default=0, help="warm the N most popular paragraphs before the first question"

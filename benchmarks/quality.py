@@ -14,6 +14,10 @@ Methods (all share one prompt layout and one main model):
                    alone after the prompt's prefix first, then the prompt scored with every document a hit
                    (blend repair); specprefill-documents-naive: the same without repair;
                    specprefill-documents-blend05: blend recomputing 5% of the document tokens (not 15%)
+  specprefill-layers<N>  the same draft run to its first N layers (``draft_layers``, issue #44): queries are its
+                   last 16 prompt tokens, as self's, since it cannot decode look-ahead tokens
+  specprefill-documents-query[<NN>]  the cache with the query-aware repair (issue #44: the tokens the
+                   question attends to most recomputed in context), NN% of the document tokens (default 15)
   specprefill-auto the same draft's importance, budget chosen per sample by keep_rate="auto"
                    (ImportanceMass): its rows' "keep" is the mass share (--auto-shares), "kept share"
                    the average share it chose; with several --auto-floors/--auto-ceilings, one method
@@ -68,6 +72,27 @@ from specprefill_rag.prompt.layout import PromptLayout
 from specprefill_rag.selection import ImportanceMass, select_kept
 
 BLEND_5 = DocumentRepair("blend", share=0.05)  # a cheaper blend: a third of the default's recompute
+# specprefill-documents-query, or -query<NN> for NN% of the document tokens (query05, query10, query20...)
+QUERY_METHOD = re.compile(r"specprefill-documents-query(\d{2})?")
+
+
+LAYERS_METHOD = re.compile(r"specprefill-layers([1-9][0-9]*)")  # the draft's first N layers (draft_layers=N)
+
+
+def layers_draft(engine: SpecPrefillEngine, layers: int) -> Callable[[PromptLayout], torch.Tensor]:
+    """Importance from the engine's draft model run to its first ``layers`` layers, as ``draft_layers`` builds it:
+    queries its last ``self_draft_window`` (16) prompt tokens; direct or mapped, as the engine's path."""
+    draft = LayerPrefixDraft(engine.draft.model, layers, 13, SpecPrefillConfig().self_draft_window)
+    return replace(engine.draft_scoring, draft=draft, look_ahead=1).importance
+
+
+def query_repair(method: str) -> DocumentRepair:
+    """The query-aware repair a ``specprefill-documents-query[<NN>]`` method names (NN: percent recomputed)."""
+    match = QUERY_METHOD.fullmatch(method)
+    if match is None:
+        raise ValueError(f"{method!r} is not specprefill-documents-query or specprefill-documents-query<NN>")
+    return DocumentRepair("query", share=int(match[1]) / 100) if match[1] else DocumentRepair("query")
+
 
 ROOT = tasks.ROOT
 INSTRUCTIONS = "Answer the question using the documents. Answer with a short phrase."
@@ -202,6 +227,16 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
         "specprefill-documents": lambda: document_cache_draft(engine),
         "specprefill-documents-naive": lambda: document_cache_draft(engine, NAIVE),
         "specprefill-documents-blend05": lambda: document_cache_draft(engine, BLEND_5),
+        **{
+            name: (lambda name=name: document_cache_draft(engine, query_repair(name)))
+            for name in args.methods
+            if QUERY_METHOD.fullmatch(name)
+        },
+        **{
+            name: (lambda name=name: layers_draft(engine, int(LAYERS_METHOD.fullmatch(name)[1])))  # type: ignore[index]
+            for name in args.methods
+            if LAYERS_METHOD.fullmatch(name)
+        },
         "self": lambda: token_scorer(LayerPrefixDraft(model, default_self_layers(model), 13, 16)),
         **{
             self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, 13, w)))
@@ -656,6 +691,7 @@ OPTIONAL_METHODS = [  # run only when named
     "specprefill-documents",
     "specprefill-documents-naive",
     "specprefill-documents-blend05",
+    "specprefill-documents-query",
 ]
 
 
@@ -719,12 +755,13 @@ def main() -> None:
         - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     )
     unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
+    unknown = {name for name in unknown if not (QUERY_METHOD.fullmatch(name) or LAYERS_METHOD.fullmatch(name))}
     if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
         options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")
     if unknown:
         options.error(
-            f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS + OPTIONAL_METHODS} or self-<n> with "
-            "--self-layers"
+            f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS + OPTIONAL_METHODS}, "
+            "specprefill-documents-query<NN>, specprefill-layers<N> or self-<n> with --self-layers"
         )
     out = args.out or ROOT / "benchmarks" / "results" / "quality" / args.task
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -66,9 +66,12 @@ DRAFT_DESCRIPTION = (
 # equally often; contiguous raised the answer's log-probability on held-out NIAH and HotpotQA at keep 0.1
 # (BENCHMARKS.md, "Original or contiguous positions").
 Positions = Literal["original", "contiguous"]
-DocumentRepairKind = Literal["naive", "epic", "blend"]
+DocumentRepairKind = Literal["naive", "epic", "blend", "query"]
 """What the per-document draft cache computes again in context (:mod:`specprefill_rag.draft.repair`)."""
 DEFAULT_BLEND_SHARE = 0.15  # CacheBlend's share; docs/guide/document-cache.md measures 0.05 against it
+SHARED_REPAIRS = ("blend", "query")  # the repairs that recompute a share of the cached document tokens
+DocumentFirstSight = Literal["alone", "in_context"]
+"""How the per-document draft cache encodes a document it does not hold yet (:mod:`specprefill_rag.draft.assembly`)."""
 # Sampling temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them overflows float32 (1e-45 gives
 # inf and then NaN probabilities), and below 0.01 sampling is greedy in all but name. vLLM raises such values to
 # 0.01 with a warning; here nothing is changed silently, so they are refused with the fix (0 = greedy).
@@ -164,6 +167,26 @@ def check_self_draft_look_ahead(settings: CompressionSettings, draft: str | None
             f"draft {draft!r} scores with part of the main model and cannot decode look-ahead tokens; leave "
             "look_ahead unset or set it to 1, or name a draft model (with no draft named, an in-process main model "
             "drafts with its own first layers)"
+        )
+
+
+def check_draft_layers(settings: CompressionSettings, draft: str | None, draft_layers: int | None) -> None:
+    """``draft_layers`` truncates a separate draft model: ``ValueError`` for a 'self' draft (whose layers its spec
+    names) and for a ``look_ahead`` set above 1 (a truncated draft has no output to decode look-ahead tokens from).
+    """
+    if draft_layers is None:
+        return
+    if draft is not None and is_self_spec(draft):
+        raise ValueError(
+            f"draft_layers applies to a separate draft model, not to {draft!r}; name the main model's layers as "
+            "'self:<n>', or name a draft model (with no draft named, an in-process main model drafts with its own "
+            "first layers)"
+        )
+    if "look_ahead" in settings.model_fields_set and settings.look_ahead != 1:
+        raise ValueError(
+            f"a draft of its first {draft_layers} layers has no output to decode look-ahead tokens from (it scores "
+            "with its last self_draft_window prompt tokens); leave look_ahead unset or set it to 1, or leave "
+            "draft_layers unset"
         )
 
 
@@ -311,16 +334,26 @@ class CompressionSettings(BaseModel):
         "prompt. 'blend': the 15% of cached document tokens whose KV deviates most (a 2-layer joint probe finds "
         "them); 'epic': each document's first 16 tokens; 'naive': nothing (the fastest: 4.7-5.8x faster than a "
         "full prefill at 4k tokens against blend's 3.5-3.7x, but 8 points under joint scoring at keep 0.1 over "
-        "HotpotQA, NQ and NIAH, where blend was level with it; docs: Document cache).",
+        "HotpotQA, NQ and NIAH, where blend was level with it; docs: Document cache); 'query' (not yet "
+        "measured): the 15% of cached document tokens the question attends to most over the cached KV, "
+        "ProphetKV-style.",
     )
     document_repair_share: float = Field(
         DEFAULT_BLEND_SHARE,
         strict=True,
         ge=0.0,
         le=1.0,
-        description="document_repair='blend': share of the prompt's cached document tokens computed again in "
-        "context, in [0, 1]. The recompute is most of a warm draft's time, but on HotpotQA 0.05 scored 17 points "
-        "under joint scoring at keep 0.1 where 0.15 was level with it (docs: Document cache).",
+        description="document_repair='blend' or 'query': share of the prompt's cached document tokens computed "
+        "again in context, in [0, 1]. The recompute is most of a warm draft's time, but on HotpotQA 0.05 scored 17 "
+        "points under joint scoring at keep 0.1 where blend's 0.15 was level with it (docs: Document cache).",
+    )
+    document_first_sight: DocumentFirstSight = Field(
+        "alone",
+        description="With draft_document_cache: how a document the cache does not hold yet is drafted. 'alone': "
+        "encoded alone after the prefix, stored, then assembled like a hit (a first sight costs 1.07-1.35 of a cold "
+        "draft; docs: Document cache). 'in_context' (not yet measured): computed in the pass that scores the "
+        "request, as a cold draft would, and stored from it, so a miss costs no more than a cold draft; the "
+        "stored KV then saw the documents before it in that prompt.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
@@ -335,10 +368,10 @@ class CompressionSettings(BaseModel):
 
     @model_validator(mode="after")
     def _share_needs_blend(self) -> Self:
-        if "document_repair_share" in self.model_fields_set and self.document_repair != "blend":
+        if "document_repair_share" in self.model_fields_set and self.document_repair not in SHARED_REPAIRS:
             raise ValueError(
-                f"document_repair_share applies to document_repair='blend' only, not {self.document_repair!r}; "
-                "leave it unset or use document_repair='blend'"
+                f"document_repair_share applies to document_repair='blend' or 'query' only, not "
+                f"{self.document_repair!r}; leave it unset or use one of those"
             )
         return self
 
@@ -457,6 +490,14 @@ class EngineSettings(CompressionSettings, GrammarLimits):
         description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt "
         "tokens.",
     )
+    draft_layers: int | None = Field(
+        None,
+        strict=True,
+        ge=1,
+        description="A separate draft model runs only its first this-many layers (None: all). Such a draft has no "
+        "output to decode look-ahead tokens from, so it scores, as a 'self' draft does, with its last "
+        "self_draft_window prompt tokens as queries (docs: Drafts). For 'self', name the layers as 'self:<n>'.",
+    )
     pool_kernel: PoolKernel = Field(13, strict=True, ge=1, description="Average-pooling kernel along the prompt (odd).")
     chunk_size: int = Field(
         32, strict=True, ge=1, description="Document tokens are kept or dropped in chunks of this size."
@@ -487,6 +528,11 @@ class EngineSettings(CompressionSettings, GrammarLimits):
     @model_validator(mode="after")
     def _self_draft_look_ahead(self) -> Self:
         check_self_draft_look_ahead(self, self.draft)
+        return self
+
+    @model_validator(mode="after")
+    def _truncated_draft(self) -> Self:
+        check_draft_layers(self, self.draft, self.draft_layers)
         return self
 
     @model_validator(mode="after")
@@ -598,8 +644,8 @@ class SpecPrefillConfig(EngineSettings):
 
     @property
     def effective_look_ahead(self) -> int:
-        """Look-ahead actually used: always 1 for a 'self:<n>' draft."""
-        return 1 if self.is_self_draft else self.look_ahead
+        """Look-ahead actually used: always 1 for a 'self:<n>' draft and a draft of its first ``draft_layers``."""
+        return 1 if self.is_self_draft or self.draft_layers is not None else self.look_ahead
 
 
 MAX_PENALTY = 2.0  # OpenAI's bound of the presence and frequency penalties, either sign

@@ -16,10 +16,10 @@ from pydantic import ValidationError
 from .backends.base import MainBackend
 from .backends.hf import MAIN_MIN_REUSE_SHARE, HFBackend, eos_token_ids
 from .config import AUTO, DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
-from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, parameter_count, pays_from
+from .draft.cost import REMOTE_MAIN_MIN_PROMPT_TOKENS, draft_parameter_count, parameter_count, pays_from
 from .draft.document_cache import DocumentKVCache, DocumentStore, shared_document_cache
 from .draft.hooks import decoder_layers
-from .draft.model import LayerPrefixDraft, ModelDraft
+from .draft.model import LayerPrefixDraft, ModelDraft, separate_draft
 from .draft.paths import DirectScoring, DraftInput, MappedScoring, draft_scoring, warm_layout
 from .draft.repair import DocumentRepair
 from .errors import InvalidRequestError
@@ -121,7 +121,7 @@ def on_vllm(config: SpecPrefillConfig, server: str | Any, on_missing_plugin: str
     backend.adopt_tokenizer(tokenizer, main_eos)
     backend.grammar_limits = config  # a SpecPrefillConfig is GrammarLimits
     scoring = draft_scoring(
-        _model_draft(config, draft), draft.tokenizer, tokenizer, config.look_ahead, config.max_draft_tokens
+        _model_draft(config, draft), draft.tokenizer, tokenizer, config.effective_look_ahead, config.max_draft_tokens
     )
     floor = REMOTE_MAIN_MIN_PROMPT_TOKENS if config.min_prompt_tokens == AUTO else config.min_prompt_tokens
     return _parts(config, tokenizer, backend, scoring, None, floor)
@@ -137,8 +137,10 @@ def _in_process(config: SpecPrefillConfig, main: LoadedModel, draft: LoadedModel
     else:
         drafting = draft if draft is not None else main
         scorer = _model_draft(config, drafting)
-        scoring = draft_scoring(scorer, drafting.tokenizer, main.tokenizer, config.look_ahead, config.max_draft_tokens)
-        share = parameter_count(drafting.model) / parameter_count(main.model)
+        scoring = draft_scoring(
+            scorer, drafting.tokenizer, main.tokenizer, config.effective_look_ahead, config.max_draft_tokens
+        )
+        share = draft_parameter_count(drafting.model, config.draft_layers) / parameter_count(main.model)
     floor = _prompt_floor(config, share, config.effective_look_ahead, main.context_length)
     device = next(main.model.parameters()).device
     main_cache = shared_prefix_cache(device, config.main_cache_mb * 2**20, MAIN_MIN_REUSE_SHARE)
@@ -178,9 +180,11 @@ def _self_scoring(config: SpecPrefillConfig, main: LoadedModel) -> tuple[DirectS
     return scoring, n_layers / available
 
 
-def _model_draft(config: SpecPrefillConfig, draft: LoadedModel) -> ModelDraft:
-    """A separate draft model with its look-ahead, its caches on its device and the document repair."""
-    return ModelDraft(
+def _model_draft(config: SpecPrefillConfig, draft: LoadedModel) -> ModelDraft | LayerPrefixDraft:
+    """A separate draft model (whole with its look-ahead, or its first ``draft_layers``), its caches on its device
+    and the document repair.
+    """
+    return separate_draft(
         draft.model,
         config.look_ahead,
         config.pool_kernel,
@@ -188,6 +192,8 @@ def _model_draft(config: SpecPrefillConfig, draft: LoadedModel) -> ModelDraft:
         _prefix_cache(config, draft.model),
         _document_cache(config, draft.model),
         DocumentRepair.of(config),
+        config.draft_layers,
+        config.self_draft_window,
     )
 
 

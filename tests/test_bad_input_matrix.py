@@ -511,7 +511,7 @@ ROWS += [
         "document_repair: unknown",
         lambda s: s.configure(document_repair="cacheblend"),
         ValidationError,
-        "document_repair\n.*'naive', 'epic' or 'blend'",
+        "document_repair\n.*'naive', 'epic', 'blend' or 'query'",
     ),
     Row(
         "SpecPrefillEngine(...)",
@@ -525,7 +525,28 @@ ROWS += [
         "document_repair_share without blend",
         lambda s: s.configure(document_repair="naive", document_repair_share=0.05),
         ValidationError,
-        "document_repair_share applies to document_repair='blend' only, not 'naive'",
+        "document_repair_share applies to document_repair='blend' or 'query' only, not 'naive'",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
+        "draft_layers with a 'self' draft",
+        lambda s: s.configure(draft="self:2", draft_layers=2),
+        ValidationError,
+        "draft_layers applies to a separate draft model, not to 'self:2'; name the main model's layers as 'self:<n>'",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
+        "draft_layers with a look-ahead",
+        lambda s: s.configure(draft="smollm2-135m", draft_layers=2, look_ahead=4),
+        ValidationError,
+        "no output to decode look-ahead tokens from",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
+        "draft_layers: zero",
+        lambda s: s.configure(draft="smollm2-135m", draft_layers=0),
+        ValidationError,
+        "draft_layers\n.*greater than or equal to 1",
     ),
     Row(
         "SpecPrefillEngine(...)",

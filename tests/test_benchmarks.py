@@ -628,6 +628,77 @@ def test_document_cache_report_pools_the_paired_samples_of_every_run(tmp_path):
     assert cells[7].startswith("**-0.200**")
 
 
+def test_document_cache_report_labels_query_repairs_by_their_share(tmp_path):
+    from document_cache_report import rows_of
+
+    def record(sample, method, contains):
+        return {"sample": sample, "method": method, "keep_rate": 0.1, "contains": contains, "answer_kept": 1}
+
+    records = [record(s, "full", 1) for s in range(2)] + [record(s, "specprefill", 1) for s in range(2)]
+    records += [record(s, "specprefill-documents-query10", s) for s in range(2)]
+    records += [record(s, "specprefill-documents-query", 1) for s in range(2)]
+    run = tmp_path / "task.json"
+    run.write_text(json.dumps({"settings": {"keep_rates": [0.1]}, "records": records}))
+    labels = [[cell.strip() for cell in row.strip("|").split("|")][2] for row in rows_of(run)]
+    assert labels == ["query 15%", "query 10%"]
+
+
+def test_a_quality_method_names_the_query_repair_and_its_share(tiny_model, tiny_draft, tokenizer, monkeypatch):
+    """``--methods specprefill-documents-query10`` scores from the document cache with the query repair at 10%."""
+    import argparse
+
+    import quality
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.draft import assembly
+    from specprefill_rag.testing import random_documents
+
+    assert quality.query_repair("specprefill-documents-query") == quality.DocumentRepair("query")
+    with pytest.raises(ValueError, match="query<NN>"):
+        quality.query_repair("specprefill-documents-query1")
+    seen, original = [], assembly._recomputed
+    monkeypatch.setattr(assembly, "_recomputed", lambda *a: seen.append(a[-1]) or original(*a))
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, min_prompt_tokens=0, look_ahead=2)
+    name = "specprefill-documents-query10"
+    args = argparse.Namespace(
+        methods=[name], self_layers=[], self_windows=[], extra_drafts=[], seed=0, auto_floors=[0.1], auto_ceilings=[0.5]
+    )
+    methods = quality.make_methods(engine, args)
+    layout = engine.layout("When?", random_documents(2, 40, seed=1))
+    prefill = methods[name]({}, layout, 0.3)
+    assert 0 < prefill.kept.numel() < len(layout)
+    assert seen == [quality.DocumentRepair("query", share=0.1)]
+
+
+def test_a_quality_method_runs_the_draft_to_its_first_layers(tiny_model, tokenizer):
+    """``--methods specprefill-layers<N>`` scores as ``draft_layers=N`` builds the draft: its first N layers."""
+    import argparse
+
+    import quality
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.testing import build_model, random_documents
+
+    deep = build_model(tokenizer, layers=3, seed=2, initializer_range=0.2)
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, deep, min_prompt_tokens=0, look_ahead=2)
+    args = argparse.Namespace(
+        methods=["specprefill-layers2"],
+        self_layers=[],
+        self_windows=[],
+        extra_drafts=[],
+        seed=0,
+        auto_floors=[0.1],
+        auto_ceilings=[0.5],
+    )
+    layout = engine.layout("When?", random_documents(2, 40, seed=1))
+    kept = quality.make_methods(engine, args)["specprefill-layers2"]({}, layout, 0.3).kept
+    built = SpecPrefillEngine.from_models(tiny_model, tokenizer, deep, min_prompt_tokens=0, draft_layers=2)
+    importance = built.draft_scoring.importance(layout)
+    expected = quality.select_kept(importance, layout.document_index, keep_rate=0.3, chunk_size=32)
+    assert kept.tolist() == expected.tolist()
+    assert not quality.LAYERS_METHOD.fullmatch("specprefill-layers0")
+
+
 def test_the_draft_phase_timer_counts_each_phase_and_restores_the_originals():
     import document_cache_speed as study
 
@@ -637,7 +708,9 @@ def test_the_draft_phase_timer_counts_each_phase_and_restores_the_originals():
     originals = current()
     with study.phase_timer() as spent:
         assert all(current()[name] is not originals[name] for name in originals)
-        study.assembly._recomputed(None, None, torch.zeros((0, 2), dtype=torch.long), [], study.DocumentRepair("naive"))
+        study.assembly._recomputed(
+            None, 1, None, torch.zeros((0, 2), dtype=torch.long), [], torch.zeros(0), study.DocumentRepair("naive")
+        )
     assert current() == originals
     assert spent["probe"] > 0 and spent["encode_documents"] == spent["fresh_forward"] == spent["score"] == 0
 
@@ -648,11 +721,13 @@ def test_the_draft_table_reads_each_arm_against_the_cold_draft():
     def arm(draft_ms):
         return {"draft_ms": draft_ms, "prompt_tokens": 2100, "phases_ms": dict.fromkeys(study.PHASES, 1.0)}
 
-    settings = {"lengths": [2000], "repairs": ["blend"]}
-    records = [{"length": 2000, "cold": arm(1000.0), "first": arm(1200.0), "warm-blend": arm(300.0)}]
+    settings = {"lengths": [2000], "repairs": ["blend"], "draft_layers": [8], "first_sights": ["alone", "in_context"]}
+    arms = {"cold": arm(1000.0), "cold-layers8": arm(400.0), "first": arm(1200.0), "warm-blend": arm(300.0)}
+    records = [{"length": 2000, **arms, "first-in_context": arm(1000.0)}]
     table = study.draft_table({"settings": settings, "machine": [], "records": records})
     rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| 2,000")}
-    assert set(rows) == {"cold (joint)", "first", "warm-blend"}
+    assert set(rows) == {"cold (joint)", "cold-layers8", "first", "first-in_context", "warm-blend"}
+    assert "| 0.40 (0.40-0.40) |" in rows["cold-layers8"] and "| 1.00 (1.00-1.00) |" in rows["first-in_context"]
     assert "| 1.20 (1.20-1.20) |" in rows["first"] and "| 0.30 (0.30-0.30) |" in rows["warm-blend"]
 
 
@@ -662,7 +737,9 @@ def test_a_repairs_entry_names_a_repair_and_blend_takes_a_share():
     assert study.repair_of("naive") == study.DocumentRepair("naive")
     assert study.repair_of("blend:0.05") == study.DocumentRepair("blend", share=0.05)
     assert study.repair_spec("blend:0.05") == "blend:0.05"
-    for bad in ("naive:0.05", "blend:2", "cacheblend", "blend:x"):
+    assert study.repair_of("query") == study.DocumentRepair("query")
+    assert study.repair_of("query:0.1") == study.DocumentRepair("query", share=0.1)
+    for bad in ("naive:0.05", "epic:0.1", "blend:2", "query:-1", "cacheblend", "blend:x"):
         with pytest.raises(study.argparse.ArgumentTypeError):
             study.repair_spec(bad)
 

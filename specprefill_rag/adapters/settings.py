@@ -40,6 +40,7 @@ class AdapterSettings(CompressionSettings, GrammarLimits):
     tokenizer: str | None = declared_field(EngineSettings, "tokenizer", "adapters")
     device: str = declared_field(EngineSettings, "device", "adapters")
     max_draft_tokens: int | None = declared_field(EngineSettings, "max_draft_tokens", "adapters")
+    draft_layers: int | None = declared_field(EngineSettings, "draft_layers", "adapters")
     self_draft_window: int = declared_field(EngineSettings, "self_draft_window", "adapters")
     pool_kernel: int = declared_field(EngineSettings, "pool_kernel", "adapters")
     chunk_size: int = declared_field(EngineSettings, "chunk_size", "adapters")

@@ -15,12 +15,32 @@ model draft, ``L - W`` for a layer-prefix draft's query window) is put together 
 
 The result is a ``DynamicCache`` whose slot ``i`` holds position ``i``, exactly what a cold prefill of the
 first ``until`` tokens leaves, up to the approximation that cached documents did not see each other.
+
+Which document tokens are recomputed (:mod:`.repair`) is decided before that forward pass. ``blend`` runs its
+joint probe over the first layers. ``query`` reads what the question attends to: one forward pass over the
+tokens that are not cached (labels, the question, and the tokens the draft will score: the last prompt token
+or a layer-prefix draft's window) against the placed cached KV, recording, layer by layer, the attention of
+the rows after the last cached document onto every key. Those tokens are a few dozen against the documents'
+thousands, so this costs a small share of the fresh forward and no pass over the documents; its KV is thrown
+away, and the fresh forward then computes the question again over the repaired documents (so a share of 1
+gives the joint KV). The alternative, the look-ahead's own attention, comes only after the KV is assembled:
+using it would mean a second look-ahead over the repaired KV, which costs more than this pass (the scored
+look-ahead is the largest fixed cost of a warm draft: docs, Document cache).
+
+A document the store does not hold is, by default (``first_sight="alone"``), encoded alone after the prefix,
+stored, and then assembled like a hit: a prompt scores the same whether its documents were held or not, at
+the cost of those documents' own passes on top of the assembly. With ``first_sight="in_context"`` it is
+instead computed in the one fresh forward, in context, like a label (with no prefix held, the whole prompt
+goes through one joint pass: a cold draft's prefill), and stored from it with its keys moved back to the
+positions after the prefix. A miss then costs what a cold draft does and a partial hit the tokens not held
+(the repair covers the documents held, whose KV came from the store); the stored KV saw the documents before
+it in the prompt that drafted it, as chunk KV stored by CacheBlend-style caches does.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,7 +49,16 @@ from ..errors import InvalidRequestError
 from ..kvcache.prefix_cache import DraftIdentity, KVLayers
 from .document_cache import DocumentKey, DocumentStore
 from .hooks import StopForward, attention_dispatch, stop_after_layers
-from .repair import NAIVE, DocumentRepair, first_tokens_of, kv_deviation, most_deviating
+from .repair import (
+    NAIVE,
+    DocumentRepair,
+    first_tokens_of,
+    kv_deviation,
+    most_attended,
+    most_deviating,
+    question_attention,
+    recompute_count,
+)
 from .rotation import rotary_inv_freq, rotate_keys
 
 PREFIX_ENTRY = b"prefix"  # the store's third key part for a prefix's own KV
@@ -44,11 +73,13 @@ class AssembledKV:
             position ``i``.
         cached_tokens: document tokens whose KV the store served (rotated), not recomputed.
         documents_cached: documents the store served.
+        recomputed: ``[R]`` sorted long positions of the document tokens the repair computed in context.
     """
 
     past: Any
     cached_tokens: int
     documents_cached: int
+    recomputed: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
 
 @dataclass(frozen=True)
@@ -269,12 +300,86 @@ def assemble_prompt_kv(
     served = spans[spans[:, 1] <= until]
     if prefix_length > until:
         raise InvalidRequestError(f"the prefix ({prefix_length} tokens) reaches past the assembled {until} tokens")
+    if repair.first_sight == "in_context":
+        return _assembled_in_context(model, draft, input_ids, prefix_length, served, until, store, repair, namespace)
     prefix, encoded = encode_documents(model, draft, input_ids, prefix_length, served, store, namespace)
     full, cached = _placed(prefix, served, [layers for layers, _ in encoded], until, inv_freq)
-    cached[_recomputed(model, input_ids[:until], served, full, repair)] = False
+    recomputed = _recomputed(model, draft.layers, input_ids, served, full, cached, repair)
+    cached[recomputed] = False
     hits = [hit for _, hit in encoded]
     hit_tokens = sum(int(cached[start:end].sum()) for (start, end), hit in zip(served.tolist(), hits) if hit)
-    return AssembledKV(_with_fresh(model, draft.layers, input_ids, full, cached), hit_tokens, sum(hits))
+    past = _with_fresh(model, draft.layers, input_ids, full, cached)
+    return AssembledKV(past, hit_tokens, sum(hits), recomputed)
+
+
+def _assembled_in_context(
+    model: Any,
+    draft: DraftIdentity,
+    input_ids: torch.Tensor,
+    prefix_length: int,
+    spans: torch.Tensor,
+    until: int,
+    store: DocumentStore,
+    repair: DocumentRepair,
+    namespace: str | None,
+) -> AssembledKV:
+    """:func:`assemble_prompt_kv` with ``first_sight="in_context"`` (see the module): the ``[S, 2]`` ``spans``'
+    documents the store holds are placed and repaired, the others computed in the one fresh forward and then
+    stored, as the prefix is when the store lacks it (the prompt's first ``until`` tokens then go through one
+    joint pass).
+    """
+    inv_freq = rotary_inv_freq(model)
+    digest = _digest(input_ids[:prefix_length])
+    prefix_key = DocumentKey(draft, namespace, digest, PREFIX_ENTRY)
+    keys = [_document_key(draft, namespace, digest, input_ids[start:end]) for start, end in spans.tolist()]
+    prefix = store.lookup(prefix_key, input_ids[:prefix_length].cpu())
+    if prefix is None:
+        past = _new_cache(model)
+        _forward(model, draft.layers, input_ids[:until], torch.arange(until, device=input_ids.device), past)
+        full = [(layer.keys, layer.values) for layer in past.layers[: draft.layers]]
+        _store_seen(model, store, full, prefix_key, input_ids, prefix_length, list(zip(keys, spans.tolist())), inv_freq)
+        return AssembledKV(past, 0, 0)
+    device = input_ids.device
+    held = [store.lookup(key, input_ids[start:end].cpu()) for key, (start, end) in zip(keys, spans.tolist())]
+    hits = [layers for layers in held if layers is not None]
+    hit_spans = spans[torch.tensor([layers is not None for layers in held], dtype=torch.bool)].reshape(-1, 2)
+    moved = [tuple((k.to(device), v.to(device)) for k, v in layers) for layers in (prefix, *hits)]
+    full, cached = _placed(moved[0], hit_spans, moved[1:], until, inv_freq)
+    unseen = torch.zeros(until, dtype=torch.bool)
+    missed = [(key, (start, end)) for key, (start, end), layers in zip(keys, spans.tolist(), held) if layers is None]
+    for _, (start, end) in missed:
+        unseen[start:end] = True
+    recomputed = _recomputed(model, draft.layers, input_ids, hit_spans, full, cached, repair, unseen)
+    cached[recomputed] = False
+    hit_tokens = sum(int(cached[start:end].sum()) for start, end in hit_spans.tolist())
+    past = _with_fresh(model, draft.layers, input_ids, full, cached)
+    _store_seen(model, store, full, None, input_ids, prefix_length, missed, inv_freq)
+    return AssembledKV(past, hit_tokens, len(hits), recomputed)
+
+
+def _store_seen(
+    model: Any,
+    store: DocumentStore,
+    full: list[tuple[torch.Tensor, torch.Tensor]],
+    prefix_key: DocumentKey | None,
+    input_ids: torch.Tensor,
+    prefix_length: int,
+    documents: list[tuple[DocumentKey, tuple[int, int]]],
+    inv_freq: torch.Tensor,
+) -> None:
+    """Store, from a prompt's KV ``full`` (per layer ``[1, H_kv, n, d]``, position order), the prefix's (under
+    ``prefix_key``; None: held already) and each ``(key, (start, end))`` document's, its keys moved back to the
+    positions right after the prefix.
+    """
+    if prefix_key is not None:
+        prefix = tuple((keys[:, :, :prefix_length], values[:, :, :prefix_length]) for keys, values in full)
+        store.store(model, prefix_key, input_ids[:prefix_length].cpu(), prefix)
+    for key, (start, end) in documents:
+        shift = prefix_length - start
+        layers = tuple(
+            (rotate_keys(keys[:, :, start:end], shift, inv_freq), values[:, :, start:end]) for keys, values in full
+        )
+        store.store(model, key, input_ids[start:end].cpu(), layers)
 
 
 def _placed(
@@ -332,21 +437,36 @@ def _with_fresh(
 
 def _recomputed(
     model: Any,
+    layers: int,
     input_ids: torch.Tensor,
     spans: torch.Tensor,
     full: list[tuple[torch.Tensor, torch.Tensor]],
+    cached: torch.Tensor,
     repair: DocumentRepair,
+    unseen: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[R]`` long positions of document tokens to compute in context; for ``blend``, also overwrites the first
-    ``probe_layers`` layers of ``full`` (per layer ``[1, H_kv, n, d]``, position order) with the joint KV.
+    """``[R]`` sorted long positions of document tokens to compute in context, for the ``[L]`` prompt whose first
+    ``until`` positions ``full`` holds (per layer ``[1, H_kv, until, d]``, position order; ``cached``: the
+    ``[until]`` bool mask of those filled). For ``blend``, also overwrites the first ``probe_layers`` layers of
+    ``full`` with the joint KV. ``unseen``: ``[until]`` bool, documents the store did not hold (computed in the
+    fresh forward later; ``query``'s pass leaves them out rather than read them twice).
     """
     if repair.kind == "naive" or not spans.numel():
         return torch.zeros(0, dtype=torch.long)
     if repair.kind == "epic":
         return first_tokens_of(spans, repair.first_tokens)
-    probe_layers = min(repair.probe_layers, len(full))
-    joint = _probe(model, input_ids, probe_layers)
     positions = torch.cat([torch.arange(start, end) for start, end in spans.tolist()])
+    if repair.kind == "query":
+        if not recompute_count(positions.numel(), repair.share):
+            return torch.zeros(0, dtype=torch.long)
+        unseen = torch.zeros_like(cached) if unseen is None else unseen
+        after = int(torch.nonzero(unseen).max()) + 1 if bool(unseen.any()) else 0
+        question = max(int(spans[-1, 1]), after)
+        attention = _question_attention(model, layers, input_ids, full, cached, question, unseen)
+        return most_attended(positions, attention[positions], repair.share)
+    until = cached.numel()
+    probe_layers = min(repair.probe_layers, len(full))
+    joint = _probe(model, input_ids[:until], probe_layers)
     index = positions.to(input_ids.device)
     last = probe_layers - 1
     cached_layer = (full[last][0][:, :, index], full[last][1][:, :, index])
@@ -355,3 +475,46 @@ def _recomputed(
         keys.copy_(joint_keys)
         values.copy_(joint_values)
     return most_deviating(positions, deviation.cpu(), repair.share)
+
+
+def _question_attention(
+    model: Any,
+    layers: int,
+    input_ids: torch.Tensor,
+    full: list[tuple[torch.Tensor, torch.Tensor]],
+    cached: torch.Tensor,
+    first_question: int,
+    unseen: torch.Tensor,
+) -> torch.Tensor:
+    """``[L]`` float32 attention of the question onto each prompt position over the placed cached KV: one forward
+    pass (the first ``layers`` layers) of the ``[L]`` prompt's tokens neither ``cached`` nor ``unseen`` (``[until]``
+    bool each; unseen tokens are left out, keys and queries alike) and those from ``until`` on, each seeing the keys
+    before its position; per key, the max over layers and heads of the attention of each row at or after
+    ``first_question``, averaged over those rows (SpecPrefill's aggregation, without pooling). The pass's KV is
+    discarded.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    until = cached.numel()
+    device = input_ids.device
+    kept = torch.nonzero(cached).flatten().to(device)
+    scored = torch.arange(until, input_ids.numel(), device=device)  # what the draft scores after the assembly
+    fresh = torch.cat([torch.nonzero(~cached & ~unseen).flatten().to(device), scored])
+    key_positions = torch.cat([kept, fresh])
+    visible = key_positions[None, :] <= fresh[:, None]  # [F, C + F]
+    rows = fresh >= first_question
+    attended = torch.zeros(int(rows.sum()), key_positions.numel(), device=device)
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        layer = question_attention(query[0][:, rows], key[0], visible[rows], scale)
+        torch.maximum(attended, layer.to(device), out=attended)
+        return sdpa_attention_forward(module, query, key, value, visible[None, None], scaling=scaling, **kwargs)
+
+    past = _new_cache(model)
+    _start_from(past, tuple((keys[:, :, kept], values[:, :, kept]) for keys, values in full))
+    with attention_dispatch(model, attention):
+        _forward(model, layers, input_ids[fresh], fresh, past)
+    per_position = torch.zeros(input_ids.numel(), device=device)
+    per_position[key_positions] = attended.mean(dim=0)
+    return per_position.cpu()

@@ -3,7 +3,8 @@ token than the smaller prefill saves, so the prompt is prefilled whole (``min_pr
 
 In units of one main-model prompt token, SpecPrefill saves ``1 - keep`` of the prefill per prompt token
 and spends ``r`` on the draft, where ``r`` is the draft's cost against the main model's (its parameters'
-share, or its share of the main model's layers for ``draft="self"``). It also pays a fixed cost ``F``,
+share, or its share of the main model's layers for ``draft="self"``; a draft run to its first
+``draft_layers`` counts the parameters it runs: :func:`draft_parameter_count`). It also pays a fixed cost ``F``,
 mostly the look-ahead steps: each reads all of the draft's weights whatever the prompt length. So it pays
 from ``F / (1 - keep - r)`` prompt tokens, and never when ``r >= 1 - keep``.
 
@@ -19,6 +20,8 @@ import math
 
 from torch import nn
 
+from .hooks import decoder_layers
+
 MEASURED_KEEP_RATE = 0.3  # the keep rate of the crossover runs the fit is read from
 FIXED_COST_TOKENS = 128.0  # F for a draft without look-ahead steps ('self')
 LOOK_AHEAD_COST_TOKENS = 256.0 / 7  # F per look-ahead step of a separate draft
@@ -31,6 +34,17 @@ REMOTE_MAIN_MIN_PROMPT_TOKENS = 1024
 def parameter_count(model: nn.Module) -> int:
     """Parameters of ``model``, each shared tensor once (tied embeddings)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def draft_parameter_count(model: nn.Module, layers: int | None = None) -> int:
+    """Parameters of a draft that runs its first ``layers`` decoder layers (None: all): :func:`parameter_count`
+    without those of the layers after them. The embeddings stay counted, as they are for a whole draft (the fit
+    above is read with them), which errs towards a higher floor.
+    """
+    if layers is None:
+        return parameter_count(model)
+    skipped = decoder_layers(model)[layers:]
+    return parameter_count(model) - sum(p.numel() for p in {id(p): p for p in skipped.parameters()}.values())
 
 
 def pays_from(draft_share: float, look_ahead: int) -> int | None:

@@ -1,5 +1,12 @@
-"""Drafts that score a prompt: a separate small model (:class:`ModelDraft`, the paper's) or the main
-model's own first layers (:class:`LayerPrefixDraft`, ``draft="self"``).
+"""Drafts that score a prompt: a separate small model (:class:`ModelDraft`, the paper's) or the first
+layers of a model (:class:`LayerPrefixDraft`: the main model's own for ``draft="self"``, or a separate draft's
+with ``draft_layers``; :func:`separate_draft` picks).
+
+A draft cut after ``n`` layers has no output to decode look-ahead tokens from (its last hidden state never
+reaches the LM head, and a head read off layer ``n``, a logit lens, is what small models are worst at); so it
+scores with the last ``query_window`` prompt tokens as queries, each seeing the prompt up to itself, as
+``self`` always has. The question and the template around it sit there, which is where the look-ahead's
+first query (the last prompt token) comes from too.
 
 With a :class:`~specprefill_rag.kvcache.prefix_cache.PrefixKVCache`, a prompt that starts like one
 scored before starts from that prefix's cached keys and values: the draft prefills only the remainder,
@@ -17,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DraftScoringError
+from ..errors import DraftScoringError, InvalidRequestError
 from ..kvcache.prefix_cache import DraftIdentity, PrefixKVCache, PrefixReuse
 from .assembly import DocumentSpans, assemble_prompt_kv, encode_documents, held_documents
 from .batch import score_model_batch
@@ -25,6 +32,7 @@ from .document_cache import DocumentStore
 from .hooks import (
     StopForward,
     capture_attention,
+    decoder_layers,
     stop_after_layers,
 )
 from .importance import DraftScore, ImportanceAccumulator
@@ -248,6 +256,32 @@ class LayerPrefixDraft:
         spans = documents if documents is not None else [None] * len(prompts)
         owners = namespaces if namespaces is not None else [None] * len(prompts)
         return [_score_or_error(self.score_prompt, prompt, s, n) for prompt, s, n in zip(prompts, spans, owners)]
+
+
+def separate_draft(
+    model: Any,
+    look_ahead: int,
+    pool_kernel: int,
+    eos_token_ids: frozenset[int],
+    prefix_cache: PrefixKVCache | None,
+    document_cache: DocumentStore | None,
+    repair: DocumentRepair,
+    layers: int | None = None,
+    query_window: int = 16,
+) -> ModelDraft | LayerPrefixDraft:
+    """A separate draft model: whole (``layers`` None: queries the last prompt token and ``look_ahead - 1``
+    decoded tokens), or its first ``layers`` layers (queries its last ``query_window`` prompt tokens; see the
+    module). Raises :class:`InvalidRequestError` for more layers than the model has.
+    """
+    if layers is None:
+        return ModelDraft(model, look_ahead, pool_kernel, eos_token_ids, prefix_cache, document_cache, repair)
+    available = len(decoder_layers(model))
+    if not 1 <= layers <= available:
+        raise InvalidRequestError(
+            f"draft_layers={layers} asks for more layers than the draft model has ({available}); pass at most "
+            f"{available}, or leave draft_layers unset to run them all"
+        )
+    return LayerPrefixDraft(model, layers, pool_kernel, query_window, prefix_cache, document_cache, repair)
 
 
 @torch.inference_mode()
