@@ -774,8 +774,8 @@ def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_m
     rebuilt = [(key, entry.nbytes) for key, entry in store._entries.items()]
     assert len(seen) + 1 > len(uninterrupted) and held == len(uninterrupted) - 1  # some were evicted
     assert dict(rebuilt) == dict(uninterrupted)
-    documents_in_order = [key for key, _ in uninterrupted if key[2] != b"prefix"]
-    assert [key for key, _ in rebuilt if key[2] != b"prefix"] == documents_in_order
+    documents_in_order = [key for key, _ in uninterrupted if key.document != b"prefix"]
+    assert [key for key, _ in rebuilt if key.document != b"prefix"] == documents_in_order
     store.clear()
 
 
