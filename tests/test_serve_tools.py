@@ -331,7 +331,15 @@ def test_a_template_without_tool_calling_still_takes_tools_and_a_tool_history(to
     ("fields", "expected"),
     [
         ({}, {"tool_format": None, "output_format": None}),
-        ({"tools": TOOLS}, {"tool_format": "hermes", "parallel_tool_calls": True, "output_format": None}),
+        pytest.param(
+            {"tools": TOOLS},
+            {
+                "tool_format": "hermes",
+                "parallel_tool_calls": True,
+                "output_format": OutputFormat("tool_call", tools=tuple(TOOLS), tool_format="hermes", lazy=True),
+            },
+            marks=needs_xgrammar,
+        ),
         ({"tools": TOOLS, "parallel_tool_calls": False}, {"tool_format": "hermes", "parallel_tool_calls": False}),
         ({"tools": TOOLS, "tool_choice": "none"}, {"tool_format": None, "output_format": None}),
         pytest.param(
