@@ -63,7 +63,7 @@ PLAIN = [
     'As JSON: {"name": "Alice", "age": 3} and {"city": "Paris", "days": 2}.',
     '```json\n{"answer": "yes", "items": [1, 2, {"name": "x"}]}\n```',
     "```python\ndef browse(topic):\n    return {'name': topic}\n```",
-    '{"name": "get_weather_forecast", "arguments": {}} is another tool, {"name":"browse"} is spaced otherwise.',
+    '{"name": "get_weather_forecast", "arguments": {}} is another tool, {"name" : "browse"} is spaced otherwise.',
 ]
 
 
@@ -109,6 +109,7 @@ def test_before_a_trigger_every_text_token_is_allowed(qwen, compiler, text):
     [
         ('Let me check. {"name": "get_weather"', ', "arguments": {"city": "Paris", "days": 2}}'),
         ('{{"name": "browse"', ', "arguments": {"topic": "rivers"}}'),
+        ('{"name":"browse"', ', "arguments": {"topic": "rivers"}}'),
         ("```json\n" + '{"name": "browse"', ', "arguments": {"topic": "bridges"}}'),
         ("<tool_call>", '\n{"name": "browse", "arguments": {"topic": "rivers"}}\n</tool_call>'),
     ],
@@ -149,7 +150,13 @@ def test_one_call_only_without_parallel_calls(qwen, compiler):
 def test_the_lazy_tag_triggers_on_the_marker_and_each_offered_tool_by_name():
     tag = lazy_tool_call_tag(LAZY)["format"]
     assert tag["type"] == "triggered_tags"
-    assert tag["triggers"] == ["<tool_call>", '{"name": "get_weather"', '{"name": "browse"']
+    assert tag["triggers"] == [
+        "<tool_call>",
+        '{"name": "get_weather"',
+        '{"name":"get_weather"',
+        '{"name": "browse"',
+        '{"name":"browse"',
+    ]
     assert all(any(t["begin"].startswith(trigger) for trigger in tag["triggers"]) for t in tag["tags"])
 
 
@@ -270,6 +277,7 @@ TEXT_FORMS = [
     ('```json\n{"name": "browse", "arguments": {"topic": "rivers"}}\n```\nDone.', "Done."),
     ('{"name": "browse", "arguments": {"topic": "rivers"}}', ""),
     ('Ok {"name": "browse", "parameters": {"topic": "rivers"}} then', "Ok\n\nthen"),
+    ('{"name":"browse","arguments":{"topic":"rivers"}}', ""),
 ]
 
 

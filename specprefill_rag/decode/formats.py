@@ -164,9 +164,12 @@ def tool_call_structural_tag(fmt: OutputFormat, markers: Mapping[str, int]) -> d
     return {"type": "structural_tag", "format": body}
 
 
-def text_call_trigger(name: str) -> str:
-    """The text that starts a call of tool ``name`` written without markup: ``{"name": "<name>"``."""
-    return f'{{"name": {json.dumps(name, ensure_ascii=False)}'
+def text_call_triggers(name: str) -> tuple[str, str]:
+    """The texts that start a call of tool ``name`` written without markup: ``{"name": "<name>"``, and
+    ``{"name":"<name>"`` as compact JSON writes it.
+    """
+    quoted = json.dumps(name, ensure_ascii=False)
+    return f'{{"name": {quoted}', f'{{"name":{quoted}'
 
 
 def _tag(begin: str, parameters: dict[str, Any], end: str) -> dict[str, Any]:
@@ -180,8 +183,9 @@ def lazy_tool_call_tag(fmt: OutputFormat) -> dict[str, Any]:
     after the call the text is free again (one call only when ``fmt.parallel`` is False: then the output ends).
 
     Triggers: the family's call marker (``<tool_call>``, ``[TOOL_CALLS]``; llama3 has none), and for each tool
-    ``{"name": "<tool>"`` (:func:`text_call_trigger`), the bare JSON that small models write instead (also
-    inside doubled braces or a json fence). A bare trigger names the tool, closing quote included, so JSON
+    ``{"name": "<tool>"`` (:func:`text_call_triggers`), the bare JSON that small models write instead (also
+    inside doubled braces or a json fence; also without the space). A bare trigger names the tool, closing
+    quote included, so JSON
     that names no offered tool (``{"name": "Alice"}``) never triggers. Markers are matched as text (xgrammar's
     triggered tags take text), which a marker's single token also spells.
     """
@@ -192,9 +196,9 @@ def lazy_tool_call_tag(fmt: OutputFormat) -> dict[str, Any]:
     marker = _LIST_OPEN[family] or _CALL_OPEN[family]
     tags, triggers = [], [marker] if marker else []
     for name, parameters in tools:
-        bare = text_call_trigger(name)
-        tags.append(_tag(f'{bare}, "{key}": ', parameters, "}"))
-        triggers.append(bare)
+        bare, compact = text_call_triggers(name)
+        tags += [_tag(f'{bare}, "{key}": ', parameters, "}"), _tag(f'{compact}, "{key}": ', parameters, "}")]
+        triggers += [bare, compact]
         if family == "hermes":
             tags.append(_tag(f'{marker}\n{bare}, "{key}": ', parameters, "}\n" + _CALL_CLOSE[family]))
         elif family == "mistral":
