@@ -308,3 +308,12 @@ def test_hermes_parses_a_call_written_without_markup_whole_and_streamed(text, co
 def test_hermes_leaves_json_that_is_no_call_as_content(text):
     whole, streamed = parse_both(text)
     assert whole == streamed == (text, (), ())
+
+
+def test_without_xgrammar_auto_still_parses_the_calls(qwen, model, monkeypatch, caplog):
+    monkeypatch.setattr(constraints, "xgr", None)
+    script = ids(qwen, '<tool_call>\n{"name": "browse", "arguments": {"topic": "rivers"}}\n</tool_call>')
+    with caplog.at_level(logging.WARNING), scripted(model, script):
+        result = engine(model, qwen).chat(QUESTION, tools=list(TOOLS), max_new_tokens=len(script), seed=0)
+    assert [(c.name, dict(c.arguments)) for c in result.tool_calls] == [("browse", {"topic": "rivers"})]
+    assert "specprefill-rag[constrained]" in caplog.text  # the warning says how to get the grammar

@@ -385,6 +385,30 @@ def test_tools_tool_choice_and_response_format_reach_the_decoding_params(client,
 # --- replies: the model's calls in OpenAI's shapes -------------------------------------------------------------
 
 
+@needs_xgrammar
+def test_auto_returns_a_call_written_without_markup_even_over_the_grammar_limits(client, script):
+    # a pattern past max_pattern_repeat (1,000): a forced call of it is a 400, auto decodes without its lazy grammar
+    many = {
+        "type": "function",
+        "function": {
+            "name": "pick",
+            "parameters": {"type": "object", "properties": {"n": {"type": "string", "pattern": "^[a-z]{5000}$"}}},
+        },
+    }
+    script.text = 'Sure.\n```json\n{"name": "pick", "arguments": {"n": "abc"}}\n```'
+    messages = [{"role": "user", "content": QUESTION}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[many], max_tokens=100)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("pick", {"n": "abc"})
+    ]
+    with pytest.raises(openai.BadRequestError, match="max_pattern_repeat"):
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[many], tool_choice="required", max_tokens=100
+        )
+
+
 def test_a_whole_answer_carries_the_calls_and_null_content(client, script):
     script.text = hermes("search", {"q": "bridge opening"}) + "\n" + hermes("lookup", {"q": "1883"})
     answer = client.chat.completions.create(
