@@ -275,6 +275,8 @@ def test_a_vllm_main_gets_the_lazy_tag_and_falls_back_over_the_limits():
 TEXT_FORMS = [
     ('I will search.\n{{"name": "browse", "arguments": {"topic": "rivers"}}}', "I will search."),
     ('```json\n{"name": "browse", "arguments": {"topic": "rivers"}}\n```\nDone.', "Done."),
+    ('{{"name": "browse", "arguments": {"topic": "rivers"}}}}', ""),  # the rest of doubled arguments' braces
+    ('```json\n{{"name": "browse", "arguments": {"topic": "rivers"}}}\n```', ""),
     ('{"name": "browse", "arguments": {"topic": "rivers"}}', ""),
     ('Ok {"name": "browse", "parameters": {"topic": "rivers"}} then', "Ok\n\nthen"),
     ('{"name":"browse","arguments":{"topic":"rivers"}}', ""),

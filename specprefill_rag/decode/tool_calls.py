@@ -443,11 +443,16 @@ class _Hermes(_Parser):
             self.buf = text[at + end :]
             return True
         rest = text[at + end :]
-        for closer in [closer for closer, opened in (("}", brace), ("```", fence)) if opened]:
+        if brace:  # the closing braces of doubled braces (``}}}}`` when the model doubled the arguments' too)
             stripped = rest.lstrip()
-            if stripped.startswith(closer):
-                rest = stripped[len(closer) :]
-            elif not final and closer.startswith(stripped):
+            if not final and not stripped.strip("}"):
+                return False
+            rest = stripped.lstrip("}") if stripped.startswith("}") else rest
+        if fence:
+            stripped = rest.lstrip()
+            if stripped.startswith("```"):
+                rest = stripped[3:]
+            elif not final and "```".startswith(stripped):
                 return False
         self.add_call(value["name"], value[key])
         self.buf = rest
