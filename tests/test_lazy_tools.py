@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from tokenizers import AddedToken
 
 from specprefill_rag.backends.vllm import request_outputs, structured_outputs
 from specprefill_rag.config import GenerationParams, GrammarLimits, OutputFormat
@@ -145,6 +146,29 @@ def test_one_call_only_without_parallel_calls(qwen, compiler):
     tokens = ids(qwen, 'Ok. {"name": "browse", "arguments": {"topic": "rivers"}}')
     assert write(constraint, tokens) == len(tokens)
     assert constraint.finished  # nothing but the end may follow
+
+
+@needs_xgrammar
+@pytest.mark.parametrize(
+    ("family", "call", "wrong"),
+    [
+        ("llama3", '{"name": "browse", "parameters": {"topic": "rivers"}}', '{"name": "browse", "arguments": {}}'),
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "browse", "arguments": {"topic": "rivers"}}]',
+            '[TOOL_CALLS][{"name": "delete_all_files", "arguments": {}}]',
+        ),
+    ],
+)
+def test_the_other_families_calls_are_lazy_too(family, call, wrong):
+    tokenizer = build_family_tokenizer(family)
+    if family == "mistral":  # a special (control) token, as in Mistral v0.3: kept visible as a marker
+        tokenizer.add_tokens([AddedToken("[TOOL_CALLS]", special=True)])
+    family_compiler = ConstraintCompiler(tokenizer, len(tokenizer))
+    lazy = OutputFormat("tool_call", tools=TOOLS, tool_format=family, lazy=True)
+    for text, whole in [(PLAIN[1] + " " + call + " Done.", True), (PLAIN[1] + " " + wrong, False)]:
+        tokens = ids(tokenizer, text)
+        assert (write(family_compiler.constraint(lazy), tokens) == len(tokens)) is whole, text
 
 
 def test_the_lazy_tag_triggers_on_the_marker_and_each_offered_tool_by_name():
