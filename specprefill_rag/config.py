@@ -442,6 +442,13 @@ class GrammarLimits(BaseModel):
         ge=1,
         description="In-process main model: compiled output grammars kept, in MiB (least recently used dropped).",
     )
+    lazy_tool_grammar: bool = Field(
+        True,
+        strict=True,
+        description="With tool_choice='auto': free text until the answer starts like a call of an offered tool "
+        '(the family\'s marker, or {"name": "<tool>"), then the call is constrained to that tool\'s schema '
+        "(docs: Agents). False: calls are only parsed from the text, as written.",
+    )
 
     def grammar_limits(self) -> dict[str, Any]:
         """These fields' values, for another settings class that has them."""
@@ -673,6 +680,11 @@ class OutputFormat:
 
     ``tools`` are OpenAI tool schemas, ``{"type": "function", "function": {"name", "description",
     "parameters"}}``; a tool without ``parameters`` (or with ``{}``) takes the empty object.
+
+    ``lazy`` (``tool_call`` only; ``tool_choice="auto"``): the output is free text until it starts like a call
+    (a trigger: the family's marker, or ``{"name": "<tool>"`` naming one of ``tools``); from there the call is
+    constrained as above, and after it the text is free again
+    (:func:`~specprefill_rag.decode.formats.tool_call_structural_tag`).
     """
 
     kind: Literal["json_object", "json_schema", "tool_call"]
@@ -681,6 +693,7 @@ class OutputFormat:
     tool_format: ToolCallFormat | None = None
     parallel: bool = True
     strict: bool = True
+    lazy: bool = False
 
     def canonical_json(self) -> str:
         """The format as compact JSON: equal for formats that compile to the same grammar (the cache key)."""
@@ -691,6 +704,7 @@ class OutputFormat:
             "tools": list(self.tools),
             "tool_format": self.tool_format,
             "parallel": self.parallel,
+            "lazy": self.lazy,
         }
         return json.dumps(fields, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 

@@ -354,7 +354,8 @@ class SpecPrefillEngine:
         base = check_params(params) or GenerationParams()
         check_flag(parallel_tool_calls, "parallel_tool_calls")
         chat = self.chat_layout(messages, documents, tools, question, insert_missing=insert_missing)
-        decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls)
+        lazy = self.config.lazy_tool_grammar
+        decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls, lazy)
         return ChatRequest(chat, generation_params({**dict(base), **decoding}) if decoding else base)
 
     def stream_chat(

@@ -349,7 +349,15 @@ def test_a_template_without_tool_calling_still_takes_tools_and_a_tool_history(to
     ("fields", "expected"),
     [
         ({}, {"tool_format": None, "output_format": None}),
-        ({"tools": TOOLS}, {"tool_format": "hermes", "parallel_tool_calls": True, "output_format": None}),
+        pytest.param(
+            {"tools": TOOLS},
+            {
+                "tool_format": "hermes",
+                "parallel_tool_calls": True,
+                "output_format": OutputFormat("tool_call", tools=tuple(TOOLS), tool_format="hermes", lazy=True),
+            },
+            marks=needs_xgrammar,
+        ),
         ({"tools": TOOLS, "parallel_tool_calls": False}, {"tool_format": "hermes", "parallel_tool_calls": False}),
         ({"tools": TOOLS, "tool_choice": "none"}, {"tool_format": None, "output_format": None}),
         pytest.param(
@@ -393,6 +401,30 @@ def test_tools_tool_choice_and_response_format_reach_the_decoding_params(client,
 
 
 # --- replies: the model's calls in OpenAI's shapes -------------------------------------------------------------
+
+
+@needs_xgrammar
+def test_auto_returns_a_call_written_without_markup_even_over_the_grammar_limits(client, script):
+    # a pattern past max_pattern_repeat (1,000): a forced call of it is a 400, auto decodes without its lazy grammar
+    many = {
+        "type": "function",
+        "function": {
+            "name": "pick",
+            "parameters": {"type": "object", "properties": {"n": {"type": "string", "pattern": "^[a-z]{5000}$"}}},
+        },
+    }
+    script.text = 'Sure.\n```json\n{"name": "pick", "arguments": {"n": "abc"}}\n```'
+    messages = [{"role": "user", "content": QUESTION}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=[many], max_tokens=100)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("pick", {"n": "abc"})
+    ]
+    with pytest.raises(openai.BadRequestError, match="max_pattern_repeat"):
+        client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[many], tool_choice="required", max_tokens=100
+        )
 
 
 def test_a_whole_answer_carries_the_calls_and_null_content(client, script):

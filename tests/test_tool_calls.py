@@ -573,6 +573,14 @@ def test_mistral_call_of_a_tool_not_offered_stays_content():
 )
 @pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
 def test_prose_json_and_code_blocks_are_content_not_calls(fmt, text):
+    if fmt == "hermes" and text.startswith("```json"):
+        # a json fence holding exactly {"name": <offered tool>, "arguments": {...}} is how small models write a
+        # call (#45): hermes takes it as the call, fence and all; any other JSON stays content (cases above)
+        parsed = parse(text, fmt, {"get_weather"})
+        assert parsed.content == "" and [(c.name, dict(c.arguments)) for c in parsed.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+        return
     assert parse(text, fmt, {"get_weather"}) == ParsedOutput(text, (), ())
 
 
@@ -580,3 +588,14 @@ def test_offered_must_be_names():
     for offered in ["get_weather", [1, 2]]:
         with pytest.raises(InvalidRequestError, match="offered"):
             ToolCallStream("hermes", counter(), offered)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "written", ['{"name": "delete_all_files", "arguments": {}}', '{{"name": "delete_all_files", "arguments": {}}}']
+)
+def test_a_call_written_without_markup_of_a_tool_not_offered_stays_content(written):
+    """The hermes parser takes calls written as bare JSON (lazy grammar, #45); one naming a tool not offered is
+    the model's text, kept in the content, not dropped and not a call (#43 item 4)."""
+    parsed = parse_tool_calls(f"Sure. {written} done", "hermes", offered=("search",))
+    assert parsed.tool_calls == () and parsed.invalid_tool_calls == ()
+    assert written in parsed.content and parsed.content.startswith("Sure.") and parsed.content.endswith("done")

@@ -14,6 +14,7 @@ namespace's entries (``prompt.namespace``: a tenant of the gateway).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncGenerator, Generator, Iterable
 from contextlib import nullcontext
@@ -22,13 +23,15 @@ from typing import Any
 import torch
 
 from ..config import GenerationParams, GrammarLimits, OutputFormat
-from ..decode.constraints import ConstraintCompiler
+from ..decode.constraints import ConstraintCompiler, TokenConstraint
 from ..decode.sampling import apply_penalties, log_probabilities, next_token, step_logprobs
 from ..errors import InvalidRequestError
 from ..kvcache.prefix_cache import PrefixKVCache, PrefixReuse
 from ..results import PrefillReport
 from .base import SparsePrompt
 from .threads import iterate_in_thread
+
+logger = logging.getLogger(__name__)
 
 # Any reuse pays on the main model: a cached token skips every layer's MLP, the bulk of its cost.
 MAIN_MIN_REUSE_SHARE = 0.0
@@ -105,8 +108,31 @@ class HFBackend:
         return output.logits[0, -1]
 
     def check_output_format(self, output_format: OutputFormat) -> None:
-        """Compile the format now (cached), so a schema that cannot be enforced is refused before any work."""
-        self._constraints().compiled(output_format)
+        """Compile the format now (cached), so a schema that cannot be enforced is refused before any work (a lazy
+        one, ``tool_choice="auto"``, never is: see :meth:`_constraint`).
+        """
+        self._grammar(output_format)
+
+    def _constraint(self, output_format: OutputFormat | None) -> TokenConstraint | None:
+        """A fresh grammar state for ``output_format``; None without one, or when a lazy one has no grammar."""
+        grammar = self._grammar(output_format) if output_format is not None else None
+        if output_format is None or grammar is None:
+            return None
+        return TokenConstraint(grammar, self._constraints().vocab_size, output_format.kind)
+
+    def _grammar(self, output_format: OutputFormat) -> Any:
+        """The compiled grammar of ``output_format`` (cached). A lazy format whose grammar cannot be built (over a
+        schema limit, uncompilable, no xgrammar, no tokenizer) gives None and a warning: ``auto`` then decodes
+        freely and the calls are parsed from the text as written, as before lazy grammars, rather than refuse
+        the request.
+        """
+        try:
+            return self._constraints().compiled(output_format)
+        except InvalidRequestError as error:
+            if not output_format.lazy:
+                raise
+            logger.warning("tool_choice='auto' without its lazy tool-call grammar (calls parsed as written): %s", error)
+            return None
 
     def _constraints(self) -> ConstraintCompiler:
         """The compiler of this model's grammars, built on first use (its tokenizer tables cost ~0.5 s)."""
@@ -128,7 +154,7 @@ class HFBackend:
         ``prompt.namespace`` only);
         ``report.logprobs`` (``params.logprobs``): each token's, from the logits before penalties and constraints.
         """
-        constraint = self._constraints().constraint(params.output_format) if params.output_format else None
+        constraint = self._constraint(params.output_format)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import ssl
 import threading
 import urllib.error
@@ -66,6 +67,8 @@ from .vllm_wire import (
     sse_tokens,
     unreachable,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "VLLMOfflineBackend",
@@ -129,14 +132,32 @@ def structured_outputs(
         if not output_format.strict:
             return {"grammar": json_grammar(output_format, limits)}
         return {"json": dict(output_format.schema)}
-    if markers is None:
+    if markers is None and not output_format.lazy:  # a lazy tag matches its markers as text
         raise InvalidRequestError(
             "a forced tool call (tool_choice 'required' or a named tool) with a vLLM main needs the served model's "
             "tokenizer, to write its tool-call markers as their tokens; build the engine with "
             "SpecPrefillEngine.for_vllm, or call backend.adopt_tokenizer(tokenizer, eos_ids) first"
         )
-    tag = tool_call_structural_tag(output_format, markers)
+    tag = tool_call_structural_tag(output_format, markers or {})
     return {"structural_tag": json.dumps(tag, ensure_ascii=False, separators=(",", ":"))}
+
+
+def request_outputs(
+    output_format: OutputFormat | None, markers: Mapping[str, int] | None, limits: GrammarLimits | None
+) -> dict[str, Any] | None:
+    """:func:`structured_outputs` of a request's ``output_format`` (None without one). A lazy format
+    (``tool_choice="auto"``) that cannot be enforced gives None and a warning, not an error: the answer is then
+    decoded freely and its calls parsed as written, as before lazy grammars.
+    """
+    if output_format is None:
+        return None
+    try:
+        return structured_outputs(output_format, markers, limits)
+    except InvalidRequestError as error:
+        if not output_format.lazy:
+            raise
+        logger.warning("tool_choice='auto' without its lazy tool-call grammar (calls parsed as written): %s", error)
+        return None
 
 
 def tool_markers(tokenizer: Any, vocab_size: int | None = None) -> dict[str, int]:
@@ -203,7 +224,7 @@ class VLLMOfflineBackend:
         return self._markers
 
     def check_output_format(self, output_format: OutputFormat) -> None:
-        structured_outputs(output_format, self._tool_markers(), self.grammar_limits)
+        request_outputs(output_format, self._tool_markers(), self.grammar_limits)
 
     def generate(
         self, prompt: SparsePrompt, params: GenerationParams, report: PrefillReport | None = None
@@ -215,9 +236,8 @@ class VLLMOfflineBackend:
         from vllm.sampling_params import StructuredOutputsParams
 
         fields = request_fields(prompt, salt=not keys_blocks_in_process())
-        constrained = params.output_format and StructuredOutputsParams(
-            **structured_outputs(params.output_format, self._tool_markers(), self.grammar_limits)
-        )
+        outputs = request_outputs(params.output_format, self._tool_markers(), self.grammar_limits)
+        constrained = outputs and StructuredOutputsParams(**outputs)
         sampling = SamplingParams(
             max_tokens=params.max_new_tokens,
             temperature=params.temperature,
@@ -382,7 +402,7 @@ class VLLMServerBackend:
         return False, False
 
     def check_output_format(self, output_format: OutputFormat) -> None:
-        structured_outputs(output_format, self._markers, self.grammar_limits)
+        request_outputs(output_format, self._markers, self.grammar_limits)
 
     def _body(self, prompt: SparsePrompt, params: GenerationParams) -> dict[str, Any]:
         fields = request_fields(prompt, salt=not self.position_keyed_blocks)
@@ -401,8 +421,9 @@ class VLLMServerBackend:
             body["seed"] = params.seed
         if params.presence_penalty or params.frequency_penalty:
             body.update(presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty)
-        if params.output_format is not None:
-            body["structured_outputs"] = structured_outputs(params.output_format, self._markers, self.grammar_limits)
+        outputs = request_outputs(params.output_format, self._markers, self.grammar_limits)
+        if outputs is not None:
+            body["structured_outputs"] = outputs
         if params.logprobs:  # the chosen token's and the top ones', keyed "token_id:<id>" (sse_tokens reads them)
             body.update(logprobs=params.top_logprobs, return_tokens_as_token_ids=True)
         if "extra_args" in fields:

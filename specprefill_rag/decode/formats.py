@@ -49,8 +49,8 @@ def validate_format(fmt: OutputFormat) -> None:
         )
     if fmt.kind != "json_schema" and fmt.schema is not None:
         raise InvalidRequestError(f"`schema` is for kind='json_schema', not kind={fmt.kind!r}")
-    if fmt.kind != "tool_call" and (fmt.tools or fmt.tool_format is not None):
-        raise InvalidRequestError(f"`tools` and `tool_format` are for kind='tool_call', not kind={fmt.kind!r}")
+    if fmt.kind != "tool_call" and (fmt.tools or fmt.tool_format is not None or fmt.lazy):
+        raise InvalidRequestError(f"`tools`, `tool_format` and `lazy` are for kind='tool_call', not kind={fmt.kind!r}")
     if fmt.kind == "json_schema":
         if not isinstance(fmt.schema, Mapping):
             raise InvalidRequestError(
@@ -145,11 +145,14 @@ def tool_call_structural_tag(fmt: OutputFormat, markers: Mapping[str, int]) -> d
     """The xgrammar structural tag of a tool_call format, as JSON data: one call (``fmt.parallel`` False) or
     calls joined by the family's separator, each naming one of ``fmt.tools`` with arguments valid for its
     parameters. ``markers`` are the marker texts the main tokenizer writes as one token, with their ids
-    (:func:`marker_tokens`); the others are spelled as text. InvalidRequestError for a malformed format.
+    (:func:`marker_tokens`); the others are spelled as text. A ``lazy`` format's tag is
+    :func:`lazy_tool_call_tag`'s. InvalidRequestError for a malformed format.
     """
     validate_format(fmt)
     if fmt.kind != "tool_call" or fmt.tool_format is None:
         raise InvalidRequestError(f"a structural tag is built for kind='tool_call', not kind={fmt.kind!r}")
+    if fmt.lazy:
+        return lazy_tool_call_tag(fmt)
     family = fmt.tool_format
     calls = [_call(family, name, parameters, markers) for name, parameters in _tools(fmt)]
     body = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
@@ -158,4 +161,47 @@ def tool_call_structural_tag(fmt: OutputFormat, markers: Mapping[str, int]) -> d
         body = _sequence(body, {"type": "star", "content": more})
     if family == "mistral":
         body = _sequence(_marker(_LIST_OPEN[family], markers), _const("["), body, _const("]"))
+    return {"type": "structural_tag", "format": body}
+
+
+def text_call_triggers(name: str) -> tuple[str, str]:
+    """The texts that start a call of tool ``name`` written without markup: ``{"name": "<name>"``, and
+    ``{"name":"<name>"`` as compact JSON writes it.
+    """
+    quoted = json.dumps(name, ensure_ascii=False)
+    return f'{{"name": {quoted}', f'{{"name":{quoted}'
+
+
+def _tag(begin: str, parameters: dict[str, Any], end: str) -> dict[str, Any]:
+    arguments = {"type": "json_schema", "json_schema": parameters, "max_whitespace_cnt": CALL_WHITESPACE}
+    return {"type": "tag", "begin": begin, "content": arguments, "end": end}
+
+
+def lazy_tool_call_tag(fmt: OutputFormat) -> dict[str, Any]:
+    """The structural tag of a ``lazy`` tool_call format (``tool_choice="auto"``), as JSON data: free text, in
+    which a trigger starts a call that must name one of ``fmt.tools`` with arguments valid for its parameters;
+    after the call the text is free again (one call only when ``fmt.parallel`` is False: then the output ends).
+
+    Triggers: the family's call marker (``<tool_call>``, ``[TOOL_CALLS]``; llama3 has none), and for each tool
+    ``{"name": "<tool>"`` (:func:`text_call_triggers`), the bare JSON that small models write instead (also
+    inside doubled braces or a json fence; also without the space). A bare trigger names the tool, closing
+    quote included, so JSON
+    that names no offered tool (``{"name": "Alice"}``) never triggers. Markers are matched as text (xgrammar's
+    triggered tags take text), which a marker's single token also spells.
+    """
+    assert fmt.tool_format is not None
+    family = fmt.tool_format
+    key = _ARGUMENTS_KEY[family]
+    tools = _tools(fmt)
+    marker = _LIST_OPEN[family] or _CALL_OPEN[family]
+    tags, triggers = [], [marker] if marker else []
+    for name, parameters in tools:
+        bare, compact = text_call_triggers(name)
+        tags += [_tag(f'{bare}, "{key}": ', parameters, "}"), _tag(f'{compact}, "{key}": ', parameters, "}")]
+        triggers += [bare, compact]
+        if family == "hermes":
+            tags.append(_tag(f'{marker}\n{bare}, "{key}": ', parameters, "}\n" + _CALL_CLOSE[family]))
+        elif family == "mistral":
+            tags.append(_tag(f'{marker}[{bare}, "{key}": ', parameters, "}]"))
+    body = {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": not fmt.parallel}
     return {"type": "structural_tag", "format": body}

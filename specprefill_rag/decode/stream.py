@@ -188,7 +188,8 @@ class _CallCollector:
         self._stream = ToolCallStream(fmt, offered=offered) if fmt is not None else None
         self._parallel = params.parallel_tool_calls
         output = params.output_format
-        self._forced = output is not None and output.kind == "tool_call"  # the answer is nothing but calls
+        # the answer is nothing but calls (a lazy format, tool_choice="auto", allows text too)
+        self._forced = output is not None and output.kind == "tool_call" and not output.lazy
         self.content = ""
         self.calls: list[ToolCall] = []
         self.invalid: list[InvalidToolCall] = []

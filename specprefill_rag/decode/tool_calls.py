@@ -4,7 +4,10 @@ streamed (:class:`ToolCallStream`).
 :func:`tool_call_format` picks the family from the chat template:
 
 - ``hermes`` (Qwen2.5, Qwen3, Hermes, SmolLM3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
-  blocks, possibly after some text;
+  blocks, possibly after some text; also a call written without markup, as small models do (and as the lazy
+  grammar of ``tool_choice="auto"`` completes it): a JSON object ``{"name": "<tool>", "arguments": {...}}``
+  (those two keys, or ``parameters``) among the text, alone, inside doubled braces (``{{...}}``, copied from
+  Qwen2.5's chat template) or a json fence, which go with it;
 - ``llama3`` (Llama 3.1 to 3.3 JSON tool calling): the whole output, after an optional ``<|python_tag|>``, is
   ``{"name": ..., "parameters": {...}}`` or several such objects separated by ``;``;
 - ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or the newer
@@ -41,6 +44,11 @@ _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_CALLS = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
 _SEPARATOR = "\n\n"  # between content pieces that removed calls stood between
+_TEXT_CALL = '{"name":'  # how a hermes call written without markup starts (the lazy grammar writes it so)
+# Before such a call: a json fence and/or the extra brace of doubled braces (complete; and any start of them,
+# held back while streaming).
+_WRAPPER = re.compile(r"(```(?:json)?\s*)?(\{\s*)?\Z")
+_WRAPPER_START = re.compile(r"(?:`{1,3}(?:j(?:s(?:o(?:n)?)?)?)?\s*)?(?:\{\s*)?\Z")
 _JSON = json.JSONDecoder()
 # Deepest JSON a call may nest: a model can write JSON nested past Python's recursion limit (a forced call whose
 # parameters allow any object), which json cannot decode, nor encode again into the response (issue #43).
@@ -260,6 +268,13 @@ def _name_of(text: str) -> str | None:
     """
     found = _NAME.search(text)
     return found.group(1) if found else None
+def _call_key(value: Any) -> str | None:
+    """The arguments' key of a call written without markup: ``value`` is a JSON object of a string ``name`` and
+    ``arguments`` (or ``parameters``), nothing else; None when it is not such an object.
+    """
+    if not isinstance(value, dict) or len(value) != 2 or not isinstance(value.get("name"), str):
+        return None
+    return next((key for key in ("arguments", "parameters") if key in value), None)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -397,10 +412,11 @@ class _Hermes(_Parser):
         self.buf += delta
         while True:
             if not self.inside:
-                if not self.prose(_HERMES_OPEN):
-                    if final:
-                        self.flush_prose()
-                    return
+                found = self.outside(final)
+                if found != "block":
+                    if found is None:
+                        return
+                    continue
                 self.inside = True
             close = self.buf.find(_HERMES_CLOSE)
             reopen = self.buf.find(_HERMES_OPEN)
@@ -418,6 +434,76 @@ class _Hermes(_Parser):
                     self.block(self.buf, terminated=False)
                     self.buf = ""
                 return
+
+    def outside(self, final: bool) -> Literal["block", "text"] | None:
+        """Release the prose in ``buf`` up to a call: "block" when a ``<tool_call>`` opened (``buf`` holds what
+        follows it), "text" when a call without markup was taken (or text like one released), None when more
+        text is needed (or none is left). Held back: any end that could start a call, and whitespace before it.
+        """
+        text = self.buf
+        if self.trim_start:
+            text = text.lstrip()
+            self.trim_start = not text
+        tag, bare = text.find(_HERMES_OPEN), text.find(_TEXT_CALL)
+        if tag >= 0 and (bare < 0 or tag < bare):
+            self.emit(text[:tag].rstrip())
+            self.buf = text[tag + len(_HERMES_OPEN) :]
+            return "block"
+        if bare >= 0:
+            start = _WRAPPER.search(text, 0, bare)
+            cut = len(text[: start.start() if start else bare].rstrip())
+            self.emit(text[:cut])
+            self.buf = text[cut:]
+            return "text" if self.text_call(final) else None
+        if final:
+            self.emit(text)
+            self.buf = ""
+            return None
+        partial = max(_partial_suffix(text, _HERMES_OPEN), _partial_suffix(text, _TEXT_CALL))
+        held = _WRAPPER_START.search(text, 0, len(text) - partial)
+        cut = len(text[: held.start() if held else len(text) - partial].rstrip())
+        self.emit(text[:cut])
+        self.buf = text[cut:]
+        return None
+
+    def text_call(self, final: bool) -> bool:
+        """Take the call without markup that ``buf`` starts with (whitespace, a fence or a brace, then
+        ``{"name":``), with the closing brace and fence that go with it; text that is no such call is released as
+        content. False when more text is needed to tell.
+        """
+        text = self.buf
+        at = text.find(_TEXT_CALL)
+        wrapper = _WRAPPER.search(text, 0, at)
+        fence, brace = (wrapper.group(1), wrapper.group(2)) if wrapper else (None, None)
+        try:
+            value, end = _raw_decode(text[at:])
+        except json.JSONDecodeError:
+            if not final:
+                return False
+            self.emit(text[: at + len(_TEXT_CALL)])
+            self.buf = text[at + len(_TEXT_CALL) :]
+            return True
+        key = _call_key(value)
+        if key is None:
+            self.emit(text[: at + end])
+            self.buf = text[at + end :]
+            return True
+        rest = text[at + end :]
+        if brace:  # the closing braces of doubled braces (``}}}}`` when the model doubled the arguments' too)
+            stripped = rest.lstrip()
+            if not final and not stripped.strip("}"):
+                return False
+            rest = stripped.lstrip("}") if stripped.startswith("}") else rest
+        if fence:
+            stripped = rest.lstrip()
+            if stripped.startswith("```"):
+                rest = stripped[3:]
+            elif not final and "```".startswith(stripped):
+                return False
+        self.add_call(value["name"], value[key], written=text[: len(text) - len(rest)])
+        self.buf = rest
+        self.new_piece(after_markup=True)
+        return True
 
     def block(self, raw: str, terminated: bool) -> None:
         """Record the call of one block; an unterminated one counts when its JSON parses."""

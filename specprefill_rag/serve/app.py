@@ -266,7 +266,9 @@ async def _plan(
     limit = body.token_limit or max(1, gateway.engine.backend.context_length - len(layout.layout))
     tools = await asyncio.to_thread(decoding, body, layout)
     output = tools.get("output_format")
-    if output is not None:  # compiled on the grammar workers, not the threads of other requests
+    # compiled on the grammar workers, not the threads of other requests; tool_choice="auto"'s lazy grammar is
+    # compiled as its answer starts instead (falling back to parsing), so busy workers never refuse an auto request
+    if output is not None and not output.lazy:
         await gateway.check_output(partial(check_output_format, gateway.engine, body, output), started)
     try:
         params = GenerationParams(

@@ -241,9 +241,9 @@ def chat_request_decoding(engine: Any, body: ChatCompletionRequest, layout: Chat
     ``parallel_tool_calls`` and ``response_format`` (an output to enforce is compiled afterwards, by
     :func:`check_output_format`); a tokenizer without a chat template is a 400 naming ``tools``.
     """
-    parallel = body.parallel_tool_calls is not False
+    parallel, lazy = body.parallel_tool_calls is not False, engine.config.lazy_tool_grammar
     try:
-        fields = tool_decoding(engine.tokenizer, layout.tools, body.chosen_tool, parallel)
+        fields = tool_decoding(engine.tokenizer, layout.tools, body.chosen_tool, parallel, lazy)
     except InvalidRequestError as error:
         raise bad_request(str(error), "tools") from None
     if body.output_format is not None:
