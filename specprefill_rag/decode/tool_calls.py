@@ -268,6 +268,8 @@ def _name_of(text: str) -> str | None:
     """
     found = _NAME.search(text)
     return found.group(1) if found else None
+
+
 def _call_key(value: Any) -> str | None:
     """The arguments' key of a call written without markup: ``value`` is a JSON object of a string ``name`` and
     ``arguments`` (or ``parameters``), nothing else; None when it is not such an object.
