@@ -29,6 +29,7 @@ from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.errors import InvalidRequestError
 from specprefill_rag.prompt.chat import ChatMessage
 from specprefill_rag.testing import build_family_tokenizer, build_model
+from tests.test_chat_tools import TOPIC
 
 needs_xgrammar = pytest.mark.skipif(constraints.xgr is None, reason="xgrammar is not installed")
 
@@ -43,18 +44,7 @@ WEATHER = {
         },
     },
 }
-BROWSE = {
-    "type": "function",
-    "function": {
-        "name": "browse",
-        "parameters": {
-            "type": "object",
-            "properties": {"topic": {"enum": ["bridges", "rivers"]}},
-            "required": ["topic"],
-            "additionalProperties": False,
-        },
-    },
-}
+BROWSE = TOPIC  # the same enum-constrained tool the forced-call tests use
 TOOLS = (WEATHER, BROWSE)
 LAZY = OutputFormat("tool_call", tools=TOOLS, tool_format="hermes", lazy=True)
 # Ordinary answers: JSON that names no offered tool, code, fences, a tool's name in prose, Qwen's markers' text
