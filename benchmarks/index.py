@@ -242,6 +242,13 @@ STUDIES: dict[str, Study] = {
         "quiet",
         runs={"1k-quiet": "`--words 250`: 1,012 tokens", "2k-quiet": "`--words 500`: 1,992 tokens"},
     ),
+    "hostile-load": Study(
+        "a normal request's latency while 6 clients send each kind of heavy request (issue #43), before and after",
+        "docs/benchmarks/hostile-load.md",
+        f"{XEON}, nothing else running; the clients share the server's two cores",
+        "quiet",
+        runs={"before": "the code of e899a8d, before the #43 work", "after": "the code of 9af146e"},
+    ),
     "serve-hostile": Study(
         "gateway under hostile clients: memory, threads and a normal request's latency; 1,000 mixed requests",
         "docs/benchmarks/gateway-hostile.md",
