@@ -66,6 +66,8 @@ DRAFT_DESCRIPTION = (
 # equally often; contiguous raised the answer's log-probability on held-out NIAH and HotpotQA at keep 0.1
 # (BENCHMARKS.md, "Original or contiguous positions").
 Positions = Literal["original", "contiguous"]
+# Retrieved context sent as plain text in a system message: which of it is documents (prompt/context.py).
+SystemContext = Literal["off", "after_instructions", "delimited"]
 DocumentRepairKind = Literal["naive", "epic", "blend", "query"]
 """What the per-document draft cache computes again in context (:mod:`specprefill_rag.draft.repair`)."""
 DEFAULT_BLEND_SHARE = 0.15  # CacheBlend's share; docs/guide/document-cache.md measures 0.05 against it
@@ -321,6 +323,13 @@ class CompressionSettings(BaseModel):
         "a later turn's sparse prompt extends the last one and the main model's prefix cache serves it: ~9x faster "
         "turns, but follow-ups about other parts of the documents lost 43 points on SQuAD (docs: Conversations).",
     )
+    system_context: SystemContext = Field(
+        "delimited",
+        description="Retrieved context in a system message as plain text (LangChain/LlamaIndex RAG templates), used "
+        "when a chat names no documents: 'off', 'delimited' (the context spans of known templates are documents) or "
+        "'after_instructions' (after a 'Context:' label or the first paragraph); instructions stay whole (docs: "
+        "Finding documents). A gateway's requests override it with spec_prefill.system_context.",
+    )
     draft_document_cache: bool = Field(
         False,
         strict=True,
@@ -565,7 +574,8 @@ class EngineSettings(CompressionSettings, GrammarLimits):
 # (tests/test_settings_parity.py refuses any other difference).
 SURFACE_DEFAULTS: dict[str, dict[str, Any]] = {
     # A server takes the GPU it finds; a library call (engine, CLI `ask`, adapters) stays on the CPU unless told.
-    "gateway": {"device": AUTO},
+    # A server cannot know its clients' system prompts: their context is documents only when they (or it) say so.
+    "gateway": {"device": AUTO, "system_context": "off"},
     # Chat frameworks' answers are longer than `ask`'s short ones: LlamaIndex reserves 256 output tokens by default
     # (DEFAULT_NUM_OUTPUTS, its models' max_new_tokens); LangChain's stop strings are a list, None when unset.
     "adapters": {"max_new_tokens": 256, "stop": None},

@@ -198,11 +198,13 @@ class SpecPrefillEngine:
         use_chat_template: bool = True,
         *,
         insert_missing: bool = True,
+        tool_choice: ToolChoice | None = None,
     ) -> ChatLayout:
         """A chat's layout (:func:`~specprefill_rag.prompt.chat.chat_layout`): documents found in the messages or
         given, tool results as documents, ``tools`` offered through the chat template. ``insert_missing=False``:
         ``documents`` came from the messages (a retriever's, a template variable's), so they are located, never
-        inserted; when they are not all found verbatim, the fallback applies.
+        inserted; when they are not all found verbatim, the fallback applies. ``tool_choice``: the request's, to tell
+        an agent's first step (``awaiting_tool_results``) from a forced call.
         """
         check_flag(use_chat_template, "use_chat_template")
         check_flag(insert_missing, "insert_missing")
@@ -216,6 +218,8 @@ class SpecPrefillEngine:
             question,
             insert_missing=insert_missing,
             tools=tools,
+            system_context=self.config.system_context,
+            tool_choice=tool_choice,
         )
 
     def text_layout(self, prompt: str, parse_special_tokens: bool = False) -> PromptLayout:
@@ -353,7 +357,9 @@ class SpecPrefillEngine:
         """
         base = check_params(params) or GenerationParams()
         check_flag(parallel_tool_calls, "parallel_tool_calls")
-        chat = self.chat_layout(messages, documents, tools, question, insert_missing=insert_missing)
+        chat = self.chat_layout(
+            messages, documents, tools, question, insert_missing=insert_missing, tool_choice=tool_choice
+        )
         lazy = self.config.lazy_tool_grammar
         decoding = tool_decoding(self.tokenizer, chat.tools, tool_choice, parallel_tool_calls, lazy)
         return ChatRequest(chat, generation_params({**dict(base), **decoding}) if decoding else base)

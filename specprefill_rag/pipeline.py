@@ -43,7 +43,9 @@ FIXES: dict[NotCompressed, str] = {
     "inside a system message, spec_prefill.system_context or --system-context), or wrap them with format_docs / "
     "document_prompt (docs: Finding documents)",
     "short_prompt": "a prompt of {prompt_tokens} tokens was shorter than min_prompt_tokens={floor}, the length from "
-    "which this draft pays, so it was prefilled whole; set min_prompt_tokens lower to compress shorter prompts",
+    "which this draft pays, so it was prefilled whole: below it drafting costs more time to first token than the "
+    "smaller prefill saves (measured crossovers: docs 'When SpecPrefill pays'); set min_prompt_tokens lower (0: "
+    "every prompt) to compress shorter prompts anyway, or draft with fewer layers (draft='self', draft_layers)",
     "no_plugin": "the vLLM server has no SpecPrefill plugin, so prompts with positions='original' are sent whole; "
     "install specprefill-rag next to vLLM (docs: vLLM plugin) or set positions='contiguous'",
     "all_kept": "the keep budget kept every document token of a drafted prompt (documents shorter than a chunk of "
@@ -317,7 +319,7 @@ class Pipeline:
         if not isinstance(keep_rate, str) and keep_rate >= 1.0 and max_document_tokens is None:
             return "keep_all"
         if layout.n_document_tokens == 0:
-            return "no_documents"
+            return "awaiting_tool_results" if layout.awaits_tool_results else "no_documents"
         # renumbered kept tokens are an ordinary prompt: a vLLM server without the plugin prefills them too
         if self.config.positions == "original" and not self.sparse_prefill:
             return "no_plugin"

@@ -15,7 +15,16 @@ KeepPolicy = Literal["fixed", "auto"]
 # Why a request was prefilled whole: asked to keep everything or not to compress, no documents found,
 # shorter than min_prompt_tokens, a vLLM server without the plugin, a failed draft, or the draft's
 # budget kept every document token.
-NotCompressed = Literal["keep_all", "disabled", "no_documents", "short_prompt", "no_plugin", "draft_error", "all_kept"]
+NotCompressed = Literal[
+    "keep_all",
+    "disabled",
+    "no_documents",
+    "awaiting_tool_results",
+    "short_prompt",
+    "no_plugin",
+    "draft_error",
+    "all_kept",
+]
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,8 @@ class SpecPrefillStats:
             main model prefilled ``kept_tokens - main_cached_tokens``); None when the backend does not say.
         uncompressed_reason: None when document tokens were dropped; else why the prompt went whole:
             ``keep_all`` (keep rate 1 and no cap), ``disabled`` (the request turned SpecPrefill off),
-            ``no_documents`` (no retrieved documents found in it), ``short_prompt`` (under
+            ``no_documents`` (no retrieved documents found in it), ``awaiting_tool_results`` (none yet: tools
+            offered and no tool result, an agent's first step), ``short_prompt`` (under
             ``min_prompt_tokens``), ``no_plugin`` (a vLLM server without the plugin, original positions),
             ``draft_error`` (the draft failed: see the gateway's ``draft_error``) or ``all_kept`` (the draft
             ran and its budget kept every document token).

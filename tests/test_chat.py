@@ -41,7 +41,7 @@ def test_documents_not_found_and_not_inserted_fall_back(tokenizer):
     result = chat_layout(
         tokenizer, messages, documents=["text that is not there"], insert_missing=False, question="When?"
     )
-    assert result.document_source == "none"
+    assert result.document_source == "fallback" and result.n_documents == 1
     assert texts_of(tokenizer, result.layout, Role.QUESTION) == "When?"
 
 
@@ -66,7 +66,7 @@ def test_fallback_protects_system_and_tail(tokenizer):
     messages = [ChatMessage("system", ["Be brief."]), ChatMessage("user", [long_text])]
     result = chat_layout(tokenizer, messages, protect_tail_tokens=8)
     layout = result.layout
-    assert result.document_source == "none"
+    assert result.document_source == "fallback" and result.n_documents == 1
     assert texts_of(tokenizer, layout, Role.INSTRUCTION) == "Be brief."
     assert int((layout.roles == Role.QUESTION).sum()) == 8
     assert layout.n_document_tokens > 50
@@ -96,3 +96,43 @@ def test_given_question_is_kept_in_fallback(tokenizer):
 def test_bad_chat_input(tokenizer, messages, documents, match):
     with pytest.raises(InvalidRequestError, match=match):
         chat_layout(tokenizer, messages, documents=documents)
+
+
+def test_a_short_question_alone_leaves_nothing_to_drop(tokenizer):
+    result = chat_layout(tokenizer, [ChatMessage("system", ["Be brief."]), ChatMessage("user", ["When?"])])
+    assert (result.document_source, result.n_documents, result.layout.n_document_tokens) == ("none", 0, 0)
+
+
+AGENT_TUTORIAL = "You are a helpful assistant. Use the following context in your response:\n\n{}"
+
+
+@pytest.mark.parametrize("mode", ["delimited", "after_instructions"])
+def test_system_context_finds_the_agent_tutorials_context(tokenizer, mode):
+    # LangChain's RAG agent tutorial: a @dynamic_prompt middleware joins vector_store.similarity_search()
+    # results into the system message (no retriever run, no marker)
+    system = ChatMessage("system", [AGENT_TUTORIAL.format("\n\n".join(DOCS))])
+    result = chat_layout(tokenizer, [system, ChatMessage("user", ["When?"])], system_context=mode)
+    assert (result.document_source, result.n_documents) == ("system-context", 2)
+    assert document_texts(tokenizer, result.layout) == DOCS
+    instructions = texts_of(tokenizer, result.layout, Role.INSTRUCTION)
+    assert "Use the following context in your response:" in instructions and DOCS[0] not in instructions
+
+
+def test_system_context_off_and_explicit_documents_leave_the_system_message_whole(tokenizer):
+    system = ChatMessage("system", [AGENT_TUTORIAL.format("\n\n".join(DOCS))])
+    question = ChatMessage("user", ["When?"])
+    assert chat_layout(tokenizer, [system, question], system_context="off").document_source == "none"
+    given = chat_layout(tokenizer, [system, question], documents=["Rome is in Italy."], system_context="delimited")
+    assert given.document_source == "argument-inserted" and document_texts(tokenizer, given.layout) == [
+        "Rome is in Italy."
+    ]
+    blocks = [ChatMessage("user", [Document("Rome is in Italy."), "When?"])]
+    assert chat_layout(tokenizer, [system, *blocks], system_context="delimited").document_source == "blocks"
+
+
+def test_an_agents_first_step_awaits_its_tool_results(tokenizer):
+    tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}
+    first = chat_layout(tokenizer, [ChatMessage("user", ["When did the bridge open?"])], tools=[tool])
+    assert first.layout.awaits_tool_results and first.layout.n_document_tokens == 0
+    plain = chat_layout(tokenizer, [ChatMessage("user", ["When did the bridge open?"])])
+    assert not plain.layout.awaits_tool_results

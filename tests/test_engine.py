@@ -212,7 +212,7 @@ def test_chat_request_locates_documents_without_inserting_them_when_asked(engine
     assert located.params is params  # no tools: the decoding as given
     elsewhere = [ChatMessage("user", [QUESTION])]
     fallback = engine.chat_request(elsewhere, documents, insert_missing=False, question="Which bridge?")
-    assert fallback.chat.document_source == "none"  # not found verbatim, so not inserted
+    assert fallback.chat.document_source == "fallback"  # not found verbatim, so not inserted
     assert engine.tokenizer.decode(fallback.chat.layout.input_ids).count("Which bridge?") == 1  # appended, kept
     inserted = engine.chat_request(elsewhere, documents)
     assert inserted.chat.document_source == "argument-inserted" and inserted.chat.n_documents == 2

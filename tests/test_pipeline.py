@@ -2,6 +2,7 @@
 policy, and what the main model then prefills (no model: a layout built by hand, importance given)."""
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,6 +84,17 @@ def test_each_cause_that_was_not_asked_for_is_logged_once_with_its_fix(caplog):
         and "set min_prompt_tokens" in messages[0]
     )
     assert "no retrieved documents were found" in messages[1] and "documents=" in messages[1]
+
+
+def test_an_agents_first_step_awaits_its_tool_results_without_a_warning(caplog):
+    # tools offered, no tool result yet: its documents come later, so no advice to pass documents
+    step = replace(layout(torch.full((80,), -1)), awaits_tool_results=True)
+    engine_pipeline = pipeline()
+    with caplog.at_level(logging.WARNING, logger="specprefill_rag"):
+        budget = engine_pipeline.budget(step, 0.3, None)
+        assert budget.skipped == "awaiting_tool_results"
+        assert engine_pipeline.whole(step, budget).uncompressed_reason == "awaiting_tool_results"
+    assert not caplog.records
 
 
 def test_the_policy_is_the_requests_whatever_happens_to_it():

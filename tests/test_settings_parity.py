@@ -119,6 +119,7 @@ GIVEN = {
     "look_ahead": 3,
     "positions": "contiguous",
     "reselect": False,
+    "system_context": "after_instructions",
 }
 
 

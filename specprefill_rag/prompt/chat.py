@@ -7,8 +7,9 @@ Framework adapters (LangChain, LlamaIndex) convert their messages to :class:`Cha
    stuffed them in), else inserted into the last user message before its text;
 2. document blocks inside messages (:class:`~specprefill_rag.prompt.Document` parts);
 3. text wrapped by :func:`mark_document` (what ``format_docs`` helpers emit); the markers are removed;
-4. none of these: every message but the system text is a candidate, except the last
-   ``protect_tail_tokens`` tokens (the question).
+4. none of these (the fallback): every message but the system text is a candidate, except the last
+   ``protect_tail_tokens`` tokens (the question); the stats say ``"fallback"``, or ``"none"`` when nothing
+   is left to drop.
 
 Tool results (``tool`` messages) are documents too, whatever else is found, unless the message says
 ``compress=False``. Text outside documents is kept whole: system and developer messages as instructions,
@@ -27,7 +28,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from ..arguments import check_documents, check_optional_text, check_unicode
+from ..config import SystemContext
 from ..errors import InvalidRequestError
+from .context import split_system_context
 from .documents import as_document, document_segments
 from .layout import Document, DocumentLike, PromptLayout, Role, Segment, ToolCall, Turn
 from .render import build_turns_layout, protect_tail
@@ -49,14 +52,16 @@ _MARKED = re.compile(f"{re.escape(DOCUMENT_START)}(.*?){re.escape(DOCUMENT_END)}
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-# Where a request's documents were found. The adapters and the gateway add their own: "retriever-located"
-# (a LangChain retriever's documents, located in the prompt), "system-context" (the gateway's system_context).
-# "tool-results": only tool results are documents.
+# Where a request's documents were found. "system-context": retrieved context in a system message
+# (``system_context``); the LangChain adapter adds "retriever-located" (a retriever's documents, located).
+# "tool-results": only tool results are documents. "fallback": none were marked, so earlier text became
+# pseudo-documents (rule 4 below); "none": nothing in the prompt may be dropped.
 DocumentSource = Literal[
     "argument-located",
     "argument-inserted",
     "blocks",
     "markers",
+    "fallback",
     "none",
     "retriever-located",
     "system-context",
@@ -333,6 +338,8 @@ def chat_layout(
     question: str | None = None,
     insert_missing: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    system_context: SystemContext = "off",
+    tool_choice: Any = None,
 ) -> ChatLayout:
     """Lay out a chat for SpecPrefill; see the module docstring for how documents are found.
 
@@ -340,14 +347,19 @@ def chat_layout(
     appended to the last user message if it does not occur there. ``insert_missing=False``: documents
     that are not all found verbatim in the messages are not inserted (they came from the messages,
     e.g. a template variable); the fallback applies instead. ``tools``: OpenAI tool schemas, rendered by
-    the chat template (:mod:`specprefill_rag.prompt.tools`).
+    the chat template (:mod:`specprefill_rag.prompt.tools`). ``system_context``: when no documents are given or
+    marked, the retrieved context a system message holds as plain text (:mod:`specprefill_rag.prompt.context`)
+    is documents (``"system-context"``). ``tool_choice``: ``None`` or ``"auto"`` with tools and no tool result
+    yet is an agent's first step (:attr:`PromptLayout.awaits_tool_results`); a forced call is not.
     """
     _validate(messages)
     checked_tools = check_tools(tools)
+    messages, from_system = _with_system_context(messages, system_context if documents is None else "off")
     messages = _with_tool_names(messages)
     check_no_control_text(tokenizer, checked_tools, [c for m in messages for c in m.tool_calls])
     question = check_optional_text(question, "question", "user's question")
     turns, source = _turns(messages, documents, question, insert_missing)
+    source = "system-context" if from_system else source
     question_index = _question_index(messages)
     if question is not None and question not in messages[question_index].text:
         turns = _append_question(turns, question_index, question)
@@ -357,10 +369,49 @@ def chat_layout(
     if uses_tools and use_chat_template and model_tool_format(tokenizer) and not template_tool_format(tokenizer):
         turns, offered = hermes_in_messages(turns, checked_tools), ()
     layout = build_turns_layout(tokenizer, turns, use_chat_template, offered, query)
+    if checked_tools and tool_choice in (None, "auto") and not any(m.role == "tool" for m in messages):
+        layout = replace(layout, awaits_tool_results=True)
     if source == "none":
-        return ChatLayout(layout if question else protect_tail(layout, protect_tail_tokens), "none", 0, checked_tools)
+        return fallback_layout(layout if question else protect_tail(layout, protect_tail_tokens), checked_tools)
     n_documents = len({int(i) for i in layout.document_index.unique() if int(i) >= 0})
     return ChatLayout(layout, source, n_documents, checked_tools)
+
+
+def _system_context_message(message: ChatMessage, mode: SystemContext) -> ChatMessage:
+    """A system message with the retrieved context it holds as Document parts (the core renders each document
+    followed by a blank line, so a blank line that follows one in the text is that line, not another).
+    """
+    if message.role != "system" or mode == "off":
+        return message
+    parts: list[str | Document] = []
+    after_document = False
+    for text, is_document in split_system_context(message.text, mode):
+        if is_document:
+            parts.append(Document(text))
+        else:
+            text = text.removeprefix("\n\n") if after_document else text
+            if text:
+                parts.append(text)
+        after_document = is_document
+    return replace(message, parts=parts)
+
+
+def _with_system_context(messages: Sequence[ChatMessage], mode: SystemContext) -> tuple[Sequence[ChatMessage], bool]:
+    """The messages with the context of their system messages as documents, and whether any was found; unchanged
+    when they name their documents (document blocks, markers): those win.
+    """
+    if mode == "off" or _has_explicit_documents(messages) in ("blocks", "markers"):
+        return messages, False
+    split = [_system_context_message(m, mode) for m in messages]
+    return split, any(isinstance(part, Document) for m in split for part in m.parts)
+
+
+def fallback_layout(layout: PromptLayout, tools: tuple[dict[str, Any], ...] = ()) -> ChatLayout:
+    """A layout whose pseudo-documents (runs of candidate text, no marked documents) the fallback found:
+    ``"fallback"`` with their count, or ``"none"`` when none are left.
+    """
+    n_documents = len({int(i) for i in layout.document_index.unique() if int(i) >= 0})
+    return ChatLayout(layout, "fallback" if n_documents else "none", n_documents, tools)
 
 
 def _draft_query(messages: Sequence[ChatMessage], question: str | None) -> str | None:

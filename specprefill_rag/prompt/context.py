@@ -23,6 +23,8 @@ Modes (:data:`SystemContext`):
     ``Existing Answer:`` line (the answer being refined is kept whole);
   - ``Use the following pieces of retrieved context to answer the question.`` ... paragraph, then the
     context to the end of the message (LangChain RAG tutorial QA prompt);
+  - ``Use the following context in your response:`` then the context to the end of the message (LangChain's
+    RAG agent tutorial, its ``@dynamic_prompt`` middleware);
   - ``Context:`` at a line start or after a sentence (not at the message's start), then the context to
     the end of the message (``create_retrieval_chain`` docs' QA prompt:
     ``"... keep the answer concise. Context: {context}"``).
@@ -38,9 +40,10 @@ a retrieved document with paragraphs of its own becomes several documents, which
 from __future__ import annotations
 
 import re
-from typing import Literal, get_args
+from typing import get_args
 
-SystemContext = Literal["off", "after_instructions", "delimited"]
+from ..config import SystemContext
+
 SYSTEM_CONTEXT_MODES: tuple[str, ...] = get_args(SystemContext)
 Part = tuple[str, bool]  # (text, is_document)
 
@@ -51,6 +54,7 @@ _LLAMA_CONDENSE = re.compile(r"Here are the relevant documents for the context:[
 _LLAMA_INSTRUCTION = re.compile(r"\n[ \t]*\n[ \t]*Instruction:")
 _LLAMA_EXISTING_ANSWER = re.compile(r"\n[ \t]*\n[ \t]*Existing Answer:")
 _LANGCHAIN_TUTORIAL = re.compile(r"Use the following pieces of retrieved context to answer[ \t\n]+the question\.")
+_LANGCHAIN_AGENT_TUTORIAL = re.compile(r"Use the following context in your response:")
 _LABEL_AT = r"(?:(?<=\n)|(?<=[.!?] ))[ \t]*"  # a label at the very start leaves no instructions: not one
 _CONTEXT_LABEL = re.compile(_LABEL_AT + r"Context:[ \t]*\n?")
 _ANY_LABEL = re.compile(_LABEL_AT + r"(?:Context|Documents):[ \t]*\n?")
@@ -60,6 +64,7 @@ DELIMITED_TEMPLATES = (
     "a dash line ... the same dash line (LlamaIndex context chat engine, 'Context information is below.')",
     "'Here are the relevant documents for the context:' ... 'Instruction:' (LlamaIndex condense_plus_context)",
     "'Use the following pieces of retrieved context to answer the question. ...\\n\\n{context}' (LangChain tutorial)",
+    "'Use the following context in your response:\\n\\n{context}' (LangChain RAG agent tutorial)",
     "'Context: {context}' at the end (create_retrieval_chain QA prompt)",
 )
 
@@ -116,6 +121,7 @@ def _delimited_span(text: str) -> tuple[int, int] | None:
         or _dash_span(text)
         or _llama_condense_span(text)
         or _to_end_after(_LANGCHAIN_TUTORIAL, text, paragraph=True)
+        or _to_end_after(_LANGCHAIN_AGENT_TUTORIAL, text, paragraph=False)
         or _to_end_after(_CONTEXT_LABEL, text, paragraph=False)
     )
 

@@ -68,6 +68,9 @@ class PromptLayout:
             the main model: after a tool result, the question and the pending call's arguments restated
             (the attention of the prompt's last tokens would otherwise score the documents against the tool
             result); None: the prompt's own last tokens are the queries (the paper).
+        awaits_tool_results: a chat that offers tools and holds no tool result yet (an agent's first step): its
+            documents come later, as tool results, so it goes whole as ``awaiting_tool_results``, not
+            ``no_documents``, when nothing else is found.
     """
 
     input_ids: torch.Tensor
@@ -78,6 +81,7 @@ class PromptLayout:
     document_spans: torch.Tensor | None = None
     source: PromptSource | None = None
     draft_query_ids: torch.Tensor | None = None
+    awaits_tool_results: bool = False
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())

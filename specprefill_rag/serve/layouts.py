@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
-from ..config import OutputFormat
+from ..config import OutputFormat, SystemContext
 from ..decode.tool_choice import tool_decoding
 from ..errors import ContextLengthError, InvalidRequestError, OutputFormatError
-from ..prompt.chat import ChatLayout, ChatMessage, DocumentSource, chat_layout
-from ..prompt.context import SystemContext, split_system_context
+from ..prompt.chat import ChatLayout, ChatMessage, chat_layout, fallback_layout
 from ..prompt.documents import as_document
 from ..prompt.layout import Document, Role, Segment
 from ..prompt.render import layout_from_segments
@@ -40,7 +38,6 @@ from .schema import ChatCompletionRequest, CompletionRequest, Message, SpecPrefi
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 DOCUMENTS_FIELD = "spec_prefill.documents"
 KEEP_TOOLS_FIELD = "spec_prefill.keep_tools_whole"
-SYSTEM_CONTEXT_SOURCE: DocumentSource = "system-context"  # the stats' document_source of such documents
 
 
 def _parts(message: Message) -> list[str | Document]:
@@ -113,38 +110,11 @@ def _tool_texts(body: ChatCompletionRequest) -> list[str]:
     return [json.dumps(body.tool_schemas, ensure_ascii=False), *arguments] if body.tools else arguments
 
 
-def _system_context_message(message: ChatMessage, mode: SystemContext) -> ChatMessage:
-    """A system message with the retrieved context it holds as Document parts (the core renders each document
-    followed by a blank line, so a blank line that follows one in the text is that line, not another).
-    """
-    if message.role != "system" or mode == "off":
-        return message
-    parts: list[str | Document] = []
-    after_document = False
-    for text, is_document in split_system_context(message.text, mode):
-        if is_document:
-            parts.append(Document(text))
-        else:
-            text = text.removeprefix("\n\n") if after_document else text
-            if text:
-                parts.append(text)
-        after_document = is_document
-    return replace(message, parts=parts)
-
-
-def _with_system_context(
-    messages: list[ChatMessage], options: SpecPrefillOptions, mode: SystemContext
-) -> tuple[list[ChatMessage], bool]:
-    """The messages with the context of their system messages as documents, and whether any was found; unchanged
-    when the request names its documents (``spec_prefill.documents``, document parts): those win.
-    """
-    chosen = options.system_context if options.system_context is not None else mode
-    if chosen == "off" or options.documents is not None:
-        return messages, False
-    if any(isinstance(part, Document) for m in messages for part in m.parts):
-        return messages, False
-    split = [_system_context_message(m, chosen) for m in messages]
-    return split, any(isinstance(part, Document) for m in split for part in m.parts)
+def _system_context(options: SpecPrefillOptions, default: SystemContext) -> SystemContext:
+    """The request's ``spec_prefill.system_context``, else the gateway's; off when it names its documents."""
+    if options.documents is not None:
+        return "off"
+    return options.system_context if options.system_context is not None else default
 
 
 def _documents(options: SpecPrefillOptions) -> list[Document] | None:
@@ -192,12 +162,7 @@ def chat_request_layout(
     check_fits(tokenizer, [m.text for m in messages] + _tool_texts(body), context_length)
     check_fits(tokenizer, [d.text for d in documents or ()], context_length)  # located or inserted: both count
     _check_tool_text(tokenizer, body)
-    messages, from_system = _with_system_context(messages, options, system_context)
-    tools = body.tool_schemas
     try:
-        if from_system:
-            layout = chat_layout(tokenizer, messages, None, protect_tail_tokens, question=options.question, tools=tools)
-            return replace(layout, document_source=SYSTEM_CONTEXT_SOURCE)
         return chat_layout(
             tokenizer,
             messages,
@@ -205,7 +170,9 @@ def chat_request_layout(
             protect_tail_tokens,
             question=options.question,
             insert_missing=options.insert_documents,
-            tools=tools,
+            tools=body.tool_schemas,
+            system_context=_system_context(options, system_context),
+            tool_choice=body.tool_choice,
         )
     except ContextLengthError:
         raise
@@ -304,7 +271,7 @@ def completion_request_layout(engine: Any, body: CompletionRequest, context_leng
     documents = _documents(body.spec_prefill)
     check_fits(engine.tokenizer, [prompt], context_length, as_text=False)  # a lower bound either way
     if documents is None:
-        return ChatLayout(engine.text_layout(prompt, parse_special_tokens=True), "none", 0)
+        return fallback_layout(engine.text_layout(prompt, parse_special_tokens=True))
     layout = layout_from_segments(engine.tokenizer, _located_segments(prompt, documents), add_special_tokens=False)
     return ChatLayout(layout, "argument-located", len(documents))
 

@@ -28,10 +28,10 @@ from ..config import (
     MIN_TEMPERATURE,
     OutputFormat,
     StrictKeepRate,
+    SystemContext,
     check_temperature,
 )
 from ..errors import InvalidRequestError
-from ..prompt.context import SystemContext
 from ..prompt.tools import (
     MAX_ARGUMENTS_DEPTH,
     TOOL_NAME,

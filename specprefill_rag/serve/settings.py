@@ -12,11 +12,11 @@ from pydantic import ConfigDict, Field, SecretStr, ValidationInfo, field_validat
 from ..config import (
     EngineSettings,
     SpecPrefillConfig,
+    SystemContext,
     check_tokenizer,
     declared_field,
     resolve_device,
 )
-from ..prompt.context import SystemContext
 
 # Prompts per batched draft forward when --draft-batch-size is not given. CPU: 1, measured (BENCHMARKS.md,
 # "Gateway"): batching 4 SmolLM2-135M drafts saves 16% at 284 tokens but costs 9% at 1,012, and
@@ -86,13 +86,7 @@ class GatewaySettings(EngineSettings):
         description="A vLLM main without the plugin: refuse to start, or send every prompt whole "
         "(positions 'contiguous' needs no plugin: compressed prompts go as ordinary ones).",
     )
-    system_context: SystemContext = Field(
-        "off",
-        description="Retrieved context in a system message as plain text (LangChain/LlamaIndex RAG templates): "
-        "'off', 'delimited' (the context spans of known templates are documents) or 'after_instructions' "
-        "(after a 'Context:' label or the first paragraph); instructions stay whole. Requests override it "
-        "with spec_prefill.system_context.",
-    )
+    system_context: SystemContext = declared_field(EngineSettings, "system_context", "gateway")
     queue_size: int = Field(256, strict=True, ge=1, description="Requests waiting for the draft at most; more get 429.")
     draft_batch_size: int | None = Field(
         None, strict=True, ge=1, description="Prompts per batched draft forward; None: 1 on CPU, 8 on a GPU."

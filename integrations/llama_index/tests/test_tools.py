@@ -394,6 +394,17 @@ def test_structured_predict_goes_through_a_required_tool_call(forcing_llm):
     assert isinstance(response.raw, Verdict)
 
 
+def test_as_structured_llm_passes_the_documents_of_its_call_through(forcing_llm, layouts):
+    # StructuredLLM.chat(messages, **kwargs) hands its keywords to structured_predict as llm_kwargs
+    documents = ["The bridge was painted red in 1990.", "The river below it is wide and slow."]
+    structured = forcing_llm.as_structured_llm(Verdict)
+    response = structured.chat([ChatMessage(role="user", content="Is the bridge red?")], documents=documents)
+    assert isinstance(response.raw, Verdict)
+    layout = layouts[-1]
+    assert layout.n_document_tokens > 0
+    assert all(text in layout.text for text in documents)
+
+
 # -- agents --------------------------------------------------------------------------------------------
 
 

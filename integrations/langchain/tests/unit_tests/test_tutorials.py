@@ -123,7 +123,9 @@ def test_create_stuff_documents_chain_alone_is_one_run_without_a_retriever(llm, 
     docs = retriever.invoke(QUESTION)  # its own run, ended before the chain starts: not "this run"
     stats = Stats()
     create_stuff_documents_chain(llm, prompt).invoke({"input": QUESTION, "context": docs}, {"callbacks": [stats]})
-    assert stats.calls[0]["document_source"] == "none"
+    assert (
+        stats.calls[0]["document_source"] == "system-context"
+    )  # not this run's retrieval: the known template's context
 
 
 @pytest.mark.parametrize("history", [False, True])
@@ -172,9 +174,9 @@ def test_create_agent_with_dynamic_prompt_middleware(llm, retriever):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("langchain.agents") is None, reason="needs langchain>=1 (create_agent)")
-def test_create_agent_with_vector_store_search_is_not_a_retrieval(llm, retriever):
-    # the tutorial's middleware calls vector_store.similarity_search(): no retriever run, so no callback
-    # says what was retrieved, and the adapter does not guess
+def test_create_agent_with_vector_store_search_finds_the_context_in_the_system_prompt(llm, retriever):
+    # the current tutorial's middleware calls vector_store.similarity_search(): no retriever run, so no callback
+    # says what was retrieved; its system prompt is a known template (system_context="delimited", the default)
     from langchain.agents import create_agent
     from langchain.agents.middleware import ModelRequest, dynamic_prompt
 
@@ -188,7 +190,10 @@ def test_create_agent_with_vector_store_search_is_not_a_retrieval(llm, retriever
 
     agent = create_agent(llm, tools=[], middleware=[prompt_with_context])
     result = agent.invoke({"messages": [{"role": "user", "content": QUESTION}]})
-    assert result["messages"][-1].response_metadata["spec_prefill"]["document_source"] == "none"
+    stats = result["messages"][-1].response_metadata["spec_prefill"]
+    assert stats["document_source"] == "system-context"
+    assert stats["compressed"] and 0 < stats["kept_document_tokens"] < stats["document_tokens"]
+    assert stats["kept_tokens"] - stats["kept_document_tokens"] == stats["prompt_tokens"] - stats["document_tokens"]
 
 
 def test_reformatted_documents_are_not_found(llm, retriever):
@@ -198,7 +203,9 @@ def test_reformatted_documents_are_not_found(llm, retriever):
         "question": RunnablePassthrough(),
     }
     message = (upper | prompt | llm).invoke(QUESTION)
-    assert message.response_metadata["spec_prefill"]["document_source"] == "none"
+    assert (
+        message.response_metadata["spec_prefill"]["document_source"] == "system-context"
+    )  # found by the template instead
 
 
 def test_helpers_and_documents_argument_still_win(llm, retriever):
@@ -236,8 +243,7 @@ def test_remove_recorder_stops_finding_documents(llm, retriever):
         assert not any(var.get() is recorder for var, *_ in tracer_context._configure_hooks)
         new_chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | llm
         stats = new_chain.invoke(QUESTION).response_metadata["spec_prefill"]
-        assert stats["document_source"] == "none"
-        assert stats["kept_document_tokens"] == stats["document_tokens"]  # the system prompt stays whole
+        assert stats["document_source"] == "system-context"  # the template's context, not the recorder's
     finally:
         install_retriever_recorder()
     assert chain.invoke(QUESTION).response_metadata["spec_prefill"]["document_source"] == "retriever-located"
