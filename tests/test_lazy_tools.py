@@ -102,6 +102,7 @@ def test_before_a_trigger_every_text_token_is_allowed(qwen, compiler, text):
         ('{{"name": "browse"', ', "arguments": {"topic": "rivers"}}'),
         ('{"name":"browse"', ', "arguments": {"topic": "rivers"}}'),
         ("```json\n" + '{"name": "browse"', ', "arguments": {"topic": "bridges"}}'),
+        ("```json\n" + '{\n  "name": "browse"', ', "arguments": {"topic": "bridges"}}'),  # pretty-printed
         ("<tool_call>", '\n{"name": "browse", "arguments": {"topic": "rivers"}}\n</tool_call>'),
     ],
 )
@@ -164,13 +165,9 @@ def test_the_other_families_calls_are_lazy_too(family, call, wrong):
 def test_the_lazy_tag_triggers_on_the_marker_and_each_offered_tool_by_name():
     tag = lazy_tool_call_tag(LAZY)["format"]
     assert tag["type"] == "triggered_tags"
-    assert tag["triggers"] == [
-        "<tool_call>",
-        '{"name": "get_weather"',
-        '{"name":"get_weather"',
-        '{"name": "browse"',
-        '{"name":"browse"',
-    ]
+    openings = ['{{"name": "{}"', '{{"name":"{}"', '{{ "name": "{}"', '{{\n  "name": "{}"', '{{\n    "name": "{}"']
+    names = ["get_weather", "browse"]
+    assert tag["triggers"] == ["<tool_call>", *(opening.format(name) for name in names for opening in openings)]
     assert all(any(t["begin"].startswith(trigger) for trigger in tag["triggers"]) for t in tag["tags"])
 
 
@@ -294,6 +291,9 @@ TEXT_FORMS = [
     ('{"name": "browse", "arguments": {"topic": "rivers"}}', ""),
     ('Ok {"name": "browse", "parameters": {"topic": "rivers"}} then', "Ok\n\nthen"),
     ('{"name":"browse","arguments":{"topic":"rivers"}}', ""),
+    # pretty-printed inside a fence, as the real pair wrote 24 of its calls in the agentic study (#45)
+    ('```json\n{\n  "name": "browse",\n  "arguments": {\n    "topic": "rivers"\n  }\n}\n```', ""),
+    ('Searching.\n{ "name" : "browse", "arguments": {"topic": "rivers"} }', "Searching."),
 ]
 
 

@@ -44,7 +44,11 @@ _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL_CALLS = "[TOOL_CALLS]"
 _MISTRAL_ARGS = "[ARGS]"
 _SEPARATOR = "\n\n"  # between content pieces that removed calls stood between
-_TEXT_CALL = '{"name":'  # how a hermes call written without markup starts (the lazy grammar writes it so)
+# How a hermes call written without markup starts: ``{"name":``, compact or pretty-printed (``{\n  "name": ``,
+# as small models write it inside a json fence); and any start of it at the end of the text, held back while
+# streaming.
+_TEXT_CALL = re.compile(r'\{\s*"name"\s*:')
+_TEXT_CALL_START = re.compile(r'\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*)?)?)?)?)?)?\Z')
 # Before such a call: a json fence and/or the extra brace of doubled braces (complete; and any start of them,
 # held back while streaming).
 _WRAPPER = re.compile(r"(```(?:json)?\s*)?(\{\s*)?\Z")
@@ -446,7 +450,8 @@ class _Hermes(_Parser):
         if self.trim_start:
             text = text.lstrip()
             self.trim_start = not text
-        tag, bare = text.find(_HERMES_OPEN), text.find(_TEXT_CALL)
+        tag, call = text.find(_HERMES_OPEN), _TEXT_CALL.search(text)
+        bare = call.start() if call else -1
         if tag >= 0 and (bare < 0 or tag < bare):
             self.emit(text[:tag].rstrip())
             self.buf = text[tag + len(_HERMES_OPEN) :]
@@ -461,7 +466,8 @@ class _Hermes(_Parser):
             self.emit(text)
             self.buf = ""
             return None
-        partial = max(_partial_suffix(text, _HERMES_OPEN), _partial_suffix(text, _TEXT_CALL))
+        call_start = _TEXT_CALL_START.search(text)
+        partial = max(_partial_suffix(text, _HERMES_OPEN), len(text) - call_start.start() if call_start else 0)
         held = _WRAPPER_START.search(text, 0, len(text) - partial)
         cut = len(text[: held.start() if held else len(text) - partial].rstrip())
         self.emit(text[:cut])
@@ -474,7 +480,9 @@ class _Hermes(_Parser):
         content. False when more text is needed to tell.
         """
         text = self.buf
-        at = text.find(_TEXT_CALL)
+        call = _TEXT_CALL.search(text)
+        assert call is not None  # outside() found it
+        at = call.start()
         wrapper = _WRAPPER.search(text, 0, at)
         fence, brace = (wrapper.group(1), wrapper.group(2)) if wrapper else (None, None)
         try:
@@ -482,8 +490,8 @@ class _Hermes(_Parser):
         except json.JSONDecodeError:
             if not final:
                 return False
-            self.emit(text[: at + len(_TEXT_CALL)])
-            self.buf = text[at + len(_TEXT_CALL) :]
+            self.emit(text[: call.end()])
+            self.buf = text[call.end() :]
             return True
         key = _call_key(value)
         if key is None:
