@@ -5,10 +5,12 @@ gets an agent with ONE tool, ``search(query)``: it returns the top ``--top-k`` o
 paragraphs ranked by BM25 (written here, deterministic: ties go to the earlier paragraph), as
 ``Title: ...`` blocks. The agent loop, at most ``--max-steps`` model turns:
 
-* step 1 asks with the tool offered (``tool_choice="auto"``); whether the model called it is recorded.
-  When it did not, the answer it gave without searching is scored too (``closed_book_correct``) and one
-  search is then forced (``tool_choice="required"``, constrained decoding), so every question reaches a
-  tool result: natural calls and forced calls are counted apart;
+* step 1 asks with the tool offered (``tool_choice="auto"``, the frameworks' default: the engine's lazy
+  grammar constrains a call once the answer starts one); whether the model called it is recorded. When it did
+  not, its text is the answer (the study of issue #45). With ``--force-search`` (the study of issue #30) the
+  answer it gave without searching is scored (``closed_book_correct``) and one search is then forced
+  (``tool_choice="required"``, constrained decoding), so every question reaches a tool result: natural calls
+  and forced calls are counted apart;
 * every call is executed, the assistant message with its calls and the tool results are appended, and
   the model is asked again (``auto``) until it answers without a call;
 * the last step uses ``tool_choice="none"``: it must answer (its first line).
@@ -68,6 +70,13 @@ MAIN = "qwen2.5-coder-1.5b"
 DRAFT = "qwen2.5-coder-0.5b"
 KEEP_RATES = [1.0, 0.3, 0.1]
 SYSTEM = (
+    "Before answering any question you must call the search tool; never answer without searching first. Search an "
+    "encyclopedia with a short query for each fact you need. Once the results hold the answer, reply with the "
+    "answer alone: a short phrase."
+)
+# The system prompt of issue #30's study (docs/benchmarks/agentic.md, the forced-search run): asked to search, the
+# pair answered from memory in 30 of 30 questions; --system takes it back.
+SYSTEM_30 = (
     "You answer questions with the help of a search tool over an encyclopedia. Call search with a short query "
     "for each fact you need. Once the results hold the answer, reply with the answer alone: a short phrase, "
     "no explanation and no plan."
@@ -100,6 +109,8 @@ STUDY = [
     "system",
     "sampler",
     "share_first_step",
+    "force_search",
+    "lazy_tool_grammar",
 ]
 STAT_FIELDS = (
     "ttft_ms",
@@ -258,7 +269,7 @@ def run_agent(engine: Any, sample: dict, keep_rate: float, args: argparse.Namesp
         calls = result.tool_calls if choice != "none" else ()
         if step == 1:
             run["natural_call"] = bool(calls)
-            if not calls:  # answered (or failed to call) without searching: score that, then force one search
+            if not calls and args.force_search:  # answered without searching: score that, then force a search
                 run["closed_book_correct"] = scores(result.text.strip(), sample["answers"])["contains"]
                 run["forced"] = True
                 calls = ask(step, "required").tool_calls
@@ -279,6 +290,7 @@ def run_agent(engine: Any, sample: dict, keep_rate: float, args: argparse.Namesp
             messages.append(ChatMessage("tool", [text], tool_call_id=call.id))
     correct = scores(answer, sample["answers"])["contains"]
     found = {i for s in searches for i in s["gold"]}
+    search_steps = len({s["step"] for s in searches})
     return {
         **run,
         "answer": answer,
@@ -287,6 +299,9 @@ def run_agent(engine: Any, sample: dict, keep_rate: float, args: argparse.Namesp
         "generations": len(generations),
         "parse_failures": sum(len(g["invalid_tool_calls"]) for g in generations),
         "tool_markup_in_answer": "<tool_call>" in answer,
+        "n_searches": len(searches),
+        "search_steps": search_steps,
+        "out_of_steps": any(g["tool_choice"] == "none" for g in generations),
         "gold_found": len(found),
         "gold_total": len(sample["gold_documents"]),
         "turns": generations,
@@ -331,7 +346,8 @@ def run(engine: Any, samples: list[dict], args: argparse.Namespace, report: dict
         report["sessions"][-1].update(ended=now(), load_end=list(os.getloadavg()))
         save(report)
         cells = " ".join(
-            f"{k}:{'ok' if v['correct'] else 'no'}/{v['steps']}st/{'nat' if v['natural_call'] else 'forced'}"
+            f"{k}:{'ok' if v['correct'] else 'no'}/{v['steps']}st/{v['search_steps']}srch/"
+            f"{'nat' if v['natural_call'] else 'forced' if v['forced'] else 'nocall'}"
             for k, v in runs.items()
         )
         print(f"question {index}: {cells} {sum(v['seconds'] for v in runs.values()):.0f} s", flush=True)
@@ -383,6 +399,8 @@ def summary_rows(report: dict) -> list[dict]:
                 "natural_calls": sum(bool(run["natural_call"]) for run in runs),
                 "forced": sum(run["forced"] for run in runs),
                 "forced_failed": sum(run["forced_failed"] for run in runs),
+                "second_searches": sum(run.get("search_steps", 0) >= 2 for run in runs),
+                "out_of_steps": sum(bool(run.get("out_of_steps")) for run in runs),
                 "closed_book_correct": sum(run["closed_book_correct"] or 0 for run in runs),
                 "tool_markup_in_answer": sum(run["tool_markup_in_answer"] for run in runs),
                 "calls_as_text": sum(call_as_text(t) for t in turns if not t.get("shared")),
@@ -542,9 +560,9 @@ def markdown(report: dict) -> str:
         "",
         "| keep | n | correct | retention (95% CI) | change vs keep 1 (95% CI) | correct, call-text answers "
         "not counted (change vs keep 1, 95% CI) | parse failures (questions) "
-        "| mean steps | natural calls | forced (failed) | gold paragraphs found | result turns compressed "
-        "| kept document share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mean steps | natural calls | forced (failed) | searched at 2+ steps | answer forced at the step cap "
+        "| gold paragraphs found | result turns compressed | kept document share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary_rows(report):
         low, high = row["retention_ci"]
@@ -555,6 +573,7 @@ def markdown(report: dict) -> str:
             f"| {row['strict_correct']:g} ({row['strict_change']:+.2f}, {_interval(*row['strict_change_ci'])}) "
             f"| {row['parse_failures']} ({row['questions_with_failures']}) | {row['mean_steps']:.2f} "
             f"| {row['natural_calls']}/{row['n']} | {row['forced']} ({row['forced_failed']}) "
+            f"| {row['second_searches']} | {row['out_of_steps']} "
             f"| {row['gold_found']}/{row['gold_total']} | {row['compressed']}/{row['turns_with_results']} "
             f"| {row['kept_document_share']:.2f} |"
         )
@@ -562,10 +581,15 @@ def markdown(report: dict) -> str:
     closed = ", ".join(f"keep {r['keep_rate']:g}: {r['closed_book_correct']:g}" for r in extra)
     markup = sum(r["tool_markup_in_answer"] for r in extra)
     plain = ", ".join(f"keep {r['keep_rate']:g}: {r['calls_as_text']} ({r['answers_as_call_text']})" for r in extra)
+    unsearched = (
+        f"Correct answers given at step 1 without searching (before the forced search): {closed}. "
+        if settings.get("force_search", True)
+        else ""
+    )
     lines += [
         "",
-        f"Correct answers given at step 1 without searching (before the forced search): {closed}. "
-        f"Final answers holding tool-call markup: {markup}. Turns that wrote a search call as plain text outside "
+        unsearched
+        + f"Final answers holding tool-call markup: {markup}. Turns that wrote a search call as plain text outside "
         f"the tool-call markup (not parsed, so not a parse failure; in parentheses: final answers that are such "
         f"text): {plain}.",
         "",
@@ -632,6 +656,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         min_prompt_tokens=args.min_prompt_tokens,
         draft_cache_mb=args.draft_cache_mb,
+        lazy_tool_grammar=args.lazy_tool_grammar,
     )
 
 
@@ -671,6 +696,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     options.add_argument("--min-prompt-tokens", type=min_prompt_tokens, default=0, help="a number or 'auto'")
     options.add_argument("--draft-cache-mb", type=int, default=0, help="0: every draft call scored cold")
     options.add_argument("--system", default=SYSTEM, help="the system prompt")
+    options.add_argument(
+        "--force-search",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a step 1 without a call is scored, then one search is forced (tool_choice 'required'; issue #30)",
+    )
+    options.add_argument(
+        "--lazy-tool-grammar",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's lazy_tool_grammar: tool_choice 'auto' constrains a call once the answer starts one",
+    )
     options.add_argument(
         "--share-first-step",
         action=argparse.BooleanOptionalAction,

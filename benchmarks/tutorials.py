@@ -213,8 +213,9 @@ def run_llama_index(pattern: str, llm: Any, index: Any, question: str) -> str:
 class Surfaces:
     """The LLM objects of one draft: the adapters in-process, ChatOpenAI/OpenAILike to a gateway."""
 
-    def __init__(self, draft: str, keep_rate: float, max_tokens: int) -> None:
+    def __init__(self, draft: str, keep_rate: float, max_tokens: int, min_prompt_tokens: int | str = "auto") -> None:
         self.draft = draft
+        self.min_prompt_tokens = min_prompt_tokens
         # "self" is named explicitly: the adapters' and the gateway's unnamed default (draft None, meant to become
         # "self") raised TypeError in SpecPrefillConfig.with_default_draft when this was measured (see the page)
         self.draft_model = draft
@@ -228,14 +229,22 @@ class Surfaces:
         from langchain_specprefill import ChatSpecPrefill
 
         return ChatSpecPrefill(
-            model=MAIN, draft_model=self.draft_model, keep_rate=self.keep_rate, max_tokens=self.max_tokens
+            model=MAIN,
+            draft_model=self.draft_model,
+            keep_rate=self.keep_rate,
+            max_tokens=self.max_tokens,
+            min_prompt_tokens=self.min_prompt_tokens,
         )
 
     def llama_in_process(self) -> Any:
         from llama_index.llms.specprefill import SpecPrefillLLM
 
         return SpecPrefillLLM(
-            model=MAIN, draft_model=self.draft_model, keep_rate=self.keep_rate, max_new_tokens=self.max_tokens
+            model=MAIN,
+            draft_model=self.draft_model,
+            keep_rate=self.keep_rate,
+            max_new_tokens=self.max_tokens,
+            min_prompt_tokens=self.min_prompt_tokens,
         )
 
     def start_gateway(self) -> str:
@@ -245,7 +254,9 @@ class Surfaces:
             from specprefill_rag.serve import GatewaySettings, create_app
             from specprefill_rag.serve.server import BackgroundServer
 
-            settings = GatewaySettings(main=MAIN, draft=self.draft_model, keep_rate=self.keep_rate)
+            settings = GatewaySettings(
+                main=MAIN, draft=self.draft_model, keep_rate=self.keep_rate, min_prompt_tokens=self.min_prompt_tokens
+            )
             app = create_app(settings)
             self.gateway_engine = app.state.gateway.engine
             self._server = BackgroundServer(app, start_timeout_s=600)

@@ -525,8 +525,9 @@ def test_merge_keeps_the_settings_of_one_study_split_over_runs(tmp_path):
 
 def test_agentic_study_runs_its_loop_on_a_tiny_model_and_resumes(task_data, tmp_path, monkeypatch):
     """benchmarks/agentic.py end to end on a tiny random Qwen-format model: it never calls the tool on its own,
-    so the forced search (tool_choice="required") is what runs; the files have every field, and --resume adds
-    a question without asking the saved one again."""
+    so with --force-search the forced search (tool_choice="required") is what runs; the files have every field,
+    and --resume adds a question without asking the saved one again. Without it (auto throughout) nothing is
+    forced: a step 1 without a call is the answer."""
     import json
 
     import agentic
@@ -545,7 +546,7 @@ def test_agentic_study_runs_its_loop_on_a_tiny_model_and_resumes(task_data, tmp_
     monkeypatch.setattr(agentic, "SEARCH", search)
     out = tmp_path / "agentic"
     argv = ["--out", str(out), "--max-new-tokens", "48", "--answer-tokens", "2", "--top-k", "2", "--max-steps", "2"]
-    argv += ["--keep-rates", "1", "0.1"]
+    argv += ["--keep-rates", "1", "0.1", "--force-search"]
     report = agentic.main(["--questions", "1", *argv], engine=engine)
     saved = json.loads(Path(f"{out}.json").read_text())
     assert saved["records"] == report["records"] and [r["question"] for r in saved["records"]] == [0]
@@ -565,6 +566,12 @@ def test_agentic_study_runs_its_loop_on_a_tiny_model_and_resumes(task_data, tmp_
     assert answering["0.1"]["compressed"] and answering["0.1"]["keep_rate"] < 1 and answering["0.1"]["document_tokens"]
     table = Path(f"{out}.md").read_text()
     assert "| keep | n | correct |" in table and "| 2 | none | 0.1 | 1 |" in table
+
+    auto = agentic.main(["--questions", "1", *argv[:-1], "--out", str(tmp_path / "auto")], engine=engine)
+    for run in auto["records"][0]["runs"].values():
+        choices = [t["tool_choice"] for t in run["turns"]]
+        assert not run["forced"] and "required" not in choices and choices[0] == "auto"
+        assert run["natural_call"] or (choices == ["auto"] and run["n_searches"] == 0 and run["steps"] == 1)
 
     asked = []
     monkeypatch.setattr(

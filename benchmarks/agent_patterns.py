@@ -1,0 +1,355 @@
+"""The frameworks' agent patterns on the real pair, as their tutorials write them (issue #45, part 4).
+
+Each pattern is an agent with one retriever tool, ``retrieve_context(query)``, over the five articles of
+``examples/documents`` (all-MiniLM-L6-v2 embeddings, top-2, built as ``examples/langchain_rag.py`` and
+``examples/llamaindex_rag.py`` build them), asked one question, with ``tool_choice`` left to the framework
+(``"auto"``: nothing is forced). In-process the models are ``ChatSpecPrefill`` and ``SpecPrefillLLM``; through
+the gateway (``specprefill-rag serve``'s app in this process on 127.0.0.1, the same models) LangChain's
+``ChatOpenAI`` and LlamaIndex's ``OpenAILike``. Patterns:
+
+* ``lc-create-agent``: ``langchain.agents.create_agent(llm, tools=[retrieve_context], system_prompt=...)``;
+* ``lg-react-agent``: ``langgraph.prebuilt.create_react_agent(llm, [retrieve_context], prompt=...,
+  checkpointer=InMemorySaver())`` with a ``thread_id``;
+* ``lc-bind-tools``: ``llm.bind_tools([retrieve_context])`` in a loop that appends each ``ToolMessage``;
+* ``lc-astream-events``: ``create_agent``'s ``astream_events(version="v2")``, the answer read from the events;
+* ``li-function-agent``: ``FunctionAgent(tools=[retrieve_context], llm=llm, system_prompt=...).run(question)``;
+* ``li-agent-workflow``: ``AgentWorkflow.from_tools_or_functions([retrieve_context], llm=llm, ...)``.
+
+Per run: whether it ran (no exception), the tool's calls, the model calls, how many model calls had tool
+results in their prompt and how many of those were compressed, and whether the answer holds the expected
+text. Stats come from each surface's own place (LangChain callbacks, LlamaIndex instrumentation, the
+gateway's ``x-specprefill-*`` response headers). ``--min-prompt-tokens`` is 0 by default: the tool results
+here are a few hundred tokens, under the pair's automatic floor (1,152), which would leave every prompt whole.
+
+    python benchmarks/agent_patterns.py                       # every pattern, both surfaces
+    python benchmarks/agent_patterns.py --patterns li-function-agent --surfaces gateway
+    python benchmarks/agent_patterns.py --system "..."        # another system prompt
+
+Writes ``<out>.json`` and ``<out>.md`` after every run. TTFT is not reported: the table is about behaviour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import tutorials  # noqa: E402
+
+PATTERNS = [
+    "lc-create-agent",
+    "lg-react-agent",
+    "lc-bind-tools",
+    "lc-astream-events",
+    "li-function-agent",
+    "li-agent-workflow",
+]
+SURFACES = ["in-process", "gateway"]
+# LangChain's agentic RAG tutorial's system prompt, with its blog post made the example articles
+SYSTEM = (
+    "You have access to a tool that retrieves context from a set of articles. Use the tool to help answer user queries."
+)
+QUESTION = tutorials.QUESTION
+EXPECTED = tutorials.EXPECTED
+HEADERS = {
+    "compressed": "x-specprefill-compressed",
+    "uncompressed_reason": "x-specprefill-uncompressed-reason",
+    "prompt_tokens": "x-specprefill-prompt-tokens",
+    "document_tokens": "x-specprefill-document-tokens",
+    "kept_document_tokens": "x-specprefill-kept-document-tokens",
+    "document_source": "x-specprefill-document-source",
+}
+LABELS = {
+    "lc-create-agent": "LangChain `create_agent` + retriever tool",
+    "lg-react-agent": "LangGraph `create_react_agent` + checkpointer",
+    "lc-bind-tools": "LangChain `bind_tools` loop with `ToolMessage`s",
+    "lc-astream-events": "LangChain `create_agent`, `astream_events`",
+    "li-function-agent": "LlamaIndex `FunctionAgent`",
+    "li-agent-workflow": "LlamaIndex `AgentWorkflow`",
+}
+
+
+class HeaderStats:
+    """An httpx client that keeps the stats headers of every chat completion, streamed or not."""
+
+    def __init__(self) -> None:
+        import httpx
+
+        self.calls: list[dict] = []
+        self.client = httpx.Client(event_hooks={"response": [self._record]}, timeout=600)
+        self.async_client = httpx.AsyncClient(event_hooks={"response": [self._arecord]}, timeout=600)
+
+    def _stats(self, response: Any) -> None:
+        if response.request.url.path.endswith("/chat/completions"):
+            self.calls.append({name: response.headers.get(header) for name, header in HEADERS.items()})
+
+    def _record(self, response: Any) -> None:
+        self._stats(response)
+
+    async def _arecord(self, response: Any) -> None:
+        self._stats(response)
+
+
+class Tool:
+    """The retriever tool's searches, and its text for a query (the two best chunks, as the tutorial's)."""
+
+    def __init__(self, retrieval: dict) -> None:
+        self.store = retrieval["langchain"].vectorstore
+        self.queries: list[str] = []
+
+    def retrieve(self, query: str) -> str:
+        self.queries.append(query)
+        docs = self.store.similarity_search(query, k=2)
+        return "\n\n".join(f"Source: {doc.metadata}\nContent: {doc.page_content}" for doc in docs)
+
+    def langchain(self) -> Any:
+        from langchain_core.tools import tool
+
+        @tool
+        def retrieve_context(query: str) -> str:
+            """Retrieve information to help answer a query."""
+            return self.retrieve(query)
+
+        return retrieve_context
+
+    def llama_index(self) -> Any:
+        from llama_index.core.tools import FunctionTool
+
+        def retrieve_context(query: str) -> str:
+            """Retrieve information to help answer a query."""
+            return self.retrieve(query)
+
+        return FunctionTool.from_defaults(fn=retrieve_context)
+
+
+def run_langchain(pattern: str, llm: Any, tool: Tool, system: str, question: str, config: dict) -> str:
+    from langchain.agents import create_agent
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+
+    retrieve_context = tool.langchain()
+    inputs = {"messages": [{"role": "user", "content": question}]}
+    if pattern == "lc-create-agent":
+        agent = create_agent(llm, tools=[retrieve_context], system_prompt=system)
+        return str(agent.invoke(inputs, config)["messages"][-1].content)
+    if pattern == "lg-react-agent":
+        from langgraph.checkpoint.memory import InMemorySaver
+        from langgraph.prebuilt import create_react_agent
+
+        agent = create_react_agent(llm, [retrieve_context], prompt=system, checkpointer=InMemorySaver())
+        threaded = {**config, "configurable": {"thread_id": "1"}}
+        return str(agent.invoke(inputs, threaded)["messages"][-1].content)
+    if pattern == "lc-bind-tools":
+        bound = llm.bind_tools([retrieve_context])
+        messages: list[Any] = [SystemMessage(system), HumanMessage(question)]
+        for _ in range(4):
+            answer = bound.invoke(messages, config)
+            messages.append(answer)
+            if not answer.tool_calls:
+                break
+            for call in answer.tool_calls:
+                messages.append(ToolMessage(retrieve_context.invoke(call["args"]), tool_call_id=call["id"]))
+        return str(messages[-1].content)
+    if pattern == "lc-astream-events":
+        agent = create_agent(llm, tools=[retrieve_context], system_prompt=system)
+
+        async def events() -> str:
+            last = ""
+            async for event in agent.astream_events(inputs, config, version="v2"):
+                if event["event"] == "on_chat_model_end":
+                    last = str(event["data"]["output"].content)
+            return last
+
+        return asyncio.run(events())
+    raise ValueError(pattern)
+
+
+def run_llama_index(pattern: str, llm: Any, tool: Tool, system: str, question: str) -> str:
+    from llama_index.core.agent.workflow import AgentWorkflow, FunctionAgent
+
+    async def run(workflow: Any, **inputs: Any) -> str:  # a workflow starts its tasks on the running loop
+        return str(await workflow.run(**inputs))
+
+    if pattern == "li-function-agent":
+        agent = FunctionAgent(tools=[tool.llama_index()], llm=llm, system_prompt=system)
+        return asyncio.run(run(agent, user_msg=question))
+    if pattern == "li-agent-workflow":
+        workflow = AgentWorkflow.from_tools_or_functions([tool.llama_index()], llm=llm, system_prompt=system)
+        return asyncio.run(run(workflow, user_msg=question))
+    raise ValueError(pattern)
+
+
+def gateway_llm(models: tutorials.Surfaces, framework: str, http: HeaderStats) -> Any:
+    url = models.start_gateway() + "/v1"
+    if framework == "lc":
+        from langchain_openai import ChatOpenAI
+
+        return ChatOpenAI(
+            base_url=url,
+            api_key="unused",
+            model=tutorials.MAIN,
+            temperature=0,
+            max_tokens=models.max_tokens,
+            max_retries=0,
+            timeout=600,
+            http_client=http.client,
+            http_async_client=http.async_client,
+        )
+    from llama_index.llms.openai_like import OpenAILike
+
+    return OpenAILike(
+        api_base=url,
+        api_key="unused",
+        model=tutorials.MAIN,
+        is_chat_model=True,
+        is_function_calling_model=True,
+        temperature=0,
+        max_tokens=models.max_tokens,
+        context_window=32768,
+        max_retries=0,
+        timeout=600,
+        http_client=http.client,
+        async_http_client=http.async_client,
+    )
+
+
+def flag(value: Any) -> bool:
+    return value is True or str(value).lower() == "true"
+
+
+def count(value: Any) -> int:
+    return int(value) if value not in (None, "") else 0
+
+
+def one_run(pattern: str, surface: str, models: tutorials.Surfaces, retrieval: dict, args: argparse.Namespace) -> dict:
+    """One pattern on one surface: ran, tool calls, model calls, compressed calls after tool results, answer."""
+    tool = Tool(retrieval)
+    framework = pattern.split("-")[0]
+    started = time.perf_counter()
+    error = None
+    answer = ""
+    log = retrieval["llama_stats"]
+    before = len(log.calls)
+    http = HeaderStats()
+    stats = tutorials.langchain_stats_handler()
+    try:
+        if surface == "in-process":
+            llm = models.langchain_in_process() if framework in ("lc", "lg") else models.llama_in_process()
+        else:
+            llm = gateway_llm(models, "lc" if framework in ("lc", "lg") else "li", http)
+        if framework in ("lc", "lg"):
+            answer = run_langchain(pattern, llm, tool, args.system, args.question, {"callbacks": [stats]})
+        else:
+            answer = run_llama_index(pattern, llm, tool, args.system, args.question)
+    except Exception as exc:  # a pattern that fails is a row of the table, not the end of the study
+        error = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    if surface == "gateway":
+        calls = http.calls
+    elif framework in ("lc", "lg"):
+        calls = stats.calls
+    else:
+        calls = log.calls[before:]
+    with_results = [c for c in calls if count(c.get("document_tokens")) > 0]
+    return {
+        "pattern": pattern,
+        "surface": surface,
+        "ran": error is None,
+        "error": error,
+        "tool_calls": len(tool.queries),
+        "queries": tool.queries,
+        "model_calls": len(calls),
+        "calls_with_results": len(with_results),
+        "compressed": sum(flag(c.get("compressed")) for c in with_results),
+        "reasons": sorted({str(c.get("uncompressed_reason")) for c in calls if not flag(c.get("compressed"))}),
+        "calls": calls,
+        "answer": answer,
+        "answer_ok": EXPECTED.lower() in answer.lower(),
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [
+        f"Main {meta['main']}, draft {meta['draft']}, keep_rate {meta['keep_rate']}, min_prompt_tokens "
+        f"{meta['min_prompt_tokens']}, {meta['max_tokens']} new tokens per model call, tool_choice left to the "
+        f"framework; question {meta['question']!r} (expected {meta['expected']!r}); system prompt "
+        f"{meta['system']!r}. Machine: {meta['machine']}; {meta['date']}.",
+        "",
+        "| pattern | surface | ran | tool calls | model calls | calls with tool results: compressed | answer ok "
+        "| not compressed because | answer |",
+        "|---|---|---|---:|---:|---|---|---|---|",
+    ]
+    for run in report["runs"]:
+        answer = " ".join(run["answer"].split()).replace("|", "\\|")[:80]
+        ran = "yes" if run["ran"] else f"no: {run['error'][:80]}"
+        lines.append(
+            f"| {LABELS[run['pattern']]} | {run['surface']} | {ran} | {run['tool_calls']} | {run['model_calls']} "
+            f"| {run['compressed']} of {run['calls_with_results']} | {'yes' if run['answer_ok'] else 'no'} "
+            f"| {', '.join(run['reasons']) or '-'} | {answer} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    options.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "agent-patterns" / "run"))
+    options.add_argument("--main", default=tutorials.MAIN)
+    options.add_argument("--draft", default=tutorials.DRAFTS[0])
+    options.add_argument("--patterns", nargs="+", default=PATTERNS, choices=PATTERNS)
+    options.add_argument("--surfaces", nargs="+", default=SURFACES, choices=SURFACES)
+    options.add_argument("--keep-rate", type=float, default=0.3)
+    options.add_argument("--min-prompt-tokens", type=int, default=0)
+    options.add_argument("--max-tokens", type=int, default=96)
+    options.add_argument("--question", default=QUESTION)
+    options.add_argument("--system", default=SYSTEM)
+    args = options.parse_args()
+    tutorials.MAIN = args.main  # the surfaces build their models from it
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "meta": {
+            "main": args.main,
+            "draft": args.draft,
+            "keep_rate": args.keep_rate,
+            "min_prompt_tokens": args.min_prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "question": args.question,
+            "expected": EXPECTED,
+            "system": args.system,
+            "machine": tutorials.machine(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        },
+        "runs": [],
+    }
+    retrieval = tutorials.build_retrieval()
+    models = tutorials.Surfaces(args.draft, args.keep_rate, args.max_tokens, args.min_prompt_tokens)
+    try:
+        for surface in args.surfaces:
+            for pattern in args.patterns:
+                run = one_run(pattern, surface, models, retrieval, args)
+                report["runs"].append(run)
+                out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+                out.with_suffix(".md").write_text(markdown(report))
+                print(
+                    f"{pattern:20} {surface:10} ran={run['ran']} tool={run['tool_calls']} calls={run['model_calls']} "
+                    f"compressed={run['compressed']}/{run['calls_with_results']} ok={run['answer_ok']} "
+                    f"{run['wall_s']} s: {run['answer'][:60]!r}",
+                    flush=True,
+                )
+    finally:
+        models.stop_gateway()
+
+
+if __name__ == "__main__":
+    main()
