@@ -206,6 +206,16 @@ def test_the_layout_takes_the_server_default_and_the_request_wins(engine):
     assert chat_request_layout(tokenizer, tutorial_request(), 64, 1024).document_source == "none"
 
 
+def test_delimited_finds_the_rag_agent_tutorials_system_prompt(engine):
+    # LangChain's RAG agent tutorial: create_agent with a @dynamic_prompt middleware over similarity_search()
+    system = "You are a helpful assistant. Use the following context in your response:\n\n" + "\n\n".join(DOCUMENTS)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+    body = ChatCompletionRequest.model_validate({"model": MODEL, "messages": messages})
+    layout = chat_request_layout(engine.tokenizer, body, 64, 1024, system_context="delimited")
+    assert (layout.document_source, layout.n_documents) == ("system-context", len(DOCUMENTS))
+    assert chat_request_layout(engine.tokenizer, body, 64, 1024).document_source == "none"  # the gateway's default
+
+
 def test_the_rendered_prompt_is_the_clients_text(engine):
     """Documents are rendered as the core renders document parts, followed by a blank line: the prompt is the
     client's text, plus that blank line after the last document when the template has none there.
