@@ -184,3 +184,21 @@ def test_the_gateway_in_front_of_vllm_forces_the_named_tool(qwen_server, qwen_fo
     assert choice.finish_reason == "tool_calls"
     [call] = choice.message.tool_calls
     assert call.function.name == "get_time" and valid("get_time", json.loads(call.function.arguments))
+
+
+def test_auto_sends_the_lazy_tag_and_vllm_decodes_under_it(backend, tokenizer, prompt, caplog):
+    """tool_choice="auto" (#45): the lazy structural tag (triggered tags: the marker and each tool's bare JSON
+    openings) is accepted by vLLM's xgrammar backend, offline and over HTTP, and the answer decodes under it; any
+    call in it names an offered tool. (A random model rarely writes a trigger: the tag's effect after one is
+    tested in-process with xgrammar, tests/test_lazy_tools.py.)"""
+    fields = tool_decoding(tokenizer, TOOLS, "auto", True, lazy=True)
+    output = fields["output_format"]
+    assert output.lazy
+    backend.check_output_format(output)
+    with caplog.at_level("WARNING", logger="specprefill_rag"):
+        tokens = list(backend.generate(prompt, GenerationParams(max_new_tokens=24, **fields)))
+    assert tokens and not [r for r in caplog.records if "without its lazy tool-call grammar" in r.getMessage()]
+    parsed = parse_tool_calls(
+        tokenizer.decode(tokens, skip_special_tokens=False), "hermes", offered=("get_weather", "get_time")
+    )
+    assert all(valid(call.name, call.arguments) for call in parsed.tool_calls)
