@@ -24,6 +24,7 @@ here are a few hundred tokens, under the pair's automatic floor (1,152), which w
     python benchmarks/agent_patterns.py                       # every pattern, both surfaces
     python benchmarks/agent_patterns.py --patterns li-function-agent --surfaces gateway
     python benchmarks/agent_patterns.py --system "..."        # another system prompt
+    python benchmarks/agent_patterns.py --resume              # skip the runs the file has
 
 Writes ``<out>.json`` and ``<out>.md`` after every run. TTFT is not reported: the table is about behaviour.
 """
@@ -312,6 +313,7 @@ def main() -> None:
     options.add_argument("--max-tokens", type=int, default=96)
     options.add_argument("--question", default=QUESTION)
     options.add_argument("--system", default=SYSTEM)
+    options.add_argument("--resume", action="store_true", help="keep the runs a previous run with these settings wrote")
     args = options.parse_args()
     tutorials.MAIN = args.main  # the surfaces build their models from it
 
@@ -332,14 +334,24 @@ def main() -> None:
         },
         "runs": [],
     }
+    path = out.with_suffix(".json")
+    if args.resume and path.exists():
+        earlier = json.loads(path.read_text())
+        same = ("main", "draft", "keep_rate", "min_prompt_tokens", "max_tokens", "question", "system")
+        if any(earlier["meta"][k] != report["meta"][k] for k in same):
+            raise SystemExit(f"--resume: {path} was run with other settings; use another --out")
+        report["runs"] = earlier["runs"]
+    done = {(r["pattern"], r["surface"]) for r in report["runs"]}
     retrieval = tutorials.build_retrieval()
     models = tutorials.Surfaces(args.draft, args.keep_rate, args.max_tokens, args.min_prompt_tokens)
     try:
         for surface in args.surfaces:
             for pattern in args.patterns:
+                if (pattern, surface) in done:
+                    continue
                 run = one_run(pattern, surface, models, retrieval, args)
                 report["runs"].append(run)
-                out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+                path.write_text(json.dumps(report, indent=1))
                 out.with_suffix(".md").write_text(markdown(report))
                 print(
                     f"{pattern:20} {surface:10} ran={run['ran']} tool={run['tool_calls']} calls={run['model_calls']} "
