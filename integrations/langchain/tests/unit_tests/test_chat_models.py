@@ -75,7 +75,9 @@ def test_text_plain_blocks_are_documents(chat):
 
 def test_fallback_without_documents(chat):
     message = chat.invoke(" ".join(random_documents(3, 60)) + " " + QUESTION)
-    assert message.response_metadata["spec_prefill"]["document_source"] == "none"
+    assert (
+        message.response_metadata["spec_prefill"]["document_source"] == "fallback"
+    )  # no documents marked: earlier text as pseudo-documents
     assert message.response_metadata["spec_prefill"]["compressed"]
 
 
