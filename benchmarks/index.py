@@ -65,11 +65,25 @@ EPYC = "2-core AMD EPYC (AVX512-BF16)"
 
 # One entry per folder of benchmarks/results/ (its path below that folder), in alphabetical order.
 STUDIES: dict[str, Study] = {
+    "agent-patterns": Study(
+        "the six agent patterns of #45 (LangChain, LangGraph, LlamaIndex) on the real pair, in-process and through "
+        "the gateway: ran, called the tool, compressed, answered",
+        "docs/benchmarks/agent-patterns.md",
+        f"{XEON}, bfloat16, shared with the agentic study and a CI run: behaviour only, no timings",
+        "shared",
+    ),
     "agentic": Study(
-        "agentic multi-hop HotpotQA: a search-tool agent (3 steps), the real pair, tool results at keep 1, 0.3, 0.1",
+        "agentic multi-hop HotpotQA: a search-tool agent, the real pair, tool results at keep 1, 0.3, 0.1; #30's "
+        "forced first search (hotpotqa) and #45's tool_choice auto throughout (hotpotqa-auto*)",
         "docs/benchmarks/agentic.md",
-        f"{XEON}, bfloat16, two torch threads, shared with test suites (load 5-9): paired TTFT ratios only",
+        f"{XEON}, bfloat16, two torch threads, shared with test suites (load 2-9): paired TTFT ratios only",
         "contended",
+        runs={
+            "hotpotqa": "#30: 30 questions, the first search forced when step 1 made none",
+            "hotpotqa-auto-compact-triggers": "#45: 60 questions, auto throughout, before pretty-printed JSON calls "
+            "were recognised",
+            "hotpotqa-auto": "#45: 60 questions, auto throughout, pretty-printed JSON calls recognised",
+        },
     ),
     "constrained-mask": Study(
         "JSON-schema next-token mask cost per token on CPU: xgrammar against llguidance, 49k and 152k vocabularies",
