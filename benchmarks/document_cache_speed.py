@@ -604,6 +604,8 @@ def run_draft(args) -> None:
         settings["draft_layers"] = args.draft_layers
     if args.first_sights != ["alone"]:  # likewise
         settings["first_sights"] = args.first_sights
+    if args.warm_layers:  # likewise
+        settings["warm_layers"] = args.warm_layers
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     loaded = load_model(args.draft, "cpu", args.dtype)
@@ -639,6 +641,20 @@ def run_draft(args) -> None:
         for repair in args.repairs:
             cached.draft.repair = repair_of(repair)  # type: ignore[attr-defined]
             row[f"warm-{repair}"] = draft_arm(cached, documents, target["question"])
+        for n in args.warm_layers:
+            truncated = SpecPrefillEngine.from_models(  # its own store: the cache is keyed by the draft's layers
+                model,
+                tokenizer,
+                model,
+                document_cache_mb=1024 - number,
+                draft_document_cache=True,
+                draft_layers=n,
+                **common,
+            )
+            row[f"first-layers{n}"] = draft_arm(truncated, documents, target["question"])
+            for repair in args.repairs:
+                truncated.draft.repair = repair_of(repair)  # type: ignore[attr-defined]
+                row[f"warm-layers{n}-{repair}"] = draft_arm(truncated, documents, target["question"])
         report["records"].append(row)
         save(args.out, report, draft_table(report))
         print(json.dumps({"length": length, "repeat": repeat, "cold": round(row["cold"]["draft_ms"])}), flush=True)
@@ -654,6 +670,8 @@ def draft_table(report: dict) -> str:
     shorter = [f"cold-layers{n}" for n in settings.get("draft_layers", [])]
     firsts = [first_arm(sight) for sight in settings.get("first_sights", ["alone"])]
     arms = [*shorter, *firsts, *(f"warm-{repair}" for repair in settings["repairs"])]
+    for n in settings.get("warm_layers", []):
+        arms += [f"first-layers{n}", *(f"warm-layers{n}-{repair}" for repair in settings["repairs"])]
     lines = table_head(
         "The draft's time on the per-document cache path against a cold joint draft (the same prompt, one process).",
         f"Settings: `{json.dumps(settings)}`",
@@ -682,8 +700,9 @@ def draft_table(report: dict) -> str:
         "Arms: `cold-layers<N>`: a cold joint draft of the draft's first N layers (`draft_layers`; its phases are not "
         "timed); `first`: an empty store, every document encoded alone and stored, then assembled (blend); "
         "`first-in_context`: an empty store, the documents computed in the scoring pass and stored from it;",
-        "`warm-<repair>`: the same prompt again, every document a hit. Cells: median (min-max) over requests, in ms;",
-        "ratios per request.",
+        "`warm-<repair>`: the same prompt again, every document a hit; `first-layers<N>`, "
+        "`warm-layers<N>-<repair>`: the same on a store of the draft's first N layers. Cells: median (min-max) "
+        "over requests, in ms; ratios per request.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -733,6 +752,13 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         default=[],
         help="also a cold joint draft of the draft's first N layers (draft_layers=N; its queries: the last 16 tokens)",
+    )
+    draft.add_argument(
+        "--warm-layers",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also first-sight and warm arms on a document store of the draft's first N layers (draft_layers=N)",
     )
     zipf = studies.choices["zipf"]
     zipf.add_argument("--keep", type=float, default=0.1)

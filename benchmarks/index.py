@@ -170,6 +170,11 @@ STUDIES: dict[str, Study] = {
             "draft-phases-xeon-amx": "the draft alone at 2k and 4k, keep 0.1, 3 requests per length, cold, first "
             "sight, warm blend and naive with the assembly's phases; the Xeon with AMX, bfloat16, two torch threads, "
             "run alone",
+            "draft-44": "the draft alone at 2k and 4k, keep 0.1, 3 requests per length (#44): cold, cold of the "
+            "first 12 and 8 layers, first sight alone and in context, warm blend, naive and query repair; the Xeon "
+            "with AMX, run alone",
+            "draft-layers-warm": "the same with the per-document store of a 12- and an 8-layer draft (first sight "
+            "and warm blend and naive on the truncated draft); the Xeon with AMX, run alone",
             "zipf-warmed": "the Zipf workload of `zipf` with the 50 most popular paragraphs warmed before the first "
             "question (`--warm-popular 50`); the Xeon with AMX, run alone",
             "replay": "the Zipf workload's store replayed on entry sizes, no model run (`replay`): hit rates under "

@@ -729,11 +729,14 @@ def test_the_draft_table_reads_each_arm_against_the_cold_draft():
         return {"draft_ms": draft_ms, "prompt_tokens": 2100, "phases_ms": dict.fromkeys(study.PHASES, 1.0)}
 
     settings = {"lengths": [2000], "repairs": ["blend"], "draft_layers": [8], "first_sights": ["alone", "in_context"]}
+    settings["warm_layers"] = [8]
     arms = {"cold": arm(1000.0), "cold-layers8": arm(400.0), "first": arm(1200.0), "warm-blend": arm(300.0)}
+    arms |= {"first-layers8": arm(500.0), "warm-layers8-blend": arm(150.0)}
     records = [{"length": 2000, **arms, "first-in_context": arm(1000.0)}]
     table = study.draft_table({"settings": settings, "machine": [], "records": records})
     rows = {line.split(" | ")[2]: line for line in table.splitlines() if line.startswith("| 2,000")}
-    assert set(rows) == {"cold (joint)", "cold-layers8", "first", "first-in_context", "warm-blend"}
+    assert set(rows) == {"cold (joint)", "cold-layers8", "first", "first-in_context", "warm-blend", *arms} - {"cold"}
+    assert "| 0.15 (0.15-0.15) |" in rows["warm-layers8-blend"]
     assert "| 0.40 (0.40-0.40) |" in rows["cold-layers8"] and "| 1.00 (1.00-1.00) |" in rows["first-in_context"]
     assert "| 1.20 (1.20-1.20) |" in rows["first"] and "| 0.30 (0.30-0.30) |" in rows["warm-blend"]
 
