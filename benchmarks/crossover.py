@@ -102,7 +102,7 @@ def main() -> None:
         engine = load_engine(study)
         pair["draft_path"] = engine.draft_path
         for length in todo:
-            pair["results"].append(run_length(engine, None, length, study, probe_memory=False))
+            pair["results"].append(run_length(engine, None, None, length, study, probe_memory=False))
             pair["results"].sort(key=lambda r: r["length"])
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=1))

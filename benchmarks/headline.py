@@ -5,6 +5,10 @@ the TTFT speed-up over full prefill at one prompt length from ``ttft_lengths.py`
 rate). Then SpecPrefill minus LongLLMLingua per task, paired per sample, and SpecPrefill minus each other
 method (main metric and answer log-probability, bold where the 95% interval excludes 0).
 
+A task may name several studies of the same samples (``squad=a.json+b.json``, say a method run later): each
+row comes from the first study that ran its method, its retention against that study's own full prefill; a
+paired difference needs both methods in one study.
+
     python benchmarks/headline.py --length 4096 \\
         --quality niah-4k=benchmarks/results/pair-quality/niah-4k.json \\
                   squad=benchmarks/results/pair-quality/squad.json \\
@@ -20,7 +24,7 @@ from pathlib import Path
 from compare import paired_differences
 from quality import bootstrap_interval, summarise, table_metrics
 
-METHODS = ["full", "specprefill", "self", "contiguous", "longllmlingua", "random"]
+METHODS = ["full", "specprefill", "self", "contiguous", "longllmlingua", "embeddings-filter", "random"]
 # ttft_lengths.py names the self draft by its layer count (self-11); contiguous prefills specprefill's tokens
 TTFT_NAMES = {"contiguous": "specprefill"}
 
@@ -56,14 +60,20 @@ def ttft_speedup(runs: list[dict], length: int, method: str, keep_rate: float) -
     return "not measured"
 
 
-def quality_table(studies: dict[str, dict], runs: list[dict], length: int, keep_rates: list[float]) -> str:
-    summaries = {
-        task: {(r["method"], r["keep_rate"]): r for r in summarise(report, main_metric(report))}
-        for task, report in studies.items()
-    }
+def rows_of(reports: list[dict]) -> dict[tuple[str, float], dict]:
+    """(method, keep rate) -> its summary row from the first of ``reports`` that ran it."""
+    rows: dict[tuple[str, float], dict] = {}
+    for report in reports:
+        for row in summarise(report, main_metric(report)):
+            rows.setdefault((row["method"], row["keep_rate"]), row)
+    return rows
+
+
+def quality_table(studies: dict[str, list[dict]], runs: list[dict], length: int, keep_rates: list[float]) -> str:
+    summaries = {task: rows_of(reports) for task, reports in studies.items()}
     header = (
         ["method", "keep"]
-        + [f"{task} ({main_metric(studies[task])}, n={studies[task]['samples']})" for task in studies]
+        + [f"{task} ({main_metric(reports[0])}, n={reports[0]['samples']})" for task, reports in studies.items()]
         + [f"TTFT speed-up at {length:,} tokens"]
     )
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
@@ -87,11 +97,16 @@ def difference_cell(values: list[float]) -> str:
     return f"**{cell}**" if low > 0 or high < 0 else cell
 
 
-def paired_table(studies: dict[str, dict], first: str, others: list[str]) -> str:
-    """``first`` minus each of ``others`` per task and keep rate: the main metric and the answer log-probability."""
+def paired_table(studies: dict[str, list[dict]], first: str, others: list[str]) -> str:
+    """``first`` minus each of ``others`` per task and keep rate: the main metric and the answer log-probability,
+    from the first study of the task that ran both."""
     lines = ["| method | task | keep | n | main metric | answer logprob |", "|---|---|---|---|---|---|"]
     for other in others:
-        for task, report in studies.items():
+        for task, reports in studies.items():
+            ran = [r for r in reports if {first, other} <= {record["method"] for record in r["records"]}]
+            if not ran:
+                continue
+            report = ran[0]
             main = paired_differences(report["records"], first, other, main_metric(report))
             logprob = paired_differences(report["records"], first, other, "logprob")
             for keep_rate, values in sorted(main.items()):
@@ -104,12 +119,15 @@ def paired_table(studies: dict[str, dict], first: str, others: list[str]) -> str
 
 def main() -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    options.add_argument("--quality", nargs="+", required=True, metavar="TASK=JSON")
+    options.add_argument("--quality", nargs="+", required=True, metavar="TASK=JSON[+JSON...]")
     options.add_argument("--ttft", type=Path, nargs="*", default=[], help="ttft_lengths.py results, one per keep rate")
     options.add_argument("--length", type=int, default=4096, help="the TTFT row (ttft_lengths.py --lengths value)")
     options.add_argument("--keep-rates", type=float, nargs="+", default=[0.1, 0.3])
     args = options.parse_args()
-    studies = {task: load(Path(path)) for task, path in (item.split("=", 1) for item in args.quality)}
+    studies = {
+        task: [load(Path(path)) for path in paths.split("+")]
+        for task, paths in (item.split("=", 1) for item in args.quality)
+    }
     runs = [load(path) for path in args.ttft]
     print(quality_table(studies, runs, args.length, args.keep_rates))
     print()

@@ -27,6 +27,9 @@ Methods (all share one prompt layout and one main model):
                    last W prompt tokens
   contiguous       specprefill's kept tokens, renumbered 0..K-1 (what original positions are worth)
   longllmlingua    LongLLMLingua (real ``llmlingua`` package, SmolLM2-135M as its compressor)
+  embeddings-filter  the documents' sentences most similar to the question (all-MiniLM-L6-v2) that fit the
+                   budget, as LangChain's EmbeddingsFilter at sentence grain (benchmarks/sentence_filter.py); the
+                   main model prefills the shorter prompt whole
   random           random chunks at the same budget (seeded)
   first            the first tokens of every document at the same budget
 
@@ -57,6 +60,7 @@ from pathlib import Path
 
 import tasks
 import torch
+from sentence_filter import SentenceFilter
 from tqdm import tqdm
 
 from specprefill_rag import SpecPrefillEngine
@@ -291,6 +295,8 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     methods.update({name: auto_method(floor, ceiling) for name, (floor, ceiling) in auto.items()})
     if "longllmlingua" in args.methods:
         methods["longllmlingua"] = longllmlingua_method(engine, args.compressor or compressor_default(args))
+    if EMBEDDINGS_FILTER in args.methods:
+        methods[EMBEDDINGS_FILTER] = sentence_filter_method(engine)
     names = [n for method in args.methods for n in (auto if method == AUTO else [method])]
     return {name: methods[name] for name in names}
 
@@ -343,6 +349,21 @@ def longllmlingua_method(engine: SpecPrefillEngine, compressor_spec: str) -> Cal
                 f"llmlingua: AssertionError in {where.name} ({Path(where.filename).name}:{where.lineno})"
             ) from None
         return Prefill.whole(sample_layout(engine, sample, [compressed]))
+
+    return run
+
+
+EMBEDDINGS_FILTER = "embeddings-filter"
+# methods that rewrite the documents' text: their prompt's documents are not the sample's, so no gold document
+TEXT_METHODS = ("longllmlingua", EMBEDDINGS_FILTER)
+
+
+def sentence_filter_method(engine: SpecPrefillEngine) -> Callable:
+    sentence_filter = SentenceFilter(engine.tokenizer)
+
+    def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
+        kept = sentence_filter.filter(sample["documents"], sample["question"], keep_rate)
+        return Prefill.whole(sample_layout(engine, sample, kept))
 
     return run
 
@@ -621,7 +642,7 @@ def markdown(report: dict, metric: str) -> str:
         lp = logprob[(row["method"], row["keep_rate"])]
         retention = "n/a" if metric == "logprob" else f"{row['retention']:.0%} ({retention_interval(row)})"
         # LongLLMLingua merges and reorders the documents: which one was gold is no longer known
-        gold = f"{row['gold_kept']:.0%}" if row["method"] != "longllmlingua" else "n/a"
+        gold = f"{row['gold_kept']:.0%}" if row["method"] not in TEXT_METHODS else "n/a"
         lines.append(
             f"| {row['method']} | {row['keep_rate']:g} | {row['n']} | {row['kept_share']:.2f} | {row['score']:.3f} | "
             f"{low:.2f} to {high:.2f} | "
@@ -692,6 +713,7 @@ OPTIONAL_METHODS = [  # run only when named
     "specprefill-documents-naive",
     "specprefill-documents-blend05",
     "specprefill-documents-query",
+    EMBEDDINGS_FILTER,
 ]
 
 

@@ -1,4 +1,4 @@
-"""TTFT over prompt lengths: full prefill vs SpecPrefill (two drafts) vs LongLLMLingua, one process.
+"""TTFT over prompt lengths: full prefill vs SpecPrefill (two drafts) vs LongLLMLingua and a sentence filter.
 
 For each length, every method runs once per repeat, interleaved, and the table gives medians with
 min-max spread; the plot shows each method's speedup over full prefill next to the bound
@@ -18,6 +18,8 @@ one. The models' own weights are loaded before and are not part of it.
                  tokens as queries), then the same sparse prefill
   longllmlingua  ``llmlingua`` compresses the documents' text (the --draft model as its compressor, so both
                  compressors cost the same per token), then the main model prefills the compressed prompt
+  embeddings-filter  the sentences most similar to the question (all-MiniLM-L6-v2) within the budget
+                 (benchmarks/sentence_filter.py), then the main model prefills the shorter prompt
 
 Main model: a random model of SmolLM2-1.7B's shape with SmolLM2's tokenizer (timing does not depend
 on weights), or any model spec (``--main smollm2-135m``, ``--main qwen2.5-coder-1.5b``, a folder). The
@@ -38,6 +40,7 @@ from pathlib import Path
 
 import torch
 from longllmlingua import LongLLMLingua
+from sentence_filter import SentenceFilter
 from ttft import ESSAYS, ROOT, clock, first_token, machine, peak_rss_growth_mb, shape_model
 
 from specprefill_rag import SpecPrefillEngine
@@ -58,7 +61,13 @@ def documents_of(tokenizer, length: int) -> list[str]:
     return [tokenizer.decode(ids[start : start + 512]) for start in range(0, len(ids), 512)]
 
 
-def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua | None, documents: list[str], args) -> dict:
+def methods(
+    engine: SpecPrefillEngine,
+    compressor: LongLLMLingua | None,
+    sentence_filter: SentenceFilter | None,
+    documents: list[str],
+    args,
+) -> dict:
     layout = engine.layout(QUESTION, documents)
     n_layers = args.self_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * engine.main.model.config.num_hidden_layers))
     itself = LayerPrefixDraft(engine.main.model, n_layers, 13, SpecPrefillConfig().self_draft_window)
@@ -76,6 +85,10 @@ def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua | None, documen
         compressed = compressor.compress(documents, QUESTION, args.keep_rate)
         first_token(engine.backend, SparsePrompt.full(engine.layout(QUESTION, [compressed]).input_ids))
 
+    def embeddings_filter() -> None:
+        kept = sentence_filter.filter(documents, QUESTION, args.keep_rate)
+        first_token(engine.backend, SparsePrompt.full(engine.layout(QUESTION, kept).input_ids))
+
     runs = {
         "full": lambda: first_token(engine.backend, SparsePrompt.full(layout.input_ids)),
         "draft_scoring": lambda: drafts["specprefill"].importance(layout),
@@ -83,6 +96,8 @@ def methods(engine: SpecPrefillEngine, compressor: LongLLMLingua | None, documen
     runs.update({name: (lambda n=name, d=draft: sparse(n, d)) for name, draft in drafts.items()})
     if compressor is not None:
         runs["longllmlingua"] = longllmlingua
+    if sentence_filter is not None:
+        runs["embeddings-filter"] = embeddings_filter
     return {
         "prompt_tokens": len(layout),
         "document_tokens": layout.n_document_tokens,
@@ -101,8 +116,8 @@ def peak_memory_mb(runs: dict) -> dict[str, float]:
     return peaks
 
 
-def run_length(engine, compressor, length: int, args, probe_memory: bool = True) -> dict:
-    study = methods(engine, compressor, documents_of(engine.tokenizer, length), args)
+def run_length(engine, compressor, sentence_filter, length: int, args, probe_memory: bool = True) -> dict:
+    study = methods(engine, compressor, sentence_filter, documents_of(engine.tokenizer, length), args)
     samples: dict[str, list[float]] = {name: [] for name in study["runs"]}
     for _ in range(args.repeats):
         for name, fn in study["runs"].items():
@@ -218,11 +233,13 @@ def main() -> None:
     options.add_argument("--draft", default="smollm2-135m", help="model spec; another vocabulary: the mapped path")
     options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="of loaded models")
     options.add_argument("--no-longllmlingua", action="store_true", help="leave the LongLLMLingua baseline out")
+    options.add_argument("--no-embeddings-filter", action="store_true", help="leave the sentence filter out")
     options.add_argument("--out", type=Path)
     args = options.parse_args()
     engine = load_engine(args)
     dtype = engine.draft.model.dtype  # LongLLMLingua's compressor in the draft's dtype: the same cost per token
     compressor = None if args.no_longllmlingua else LongLLMLingua(resolve(args.draft, dtype), dtype)
+    sentence_filter = None if args.no_embeddings_filter else SentenceFilter(engine.tokenizer)
     report = {
         "machine": machine(),
         "main": args.main,
@@ -237,7 +254,7 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / "ttft-lengths" / f"{Path(args.main).name}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
     for length in args.lengths:  # written after each length: a run cut short keeps what it measured
-        report["results"].append(run_length(engine, compressor, length, args))
+        report["results"].append(run_length(engine, compressor, sentence_filter, length, args))
         Path(f"{out}.json").write_text(json.dumps(report, indent=1))
         Path(f"{out}.md").write_text(markdown(report) + "\n")
     plot(report, Path(f"{out}.png"))
