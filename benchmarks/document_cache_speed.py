@@ -168,13 +168,27 @@ def repair_spec(spec: str) -> str:
     return spec
 
 
+def cached_arm(keep: float, repair: str, layers: int | None = None) -> str:
+    """The speed study's cached arm: ``cached@k``, ``cached-<repair>@k`` for a repair other than the default, with
+    ``-layers<N>`` after ``cached`` for a draft run to its first N layers (``draft_layers``)."""
+    draft = "" if layers is None else f"-layers{layers}"
+    return f"cached{draft}@{keep:g}" if repair == DEFAULT_REPAIR.kind else f"cached{draft}-{repair}@{keep:g}"
+
+
 def speed_engines(
-    main, tokenizer, draft, keeps: list[float], cache_mb: int, repairs: list[str]
+    main,
+    tokenizer,
+    draft,
+    keeps: list[float],
+    cache_mb: int,
+    repairs: list[str],
+    draft_layers: list[int | None] | None = None,
 ) -> dict[str, SpecPrefillEngine]:
     """Each arm its own engine over the same models; the draft prefix cache off everywhere (cold drafts); each
     cached arm its own document store (stores are shared per device and size). ``repairs`` other than the
     default (``blend``) get arms ``cached-<repair>@k``, the repair set on the engine's draft object (no engine
-    setting chooses it)."""
+    setting chooses it); each of ``draft_layers`` (None: the whole draft) its own cached arms (the cold arm
+    stays the whole draft's, SpecPrefill's default)."""
     common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0)
     engines = {"full": SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=1.0, **common)}
     sizes = iter(range(cache_mb, 0, -1))
@@ -182,8 +196,8 @@ def speed_engines(
         engines[f"cold@{keep:g}"] = SpecPrefillEngine.from_models(
             main, tokenizer, draft, keep_rate=keep, document_cache_mb=0, **common
         )
-        for repair in repairs:
-            name = f"cached@{keep:g}" if repair == DEFAULT_REPAIR.kind else f"cached-{repair}@{keep:g}"
+        for layers, repair in itertools.product(draft_layers or [None], repairs):
+            name = cached_arm(keep, repair, layers)
             engines[name] = SpecPrefillEngine.from_models(
                 main,
                 tokenizer,
@@ -191,6 +205,7 @@ def speed_engines(
                 keep_rate=keep,
                 document_cache_mb=next(sizes),
                 draft_document_cache=True,
+                **({} if layers is None else {"draft_layers": layers}),
                 **common,
             )
             engines[name].draft.repair = repair_of(repair)  # type: ignore[attr-defined]
@@ -216,6 +231,8 @@ def run_speed(args) -> None:
     }
     if args.repairs == ["blend"]:  # runs from before --repairs recorded no repairs
         settings.pop("repairs")
+    if args.draft_layers:  # likewise
+        settings["draft_layers"] = args.draft_layers
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
@@ -224,7 +241,10 @@ def run_speed(args) -> None:
     corpus = squad_paragraphs(args.seed)[: args.corpus]
     corpus_tokens = sum(count(p["text"]) for p in corpus)
     cache_mb = 4096
-    engines = speed_engines(main_loaded.model, tokenizer, draft_loaded.model, args.keeps, cache_mb, args.repairs)
+    variants = [None, *args.draft_layers]
+    engines = speed_engines(
+        main_loaded.model, tokenizer, draft_loaded.model, args.keeps, cache_mb, args.repairs, variants
+    )
     warmed = {}
     for name, engine in engines.items():  # each cached engine its own store (sized apart, so not shared)
         if name.startswith("cached"):
@@ -260,16 +280,18 @@ def speed_table(report: dict) -> str:
         "Warm requests: every document served from the per-document draft cache, in a new combination and order.",
         f"Settings: `{json.dumps(settings)}`; corpus: `{json.dumps(report.get('corpus'))}`",
         report,
-        "doc tokens asked, prompt tokens, keep, repair, n, TTFT full ms, TTFT cold ms, TTFT cached ms, full / cached, "
+        "doc tokens asked, prompt tokens, keep, repair, cached draft, n, TTFT full ms, TTFT cold ms, TTFT cached ms, "
+        "full / cached, "
         "cold / cached, draft ms cold, draft ms cached, cached / cold draft, documents cached",
     )
     for length in settings["lengths"]:
         rows = [r for r in records if r["length"] == length]
         if not rows:
             continue
-        for keep, repair in itertools.product(settings["keeps"], settings.get("repairs", ["blend"])):
+        variants = [None, *settings.get("draft_layers", [])]
+        for keep, layers, repair in itertools.product(settings["keeps"], variants, settings.get("repairs", ["blend"])):
             cold = f"cold@{keep:g}"
-            cached = f"cached@{keep:g}" if repair == DEFAULT_REPAIR.kind else f"cached-{repair}@{keep:g}"
+            cached = cached_arm(keep, repair, layers)
             lines.append(
                 "| "
                 + " | ".join(
@@ -278,6 +300,7 @@ def speed_table(report: dict) -> str:
                         spread([r["full"]["prompt_tokens"] for r in rows]),
                         f"{keep:g}",
                         repair,
+                        "whole" if layers is None else f"first {layers} layers",
                         str(len(rows)),
                         spread([r["full"]["ttft_ms"] for r in rows]),
                         spread([r[cold]["ttft_ms"] for r in rows]),
@@ -293,7 +316,10 @@ def speed_table(report: dict) -> str:
                 + " |"
             )
     lines.append("")
-    lines.append("Cells: median (min-max) over requests; ratios are per request (arms side by side), then summarised.")
+    lines.append(
+        "Cells: median (min-max) over requests; ratios are per request (arms side by side), then summarised. "
+        "TTFT cold: SpecPrefill with the whole draft and no document cache, whatever the cached draft."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -731,6 +757,13 @@ def main(argv: list[str] | None = None) -> None:
         default=["blend"],
         type=repair_spec,
         help="cached arms' repairs (blend:<share>, query:<share> too)",
+    )
+    speed.add_argument(
+        "--draft-layers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="cached arms also with the draft's first N layers (draft_layers), each its own store",
     )
     draft = studies.choices["draft"]
     draft.add_argument("--lengths", type=int, nargs="+", default=[2000, 4000], help="document tokens per prompt")

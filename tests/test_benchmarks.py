@@ -760,6 +760,24 @@ def test_the_draft_table_reads_each_arm_against_the_cold_draft():
     assert "| 1.20 (1.20-1.20) |" in rows["first"] and "| 0.30 (0.30-0.30) |" in rows["warm-blend"]
 
 
+def test_the_speed_table_reads_a_truncated_draft_s_cached_arm_against_the_whole_draft_cold():
+    import document_cache_speed as study
+
+    def arm(ttft_ms, draft_ms):
+        return {"ttft_ms": ttft_ms, "draft_ms": draft_ms, "prompt_tokens": 4100, "draft_documents_cached": 10}
+
+    settings = {"lengths": [4000], "keeps": [0.1], "repairs": ["blend"], "draft_layers": [8]}
+    row = {"length": 4000, "documents": 10, "full": arm(10000.0, 0.0), "cold@0.1": arm(5000.0, 4000.0)}
+    row |= {"cached@0.1": arm(2500.0, 1600.0), "cached-layers8@0.1": arm(1600.0, 560.0)}
+    table = study.speed_table({"settings": settings, "machine": [], "corpus": {}, "records": [row]})
+    rows = {line.split(" | ")[4]: line for line in table.splitlines() if line.startswith("| 4,000")}
+    assert set(rows) == {"whole", "first 8 layers"}
+    # full / cached, cold / cached, then the cached draft against the whole draft's cold one
+    assert "| 6.25 (6.25-6.25) | 3.12 (3.12-3.12) |" in rows["first 8 layers"]
+    assert "| 0.14 (0.14-0.14) |" in rows["first 8 layers"] and "| 0.40 (0.40-0.40) |" in rows["whole"]
+    assert study.cached_arm(0.3, "query:0.1", 12) == "cached-layers12-query:0.1@0.3"
+
+
 def test_a_repairs_entry_names_a_repair_and_blend_takes_a_share():
     import document_cache_speed as study
 
