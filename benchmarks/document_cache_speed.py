@@ -588,6 +588,7 @@ def zipf_table(report: dict) -> str:
 PHASES = {  # the assembly's steps, timed where the draft calls them
     "encode_documents": (assembly, "encode_documents"),  # documents looked up, or encoded alone and stored
     "probe": (assembly, "_recomputed"),  # blend's joint probe or query's question pass, and the choice of tokens
+    "place": (assembly, "_placed"),  # cached keys rotated to their positions, KV copied into the prompt's
     "fresh_forward": (assembly, "_with_fresh"),  # labels, question and recomputed tokens, in context
     "score": (ModelDraft, "_score_from"),  # the last token and the look-ahead, scored
 }
@@ -686,6 +687,11 @@ def run_draft(args) -> None:
         print(json.dumps({"length": length, "repeat": repeat, "cold": round(row["cold"]["draft_ms"])}), flush=True)
 
 
+def phase_cell(phases: list[dict[str, float]], name: str) -> str:
+    """One phase's ms over requests; ``-`` for runs made before the phase was timed."""
+    return spread([p[name] for p in phases]) if all(name in p for p in phases) else "-"
+
+
 def first_arm(sight: str) -> str:
     """The draft study's arm of a first sight: ``first`` (documents drafted alone), ``first-in_context``."""
     return "first" if sight == "alone" else f"first-{sight}"
@@ -702,8 +708,8 @@ def draft_table(report: dict) -> str:
         "The draft's time on the per-document cache path against a cold joint draft (the same prompt, one process).",
         f"Settings: `{json.dumps(settings)}`",
         report,
-        "doc tokens asked, prompt tokens, arm, n, draft ms, / cold draft, encode documents, probe, fresh forward, "
-        "score + look-ahead",
+        "doc tokens asked, prompt tokens, arm, n, draft ms, / cold draft, encode documents, probe, place, "
+        "fresh forward, score + look-ahead",
     )
     for length in settings["lengths"]:
         rows = [r for r in records if r["length"] == length]
@@ -712,10 +718,10 @@ def draft_table(report: dict) -> str:
         prompt = spread([r["cold"]["prompt_tokens"] for r in rows])
         lines.append(
             f"| {length:,} | {prompt} | cold (joint) | {len(rows)} | {spread([r['cold']['draft_ms'] for r in rows])} "
-            "| 1 | - | - | - | - |"
+            "| 1 | - | - | - | - | - |"
         )
         for arm in arms:
-            phases = [spread([r[arm]["phases_ms"][name] for r in rows]) for name in PHASES]
+            phases = [phase_cell([r[arm]["phases_ms"] for r in rows], name) for name in PHASES]
             ratio = spread([r[arm]["draft_ms"] / r["cold"]["draft_ms"] for r in rows], RATIO)
             draft = spread([r[arm]["draft_ms"] for r in rows])
             lines.append(
