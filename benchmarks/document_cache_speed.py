@@ -364,13 +364,15 @@ def run_zipf(args) -> None:
         settings["repair"] = args.repair
     if args.first_sight != "alone":  # likewise
         settings["first_sight"] = args.first_sight
+    if args.draft_layers:  # likewise
+        settings["draft_layers"] = args.draft_layers
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
     tokenizer = main_loaded.tokenizer
     corpus = squad_paragraphs(args.seed)[: args.corpus]
     corpus_tokens = sum(document_tokens(tokenizer, corpus))
-    bytes_per_token = kv_bytes_per_token(draft_loaded.model)
+    bytes_per_token = kv_bytes_per_token(draft_loaded.model, args.draft_layers)  # the store holds what it runs
     cache_mb = max(1, round(args.cache_share * corpus_tokens * bytes_per_token / 2**20))
     common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
     cached = SpecPrefillEngine.from_models(
@@ -379,6 +381,7 @@ def run_zipf(args) -> None:
         draft_loaded.model,
         document_cache_mb=cache_mb,
         draft_document_cache=True,
+        **({"draft_layers": args.draft_layers} if args.draft_layers else {}),
         **common,
     )
     cached.draft.repair = replace(repair_of(args.repair), first_sight=args.first_sight)  # type: ignore[attr-defined]
@@ -428,11 +431,13 @@ def document_tokens(tokenizer: Any, corpus: list[dict]) -> list[int]:
     return [len(tokenizer(p["text"], add_special_tokens=False).input_ids) for p in corpus]
 
 
-def kv_bytes_per_token(model: Any) -> int:
-    """Bytes of one token's draft KV (keys and values of every layer) in the model's dtype."""
+def kv_bytes_per_token(model: Any, layers: int | None = None) -> int:
+    """Bytes of one token's draft KV (keys and values of every layer the draft runs: ``layers``, default all) in
+    the model's dtype."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
+    layers = config.num_hidden_layers if layers is None else layers
+    return 2 * layers * config.num_key_value_heads * head_dim * model.dtype.itemsize
 
 
 def replay_store(
@@ -817,6 +822,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     zipf.add_argument(
         "--first-sight", default="alone", choices=["alone", "in_context"], help="the cached engine's first sight"
+    )
+    zipf.add_argument(
+        "--draft-layers",
+        type=int,
+        help="the cached engine's draft run to its first N layers (the cold engine keeps the whole draft); the "
+        "cache is sized to a share of the corpus's KV of those layers",
     )
     zipf.add_argument(
         "--warm-popular", type=int, default=0, help="warm the N most popular paragraphs before the first question"

@@ -791,22 +791,24 @@ def test_a_repairs_entry_names_a_repair_and_blend_takes_a_share():
             study.repair_spec(bad)
 
 
-@pytest.mark.parametrize("warmed", [0, 5])
-def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_model, tokenizer, warmed):
+@pytest.mark.parametrize(("warmed", "layers"), [(0, None), (5, None), (0, 1)])
+def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_model, tokenizer, warmed, layers):
     """The store is replayed on sizes and warmed again (after the run's own warm-up of the most popular paragraphs,
     if any); it must equal, entry for entry and in LRU order, the store that answering the same questions left,
-    with documents evicted on the way."""
+    with documents evicted on the way; with a truncated draft (``layers``) its entries are sized by its layers."""
     import document_cache_speed as study
 
     from specprefill_rag import SpecPrefillEngine
     from specprefill_rag.testing import random_documents
 
-    texts = random_documents(24, 120, seed=11)
+    many = layers is not None  # a truncated draft's entries are smaller: more documents to fill the store
+    texts = random_documents(60 if many else 24, 120, seed=11)
     corpus = [{"text": text, "question": f"What is said in paragraph {i}?"} for i, text in enumerate(texts)]
-    asked = study.zipf_questions(corpus, questions=14, retrieved=4, exponent=0.5, seed=3)
+    asked = study.zipf_questions(corpus, questions=30 if many else 14, retrieved=4, exponent=0.5, seed=3)
     engine = SpecPrefillEngine.from_models(
-        tiny_model, tokenizer, tiny_model, min_prompt_tokens=0, look_ahead=1, document_cache_mb=1,
+        tiny_model, tokenizer, tiny_model, min_prompt_tokens=0, document_cache_mb=1,
         draft_document_cache=True, draft_cache_mb=0, main_cache_mb=0,
+        **({"look_ahead": 1} if layers is None else {"draft_layers": layers}),
     )  # fmt: skip
     store = engine.document_cache
     store.clear()
@@ -817,7 +819,7 @@ def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_m
     uninterrupted = [(key, entry.nbytes) for key, entry in store._entries.items()]
     seen = set(range(warmed)) | {i for q in asked for i in q["documents"]}
     store.clear()
-    held = study.rebuild_store(engine, corpus, asked, study.kv_bytes_per_token(tiny_model), warmed)
+    held = study.rebuild_store(engine, corpus, asked, study.kv_bytes_per_token(tiny_model, layers), warmed)
     rebuilt = [(key, entry.nbytes) for key, entry in store._entries.items()]
     assert len(seen) + 1 > len(uninterrupted) and held == len(uninterrupted) - 1  # some were evicted
     assert dict(rebuilt) == dict(uninterrupted)
