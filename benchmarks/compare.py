@@ -4,7 +4,11 @@
 
 Prints, per keep rate and metric, the mean per-sample difference ``a - b`` with a bootstrap 95%
 interval: a difference whose interval excludes 0 is more than the noise of this sample.
-Several result files may be given (e.g. the main run and a run of extra methods on the same samples).
+Several result files may be given (e.g. the main run and a run of extra methods on the same samples);
+with ``--pool`` they are studies of different samples (several tasks) and every sample of every file counts:
+
+    python benchmarks/compare.py --pool benchmarks/results/pair-drafts/*-layers-query.json \\
+        specprefill-layers8 specprefill
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ def main() -> None:
     options.add_argument("first")
     options.add_argument("second")
     options.add_argument("--metrics", nargs="+", default=["contains", "f1", "logprob", "answer_kept"])
+    options.add_argument("--pool", action="store_true", help="the files hold different samples: pool them all")
     args = options.parse_args()
     records = []
-    for path in args.results:
-        records += json.loads(path.read_text())["records"]
+    for number, path in enumerate(args.results):
+        loaded = json.loads(path.read_text())["records"]
+        records += [{**r, "sample": (number, r["sample"])} for r in loaded] if args.pool else loaded
     print(f"| metric | keep | n | mean {args.first} - {args.second} | 95% CI |\n|---|---|---|---|---|")
     for metric in args.metrics:
         for keep_rate, values in sorted(paired_differences(records, args.first, args.second, metric).items()):
