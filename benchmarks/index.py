@@ -224,7 +224,14 @@ STUDIES: dict[str, Study] = {
         "docs/benchmarks/pair-drafts.md",
         "the two runs partly side by side; no timings",
         "shared",
-        runs={"squad": "30 samples", "niah-4k": "NIAH 4k, 12 samples"},
+        runs={
+            "squad": "30 samples",
+            "niah-4k": "NIAH 4k, 12 samples",
+            "hotpotqa-layers-query": "#44: the whole 0.5B against its first 12 and 8 layers, and the document cache "
+            "with blend and with the query repair at 10%; 30 samples; the Xeon with AMX, bfloat16, run alone",
+            "squad-layers-query": "the same methods on SQuAD, 30 samples",
+            "nq-layers-query": "the same methods on NQ, 30 samples",
+        },
     ),
     "pair-quality": Study(
         "answer quality of every method on the real pair, same samples, keep 0.1 and 0.3 (the headline's scores)",
