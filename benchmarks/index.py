@@ -175,6 +175,8 @@ STUDIES: dict[str, Study] = {
             "with AMX, run alone",
             "draft-layers-warm": "the same with the per-document store of a 12- and an 8-layer draft (first sight "
             "and warm blend and naive on the truncated draft); the Xeon with AMX, run alone",
+            "zipf-in-context": 'the Zipf workload of `zipf` with `document_first_sight="in_context"` (#44); the '
+            "Xeon with AMX, run alone",
             "zipf-warmed": "the Zipf workload of `zipf` with the 50 most popular paragraphs warmed before the first "
             "question (`--warm-popular 50`); the Xeon with AMX, run alone",
             "replay": "the Zipf workload's store replayed on entry sizes, no model run (`replay`): hit rates under "
