@@ -6,8 +6,8 @@ rate). Then SpecPrefill minus LongLLMLingua per task, paired per sample, and Spe
 method (main metric and answer log-probability, bold where the 95% interval excludes 0).
 
 A task may name several studies of the same samples (``squad=a.json+b.json``, say a method run later): each
-row comes from the first study that ran its method, its retention against that study's own full prefill; a
-paired difference needs both methods in one study.
+row comes from the first study that ran its method, its retention against that study's own full prefill, and
+paired differences read each method's records from that study too (sample ``i`` is the same prompt in each).
 
     python benchmarks/headline.py --length 4096 \\
         --quality niah-4k=benchmarks/results/pair-quality/niah-4k.json \\
@@ -97,18 +97,23 @@ def difference_cell(values: list[float]) -> str:
     return f"**{cell}**" if low > 0 or high < 0 else cell
 
 
+def records_of(reports: list[dict]) -> list[dict]:
+    """Every method's records from the first of ``reports`` that ran it."""
+    records: list[dict] = []
+    for report in reports:
+        earlier = {record["method"] for record in records}
+        records += [record for record in report["records"] if record["method"] not in earlier]
+    return records
+
+
 def paired_table(studies: dict[str, list[dict]], first: str, others: list[str]) -> str:
-    """``first`` minus each of ``others`` per task and keep rate: the main metric and the answer log-probability,
-    from the first study of the task that ran both."""
+    """``first`` minus each of ``others`` per task and keep rate: the main metric and the answer log-probability."""
     lines = ["| method | task | keep | n | main metric | answer logprob |", "|---|---|---|---|---|---|"]
     for other in others:
         for task, reports in studies.items():
-            ran = [r for r in reports if {first, other} <= {record["method"] for record in r["records"]}]
-            if not ran:
-                continue
-            report = ran[0]
-            main = paired_differences(report["records"], first, other, main_metric(report))
-            logprob = paired_differences(report["records"], first, other, "logprob")
+            records = records_of(reports)
+            main = paired_differences(records, first, other, main_metric(reports[0]))
+            logprob = paired_differences(records, first, other, "logprob")
             for keep_rate, values in sorted(main.items()):
                 lines.append(
                     f"| {first} - {other} | {task} | {keep_rate:g} | {len(values)} | "

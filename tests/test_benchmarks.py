@@ -429,6 +429,10 @@ def test_headline_reads_each_study_and_the_ttft_row_of_its_keep_rate():
     assert paired[3].startswith("| specprefill - longllmlingua | niah | 0.1 | 4 | **+1.000 (+1.00 to +1.00)** |")
     assert paired[4].startswith("| specprefill - longllmlingua | squad | 0.1 | 4 | +0.000")  # no self on squad
     assert len(paired) == 5
+    # a method of a later study against the first study's specprefill (1, 0, 0, 1 against 1, 0, 1, 0)
+    later = paired_table(studies, "specprefill", ["embeddings-filter"]).splitlines()
+    assert later[2].startswith("| specprefill - embeddings-filter | squad | 0.1 | 4 | +0.000")
+    assert len(later) == 3
 
 
 def test_resume_compares_only_the_settings_that_shape_the_methods_run(tmp_path):
