@@ -71,6 +71,10 @@ STUDIES: dict[str, Study] = {
         "docs/benchmarks/agent-patterns.md",
         f"{XEON}, bfloat16, shared with the agentic study and a CI run: behaviour only, no timings",
         "shared",
+        runs={
+            "tutorial-prompt": "all 12 runs at keep 0.3, the tutorial's system prompt; the first two shared the cores, "
+            "the other ten ran alone",
+        },
     ),
     "agentic": Study(
         "agentic multi-hop HotpotQA: a search-tool agent, the real pair, tool results at keep 1, 0.3, 0.1; #30's "
@@ -175,6 +179,11 @@ STUDIES: dict[str, Study] = {
             "with AMX, run alone",
             "draft-layers-warm": "the same with the per-document store of a 12- and an 8-layer draft (first sight "
             "and warm blend and naive on the truncated draft); the Xeon with AMX, run alone",
+            "speed-layers": "warm 4k requests, keep 0.1, blend: TTFT with the whole draft's store and with a 12- and "
+            "an 8-layer draft's store, against full prefill and a cold SpecPrefill (#44); the Xeon with AMX, run alone",
+            "draft-place": "the draft alone at 4k, keep 0.1: the placement phase (rotating cached keys to their new "
+            "positions) within first-sight and warm drafts, whole and 8 layers (#44, part 2); the Xeon with AMX, run "
+            "alone",
             "zipf-in-context": 'the Zipf workload of `zipf` with `document_first_sight="in_context"` (#44); the '
             "Xeon with AMX, run alone",
             "zipf-warmed": "the Zipf workload of `zipf` with the 50 most popular paragraphs warmed before the first "
@@ -244,6 +253,12 @@ STUDIES: dict[str, Study] = {
         runs={
             "niah-8k": "18 of 30 samples (6-17 on an Intel Xeon with AMX); resumable",
             "longbench": "LongBench F1, 30 samples",
+            "squad-embeddings-filter": "#44: the query-similarity sentence filter (all-MiniLM-L6-v2) run later on "
+            "the same 30 samples with its own full-prefill baseline (same answers as the first run where checked, "
+            "log-probabilities within 0.1); the Xeon with AMX, run alone",
+            "hotpotqa-embeddings-filter": "the same on HotpotQA",
+            "nq-embeddings-filter": "the same on NQ",
+            "niah-4k-embeddings-filter": "the same on NIAH 4k",
         },
     ),
     "pair-self-tuning": Study(
@@ -261,6 +276,9 @@ STUDIES: dict[str, Study] = {
             "keep-0.1": "1k-8k tokens at keep 0.1 (the headline's TTFT)",
             "keep-0.3": "4k tokens at keep 0.3",
             "draft-smollm2": "SmolLM2-135M drafting for the 1.5B main (mapped path), 1k-4k, keep 0.1",
+            "embeddings-filter-keep-0.1": "#44: the sentence filter beside full, SpecPrefill and `self` at 4k, keep "
+            f"0.1; {XEON}, run alone",
+            "embeddings-filter-keep-0.3": f"the same at keep 0.3; {XEON}, run alone",
         },
     ),
     "serve-draft-batching": Study(
