@@ -294,10 +294,11 @@ def test_engine_chat_over_an_agent_history_compresses_the_tool_result(qwen):
     assert whole.stats.document_tokens < result.stats.document_tokens
 
 
-def test_after_a_tool_result_the_draft_scores_against_the_question_and_the_call(qwen):
+def test_after_a_tool_result_the_draft_scores_against_the_call_and_the_question_then_answers(qwen):
     layout = chat_layout(qwen, agent_history(), tools=[SEARCH]).layout
     query = qwen.decode(layout.draft_query_ids)
-    assert query == '\n\nQuestion: When did the bridge open?\n{"query": "Brooklyn Bridge opening"}'
+    # ending on "Answer:", the draft's look-ahead starts the answer rather than continuing the call's JSON
+    assert query == '\n\n{"query": "Brooklyn Bridge opening"}\nQuestion: When did the bridge open?\nAnswer:'
     assert layout.source.render(qwen).draft_query_ids.tolist() == layout.draft_query_ids.tolist()
     asked = chat_layout(qwen, [ChatMessage("user", ["When did the bridge open?"])]).layout
     assert asked.draft_query_ids is None  # a chat ending with the user's message: the prompt's own last tokens

@@ -415,8 +415,10 @@ def fallback_layout(layout: PromptLayout, tools: tuple[dict[str, Any], ...] = ()
 
 
 def _draft_query(messages: Sequence[ChatMessage], question: str | None) -> str | None:
-    """After tool results, what the draft scores the documents against: the question and the arguments of the
-    calls the results answer (the agent's own query); None when the chat ends with the user's message.
+    """After tool results, what the draft scores the documents against: the arguments of the calls the results
+    answer (the agent's own query), the question, then ``Answer:`` so that the draft's look-ahead starts the
+    answer (ending on the arguments, it continued the JSON and kept 10 of 39 answers at keep 0.3 on HotpotQA
+    against 27: ``benchmarks/tool_query.py``); None when the chat ends with the user's message.
     """
     answered = {m.tool_call_id for m in _trailing_results(messages)}
     if not answered:
@@ -424,7 +426,7 @@ def _draft_query(messages: Sequence[ChatMessage], question: str | None) -> str |
     pending = [c for m in messages for c in m.tool_calls if c.id in answered]
     asked = question or messages[_question_index(messages)].text
     arguments = "\n".join(json.dumps(dict(c.arguments), ensure_ascii=False) for c in pending)
-    return f"\n\nQuestion: {asked.strip()}\n{arguments}"
+    return f"\n\n{arguments}\nQuestion: {asked.strip()}\nAnswer:"
 
 
 def _trailing_results(messages: Sequence[ChatMessage]) -> list[ChatMessage]:

@@ -65,7 +65,8 @@ class PromptLayout:
             prompt order (a document whose text is split by the template has several).
         source: what to render for another tokenizer; None for a layout built by hand.
         draft_query_ids: ``[Q]`` long ids the draft reads after the prompt as its queries, never prefilled by
-            the main model: after a tool result, the question and the pending call's arguments restated
+            the main model: after a tool result, the pending call's arguments and the question restated, then
+            ``Answer:``
             (the attention of the prompt's last tokens would otherwise score the documents against the tool
             result); None: the prompt's own last tokens are the queries (the paper).
         awaits_tool_results: a chat that offers tools and holds no tool result yet (an agent's first step): its
