@@ -1,8 +1,8 @@
 """The frameworks' agent patterns on the real pair, as their tutorials write them (issue #45, part 4).
 
 Each pattern is an agent with one retriever tool, ``retrieve_context(query)``, over the five articles of
-``examples/documents`` (all-MiniLM-L6-v2 embeddings, top-2, built as ``examples/langchain_rag.py`` and
-``examples/llamaindex_rag.py`` build them), asked one question, with ``tool_choice`` left to the framework
+``examples/documents`` (all-MiniLM-L6-v2 embeddings, the ``--k`` best chunks, built as ``examples/langchain_rag.py``
+and ``examples/llamaindex_rag.py`` build them), asked one question, with ``tool_choice`` left to the framework
 (``"auto"``: nothing is forced). In-process the models are ``ChatSpecPrefill`` and ``SpecPrefillLLM``; through
 the gateway (``specprefill-rag serve``'s app in this process on 127.0.0.1, the same models) LangChain's
 ``ChatOpenAI`` and LlamaIndex's ``OpenAILike``. Patterns:
@@ -16,15 +16,20 @@ the gateway (``specprefill-rag serve``'s app in this process on 127.0.0.1, the s
 * ``li-agent-workflow``: ``AgentWorkflow.from_tools_or_functions([retrieve_context], llm=llm, ...)``.
 
 Per run: whether it ran (no exception), the tool's calls, the model calls, how many model calls had tool
-results in their prompt and how many of those were compressed, and whether the answer holds the expected
-text. Stats come from each surface's own place (LangChain callbacks, LlamaIndex instrumentation, the
-gateway's ``x-specprefill-*`` response headers). ``--min-prompt-tokens`` is 0 by default: the tool results
-here are a few hundred tokens, under the pair's automatic floor (1,152), which would leave every prompt whole.
+results in their prompt and how many of those were compressed, whether the tool's results held the expected
+text (else no answer can be right: LangChain's agentic RAG tutorial returns the 2 best chunks, and for the
+default question the chunk with the answer ranks third, so ``--k`` defaults to 4, the retrievers' default and
+the tutorials study's), and whether the answer holds it, anywhere and in its last line (an answer that quotes
+the right year and concludes another is wrong). Stats come from each surface's own place (LangChain
+callbacks, LlamaIndex instrumentation, the gateway's ``x-specprefill-*`` response headers).
+``--min-prompt-tokens`` is 0 by default: the tool results here are a few hundred tokens, under the pair's
+automatic floor (1,152), which would leave every prompt whole.
 
     python benchmarks/agent_patterns.py                       # every pattern, both surfaces
     python benchmarks/agent_patterns.py --patterns li-function-agent --surfaces gateway
     python benchmarks/agent_patterns.py --system "..."        # another system prompt
     python benchmarks/agent_patterns.py --resume              # skip the runs the file has
+    python benchmarks/agent_patterns.py --report --out ...    # rewrite <out>.md from <out>.json
 
 Writes ``<out>.json`` and ``<out>.md`` after every run. TTFT is not reported: the table is about behaviour.
 """
@@ -101,16 +106,19 @@ class HeaderStats:
 
 
 class Tool:
-    """The retriever tool's searches, and its text for a query (the two best chunks, as the tutorial's)."""
+    """The retriever tool's searches and results, and its text for a query (the ``k`` best chunks)."""
 
-    def __init__(self, retrieval: dict) -> None:
+    def __init__(self, retrieval: dict, k: int) -> None:
         self.store = retrieval["langchain"].vectorstore
+        self.k = k
         self.queries: list[str] = []
+        self.results: list[str] = []
 
     def retrieve(self, query: str) -> str:
         self.queries.append(query)
-        docs = self.store.similarity_search(query, k=2)
-        return "\n\n".join(f"Source: {doc.metadata}\nContent: {doc.page_content}" for doc in docs)
+        docs = self.store.similarity_search(query, k=self.k)
+        self.results.append("\n\n".join(f"Source: {doc.metadata}\nContent: {doc.page_content}" for doc in docs))
+        return self.results[-1]
 
     def langchain(self) -> Any:
         from langchain_core.tools import tool
@@ -232,7 +240,7 @@ def count(value: Any) -> int:
 
 def one_run(pattern: str, surface: str, models: tutorials.Surfaces, retrieval: dict, args: argparse.Namespace) -> dict:
     """One pattern on one surface: ran, tool calls, model calls, compressed calls after tool results, answer."""
-    tool = Tool(retrieval)
+    tool = Tool(retrieval, args.k)
     framework = pattern.split("-")[0]
     started = time.perf_counter()
     error = None
@@ -272,30 +280,47 @@ def one_run(pattern: str, surface: str, models: tutorials.Surfaces, retrieval: d
         "compressed": sum(flag(c.get("compressed")) for c in with_results),
         "reasons": sorted({str(c.get("uncompressed_reason")) for c in calls if not flag(c.get("compressed"))}),
         "calls": calls,
+        "answer_retrieved": any(EXPECTED.lower() in result.lower() for result in tool.results),
         "answer": answer,
         "answer_ok": EXPECTED.lower() in answer.lower(),
         "wall_s": round(time.perf_counter() - started, 2),
     }
 
 
+def final_line_ok(answer: str) -> bool:
+    """Whether the answer's last non-empty line holds the expected text: an answer that quotes the right year
+    from the context and then concludes another holds it, but is wrong."""
+    lines = [line for line in answer.splitlines() if line.strip()]
+    return bool(lines) and EXPECTED.lower() in lines[-1].lower()
+
+
+def retrieved_cell(run: dict) -> str:
+    if "answer_retrieved" not in run:  # runs recorded before the tool kept its results
+        return "not recorded"
+    return "yes" if run["answer_retrieved"] else "no"
+
+
 def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [
         f"Main {meta['main']}, draft {meta['draft']}, keep_rate {meta['keep_rate']}, min_prompt_tokens "
-        f"{meta['min_prompt_tokens']}, {meta['max_tokens']} new tokens per model call, tool_choice left to the "
+        f"{meta['min_prompt_tokens']}, {meta['max_tokens']} new tokens per model call, the tool returns the "
+        f"{meta.get('k', 2)} best chunks, tool_choice left to the "
         f"framework; question {meta['question']!r} (expected {meta['expected']!r}); system prompt "
         f"{meta['system']!r}. Machine: {meta['machine']}; {meta['date']}.",
         "",
-        "| pattern | surface | ran | tool calls | model calls | calls with tool results: compressed | answer ok "
-        "| not compressed because | answer |",
-        "|---|---|---|---:|---:|---|---|---|---|",
+        "| pattern | surface | ran | tool calls | model calls | calls with tool results: compressed "
+        "| answer in tool results | answer ok | its last line ok | not compressed because | answer's last line |",
+        "|---|---|---|---:|---:|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
-        answer = " ".join(run["answer"].split()).replace("|", "\\|")[:80]
+        said = [line for line in run["answer"].splitlines() if line.strip()] or [""]
+        answer = " ".join(said[-1].split()).replace("|", "\\|")[-80:]
         ran = "yes" if run["ran"] else f"no: {run['error'][:80]}"
         lines.append(
             f"| {LABELS[run['pattern']]} | {run['surface']} | {ran} | {run['tool_calls']} | {run['model_calls']} "
-            f"| {run['compressed']} of {run['calls_with_results']} | {'yes' if run['answer_ok'] else 'no'} "
+            f"| {run['compressed']} of {run['calls_with_results']} | {retrieved_cell(run)} "
+            f"| {'yes' if run['answer_ok'] else 'no'} | {'yes' if final_line_ok(run['answer']) else 'no'} "
             f"| {', '.join(run['reasons']) or '-'} | {answer} |"
         )
     return "\n".join(lines) + "\n"
@@ -309,12 +334,18 @@ def main() -> None:
     options.add_argument("--patterns", nargs="+", default=PATTERNS, choices=PATTERNS)
     options.add_argument("--surfaces", nargs="+", default=SURFACES, choices=SURFACES)
     options.add_argument("--keep-rate", type=float, default=0.3)
+    options.add_argument("--k", type=int, default=4, help="chunks the retriever tool returns per search")
     options.add_argument("--min-prompt-tokens", type=int, default=0)
     options.add_argument("--max-tokens", type=int, default=96)
     options.add_argument("--question", default=QUESTION)
     options.add_argument("--system", default=SYSTEM)
     options.add_argument("--resume", action="store_true", help="keep the runs a previous run with these settings wrote")
+    options.add_argument("--report", action="store_true", help="rewrite <out>.md from <out>.json; run nothing")
     args = options.parse_args()
+    if args.report:
+        out = Path(args.out)
+        out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
+        return
     tutorials.MAIN = args.main  # the surfaces build their models from it
 
     out = Path(args.out)
@@ -326,6 +357,7 @@ def main() -> None:
             "keep_rate": args.keep_rate,
             "min_prompt_tokens": args.min_prompt_tokens,
             "max_tokens": args.max_tokens,
+            "k": args.k,
             "question": args.question,
             "expected": EXPECTED,
             "system": args.system,
@@ -337,8 +369,8 @@ def main() -> None:
     path = out.with_suffix(".json")
     if args.resume and path.exists():
         earlier = json.loads(path.read_text())
-        same = ("main", "draft", "keep_rate", "min_prompt_tokens", "max_tokens", "question", "system")
-        if any(earlier["meta"][k] != report["meta"][k] for k in same):
+        same = ("main", "draft", "keep_rate", "min_prompt_tokens", "max_tokens", "k", "question", "system")
+        if any(earlier["meta"].get(key, 2 if key == "k" else None) != report["meta"][key] for key in same):
             raise SystemExit(f"--resume: {path} was run with other settings; use another --out")
         report["runs"] = earlier["runs"]
     done = {(r["pattern"], r["surface"]) for r in report["runs"]}

@@ -900,3 +900,60 @@ def test_the_most_similar_sentence_is_kept_even_over_a_tiny_budget(tokenizer):
     documents = ["Some text on rivers in general. The bridge opened in 1883 after years of work on it."]
     kept = SentenceFilter(tokenizer, KeywordEmbedder()).filter(documents, "When was the bridge opened?", 0.01)
     assert kept == ["The bridge opened in 1883 after years of work on it."]
+
+
+class _Store:
+    """A vector store stand-in: the chunks in a fixed order, the first ``k`` for any query."""
+
+    def __init__(self, chunks: list[str]) -> None:
+        self.chunks = chunks
+
+    def similarity_search(self, query: str, k: int) -> list:
+        from langchain_core.documents import Document
+
+        return [Document(page_content=text, metadata={"source": "a.txt"}) for text in self.chunks[:k]]
+
+
+def test_the_agent_study_records_whether_its_tool_returned_the_answer():
+    import agent_patterns
+
+    class Retriever:
+        vectorstore = _Store(["a decree of 196 BC", "a symbol of decipherment", "found in July 1799"])
+
+    top_two = agent_patterns.Tool({"langchain": Retriever()}, k=2)
+    top_two.retrieve("In what year was the Rosetta Stone found?")
+    top_three = agent_patterns.Tool({"langchain": Retriever()}, k=3)
+    top_three.retrieve("In what year was the Rosetta Stone found?")
+
+    assert "1799" not in top_two.results[0] and "1799" in top_three.results[0]
+    assert agent_patterns.retrieved_cell({"answer_retrieved": False}) == "no"
+    assert agent_patterns.retrieved_cell({}) == "not recorded"  # a run recorded before the tool kept its results
+    quoted_then_wrong = "The context says the stone was found in July 1799.\n\nTherefore the answer is:\n\n2019\n"
+    assert not agent_patterns.final_line_ok(quoted_then_wrong)
+    assert agent_patterns.final_line_ok("It was found in July 1799.\nTherefore: 1799.")
+
+
+def test_the_tool_query_study_changes_only_what_the_draft_reads_after_the_prompt():
+    import agentic
+    import tool_query
+
+    from specprefill_rag.prompt.chat import chat_layout
+    from specprefill_rag.testing import build_family_tokenizer
+
+    tokenizer = build_family_tokenizer("qwen3")
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2_5.jinja").read_text()
+    sample = {
+        "question": "When did the bridge open?",
+        "paragraphs": [("Bridge", "The bridge opened in 1883."), ("River", "The river is wide."), ("Town", "A town.")],
+    }
+    messages, search = tool_query.second_step(sample, "Answer briefly.", top_k=2)
+    layout = chat_layout(tokenizer, messages, tools=[agentic.SEARCH]).layout
+    text = tool_query.query_text("question-answer", sample["question"], search["arguments"])
+    formed = tool_query.with_query(layout, tokenizer, text)
+
+    assert text.endswith("Answer:") and tokenizer.decode(formed.draft_query_ids) == text
+    assert torch.equal(formed.input_ids, layout.input_ids)  # the prompt the main model prefills is the same
+    assert formed.source.render(tokenizer).draft_query_ids.tolist() == formed.draft_query_ids.tolist()
+    assert "1883" in tool_query.kept_document_text(layout, None, tokenizer)
+    assert tool_query.contains_answer(search["result"], ["1883"])
+    assert tool_query.checkable(["1883"]) and not tool_query.checkable(["no"])  # "no" is inside "not", "known"
