@@ -69,11 +69,18 @@ STUDIES: dict[str, Study] = {
         "the six agent patterns of #45 (LangChain, LangGraph, LlamaIndex) on the real pair, in-process and through "
         "the gateway: ran, called the tool, compressed, answered",
         "docs/benchmarks/agent-patterns.md",
-        f"{XEON}, bfloat16, shared with the agentic study and a CI run: behaviour only, no timings",
+        f"{XEON} (`tutorial-prompt`, shared with the agentic study and a CI run) and {EPYC} (the rest), bfloat16: "
+        "behaviour only, no timings",
         "shared",
         runs={
-            "tutorial-prompt": "all 12 runs at keep 0.3, the tutorial's system prompt; the first two shared the cores, "
-            "the other ten ran alone",
+            "tutorial-prompt": "all 12 runs at keep 0.3, the tool returning 2 chunks (which lack the answer), 96 "
+            "tokens a call; the first two shared the cores, the other ten ran alone",
+            "tutorial-prompt-keep-1": "the same, keep 1, in-process; the 2-core AMD EPYC",
+            "tutorial-prompt-k4": "4 chunks, 256 tokens a call, keep 0.3, the draft reading the call's arguments "
+            "last (before issue #45's `Answer:`); the 2-core AMD EPYC, alone",
+            "tutorial-prompt-k4-keep-1": "the same, keep 1, in-process",
+            "tutorial-prompt-k4-answer-query": "4 chunks, 256 tokens, keep 0.3, the draft reading the arguments, the "
+            "question and `Answer:` after a tool result (the engine now); the EPYC, beside the `self` tool-query run",
         },
     ),
     "agentic": Study(
@@ -396,6 +403,17 @@ STUDIES: dict[str, Study] = {
             "cache-256-malloc-arena-2": "`MALLOC_ARENA_MAX=2`",
             "cache-256-mmap-threshold-64k": "`MALLOC_MMAP_THRESHOLD_=65536`",
             "cache-256-packed": "each entry copied into one block (the change was reverted)",
+        },
+    ),
+    "tool-query": Study(
+        "what the draft reads after a tool result (issue #45): the answer's text kept at keep 0.3 and 0.1 under "
+        "three query forms, 100 HotpotQA questions searched once, the 0.5B draft and `self`",
+        "docs/guide/agents.md",
+        f"{EPYC}, bfloat16, the draft only (no timings); beside short test runs",
+        "shared",
+        runs={
+            "hotpotqa-0.5b": "the 0.5B draft",
+            "hotpotqa-self": "`self` (the 1.5B main's first 11 layers)",
         },
     ),
     "ttft": Study(
