@@ -94,6 +94,8 @@ STUDIES: dict[str, Study] = {
             "hotpotqa-auto-compact-triggers": "#45: 60 questions, auto throughout, before pretty-printed JSON calls "
             "were recognised",
             "hotpotqa-auto": "#45: 60 questions, auto throughout, pretty-printed JSON calls recognised",
+            "hotpotqa-auto-answer-query": f"#45: the same with the draft reading `Answer:` after tool results, keep 1 "
+            f"and 0.3; {EPYC}, the first 24 questions beside test suites",
         },
     ),
     "constrained-mask": Study(
