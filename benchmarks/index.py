@@ -416,6 +416,8 @@ STUDIES: dict[str, Study] = {
         runs={
             "hotpotqa-0.5b": "the 0.5B draft",
             "hotpotqa-self": "`self` (the 1.5B main's first 11 layers)",
+            "hotpotqa-0.5b-endings": "the 0.5B draft, the engine's form against two other endings (`Answer: The answer "
+            "is`, `Short answer:`), tried on the same questions after the change",
         },
     ),
     "ttft": Study(

@@ -8,7 +8,9 @@ study compares query forms on the same prompts:
 
 * ``question-args``: ``Question: <q>`` then the call's arguments as JSON (the engine's form before this study);
 * ``question-answer``: ``Question: <q>`` then ``Answer:`` (the look-ahead starts the answer);
-* ``args-question-answer``: the arguments, ``Question: <q>``, ``Answer:``.
+* ``args-question-answer``: the arguments, ``Question: <q>``, ``Answer:`` (the engine's form now);
+* ``args-question-answer-is`` and ``args-question-short-answer`` (``--forms``): the same ending ``Answer: The
+  answer is`` or ``Short answer:``; the paired change is against the first form given.
 
 Each HotpotQA question (``agentic.load_questions``, read in place from ../shared/data) gets one search, its
 query the question (BM25 top ``--top-k`` of its paragraphs, as ``benchmarks/agentic.py``'s tool), as an agent's
@@ -49,6 +51,7 @@ from specprefill_rag.prompt.tokens import encode_as_text  # noqa: E402
 from specprefill_rag.results import ToolCall  # noqa: E402
 
 FORMS = ["question-args", "question-answer", "args-question-answer"]
+MORE_FORMS = ["args-question-answer-is", "args-question-short-answer"]  # variants tried after the engine's change
 KEEP_RATES = [0.3, 0.1]
 
 
@@ -59,6 +62,8 @@ def query_text(form: str, question: str, arguments: dict) -> str:
         "question-args": f"\n\nQuestion: {question}\n{args}",
         "question-answer": f"\n\nQuestion: {question}\nAnswer:",
         "args-question-answer": f"\n\n{args}\nQuestion: {question}\nAnswer:",
+        "args-question-answer-is": f"\n\n{args}\nQuestion: {question}\nAnswer: The answer is",
+        "args-question-short-answer": f"\n\n{args}\nQuestion: {question}\nShort answer:",
     }
     return texts[form]
 
@@ -206,7 +211,7 @@ def main() -> None:
     options.add_argument("--seed", type=int, default=0)
     options.add_argument("--main", default=agentic.MAIN)
     options.add_argument("--draft", default=agentic.DRAFT)
-    options.add_argument("--forms", nargs="+", default=FORMS, choices=FORMS)
+    options.add_argument("--forms", nargs="+", default=FORMS, choices=FORMS + MORE_FORMS)
     options.add_argument("--keep-rates", type=float, nargs="+", default=KEEP_RATES)
     options.add_argument("--top-k", type=int, default=3, help="paragraphs the search returns")
     options.add_argument("--answers", action="store_true", help="the main model answers too (slower)")
