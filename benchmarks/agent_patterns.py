@@ -287,11 +287,15 @@ def one_run(pattern: str, surface: str, models: tutorials.Surfaces, retrieval: d
     }
 
 
+def last_line(answer: str) -> str:
+    """The answer's last non-empty line ("" for an empty answer)."""
+    return next((line for line in reversed(answer.splitlines()) if line.strip()), "")
+
+
 def final_line_ok(answer: str) -> bool:
     """Whether the answer's last non-empty line holds the expected text: an answer that quotes the right year
     from the context and then concludes another holds it, but is wrong."""
-    lines = [line for line in answer.splitlines() if line.strip()]
-    return bool(lines) and EXPECTED.lower() in lines[-1].lower()
+    return EXPECTED.lower() in last_line(answer).lower()
 
 
 def retrieved_cell(run: dict) -> str:
@@ -314,8 +318,7 @@ def markdown(report: dict) -> str:
         "|---|---|---|---:|---:|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
-        said = [line for line in run["answer"].splitlines() if line.strip()] or [""]
-        answer = " ".join(said[-1].split()).replace("|", "\\|")[-80:]
+        answer = " ".join(last_line(run["answer"]).split()).replace("|", "\\|")[-80:]
         ran = "yes" if run["ran"] else f"no: {run['error'][:80]}"
         lines.append(
             f"| {LABELS[run['pattern']]} | {run['surface']} | {ran} | {run['tool_calls']} | {run['model_calls']} "

@@ -2,9 +2,9 @@
 
 After a tool result the prompt ends with the tool's output and the assistant header, so the draft's own last
 tokens and look-ahead would score the documents against a generic opening ("To answer ..."). The engine
-therefore appends a query the main model never prefills (``PromptLayout.draft_query_ids``): today the question
-and the pending call's arguments. Which tokens the draft's look-ahead then generates decides what is kept. This
-study compares query forms on the same prompts:
+therefore appends a query the main model never prefills (``PromptLayout.draft_query_ids``): before this study
+the question and the pending call's arguments, now the arguments, the question and ``Answer:``. Which tokens
+the draft's look-ahead then generates decides what is kept. This study compares query forms on the same prompts:
 
 * ``question-args``: ``Question: <q>`` then the call's arguments as JSON (the engine's form before this study);
 * ``question-answer``: ``Question: <q>`` then ``Answer:`` (the look-ahead starts the answer);
@@ -42,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import agentic  # noqa: E402
+import torch  # noqa: E402
 from quality import bootstrap_interval, bootstrap_ratio_interval, normalise, scores  # noqa: E402
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine  # noqa: E402
@@ -88,11 +89,15 @@ def second_step(sample: dict, system: str, top_k: int) -> tuple[list[ChatMessage
     return messages, {"arguments": arguments, "returned": chosen, "result": text}
 
 
-def kept_document_text(layout: PromptLayout, kept: Any, tokenizer: Any) -> str:
-    """The document tokens of ``layout`` at the kept indices, decoded in order."""
+def kept_documents(layout: PromptLayout, kept: torch.Tensor | None) -> torch.Tensor:
+    """``[K_d]`` the indices of ``layout``'s document tokens among ``kept`` (``[K]``; None: all of them)."""
     document = (layout.document_index >= 0).nonzero().flatten()
-    chosen = document[(document.unsqueeze(1) == kept.view(1, -1)).any(1)] if kept is not None else document
-    return tokenizer.decode(layout.input_ids[chosen].tolist())
+    return document if kept is None else document[torch.isin(document, kept)]
+
+
+def kept_document_text(layout: PromptLayout, kept: torch.Tensor | None, tokenizer: Any) -> str:
+    """The document tokens of ``layout`` at the kept indices, decoded in order."""
+    return tokenizer.decode(layout.input_ids[kept_documents(layout, kept)].tolist())
 
 
 def contains_answer(text: str, answers: list[str]) -> bool:
@@ -106,11 +111,13 @@ def checkable(answers: list[str]) -> bool:
 
 def selected(engine: SpecPrefillEngine, layout: PromptLayout, keep_rate: float, answers: list[str]) -> dict:
     """What the draft keeps of the tool result at ``keep_rate``: whether a gold answer survives, and how much."""
-    selection = engine.select(layout, keep_rate=keep_rate)
-    kept = kept_document_text(layout, selection.kept, engine.tokenizer)
-    document = int((layout.document_index >= 0).sum())
-    chosen = int((layout.document_index[selection.kept] >= 0).sum())
-    return {"answer_kept": contains_answer(kept, answers), "kept_document_tokens": chosen, "document_tokens": document}
+    chosen = kept_documents(layout, engine.select(layout, keep_rate=keep_rate).kept)
+    kept = engine.tokenizer.decode(layout.input_ids[chosen].tolist())
+    return {
+        "answer_kept": contains_answer(kept, answers),
+        "kept_document_tokens": chosen.numel(),
+        "document_tokens": kept_documents(layout, None).numel(),
+    }
 
 
 def answered(engine: SpecPrefillEngine, layout: PromptLayout, keep_rate: float, answers: list[str], tokens: int):
@@ -146,16 +153,16 @@ def summary(report: dict) -> list[dict]:
     records = report["records"]
     settings = report["settings"]
     base_form = settings["forms"][0]
+    with_answers = settings["answers"]
     rows = []
     for form in settings["forms"]:
         for rate in settings["keep_rates"]:
             key, base = f"{form}@{rate:g}", f"{base_form}@{rate:g}"
-            answered = settings["answers"]
-            values = [r["runs"][key]["correct"] for r in records] if answered else []
-            full = [r["runs"]["1"]["correct"] for r in records] if answered else []
+            values = [r["runs"][key]["correct"] for r in records] if with_answers else []
+            full = [r["runs"]["1"]["correct"] for r in records] if with_answers else []
             kept = [float(r["runs"][key]["answer_kept"]) for r in records if r["answer_in_result"]]
             base_kept = [float(r["runs"][base]["answer_kept"]) for r in records if r["answer_in_result"]]
-            against = [r["runs"][key]["correct"] - r["runs"][base]["correct"] for r in records] if answered else []
+            against = [r["runs"][key]["correct"] - r["runs"][base]["correct"] for r in records] if with_answers else []
             rows.append(
                 {
                     "form": form,
@@ -177,8 +184,8 @@ def summary(report: dict) -> list[dict]:
 
 def markdown(report: dict) -> str:
     meta, settings, records = report["meta"], report["settings"], report["records"]
-    answered = settings["answers"]
-    full = f"; keep 1 answers {sum(r['runs']['1']['correct'] for r in records):g} correctly" if answered else ""
+    with_answers = settings["answers"]
+    full = f"; keep 1 answers {sum(r['runs']['1']['correct'] for r in records):g} correctly" if with_answers else ""
     lines = [
         f"Main {settings['main']}, draft {settings['draft']}; {len(records)} HotpotQA questions, one search each "
         f"(top {settings['top_k']}); the gold answer is in the tool result for "
@@ -186,8 +193,8 @@ def markdown(report: dict) -> str:
         "",
         f"| draft query | keep | n | answer kept (of those in the result) | change in answer kept vs "
         f"{settings['forms'][0]} (95% CI) |"
-        + (" correct | retention (95% CI) | change (95% CI) |" if answered else ""),
-        "|---|---|---|---|---|" + ("---|---|---|" if answered else ""),
+        + (" correct | retention (95% CI) | change (95% CI) |" if with_answers else ""),
+        "|---|---|---|---|---|" + ("---|---|---|" if with_answers else ""),
     ]
     for row in summary(report):
         line = (
@@ -195,7 +202,7 @@ def markdown(report: dict) -> str:
             f"| {row['answer_kept']:g} of {row['answer_in_result']} "
             f"| {row['kept_change']:+.3f} ({row['kept_change_ci'][0]:+.2f} to {row['kept_change_ci'][1]:+.2f}) |"
         )
-        if answered:
+        if with_answers:
             line += (
                 f" {row['correct']:g} | {row['retention']:.0%} ({row['retention_ci'][0]:.0%} to "
                 f"{row['retention_ci'][1]:.0%}) | {row['change']:+.3f} ({row['change_ci'][0]:+.2f} to "
