@@ -55,6 +55,7 @@ PLAIN = [
     '```json\n{"answer": "yes", "items": [1, 2, {"name": "x"}]}\n```',
     "```python\ndef browse(topic):\n    return {'name': topic}\n```",
     '{"name": "get_weather_forecast", "arguments": {}} is another tool, {"name" : "browse"} is spaced otherwise.',
+    'Jinja writes {{ user.name }} and {{"title": "x"}}; {{"name" is not the opening without its quote.',
 ]
 
 
@@ -99,7 +100,7 @@ def test_before_a_trigger_every_text_token_is_allowed(qwen, compiler, text):
     ("start", "call"),
     [
         ('Let me check. {"name": "get_weather"', ', "arguments": {"city": "Paris", "days": 2}}'),
-        ('{{"name": "browse"', ', "arguments": {"topic": "rivers"}}'),
+        ('{{"name": "browse"', ', "arguments": {"topic": "rivers"}}}'),  # the template's form: closed doubled
         ('{"name":"browse"', ', "arguments": {"topic": "rivers"}}'),
         ("```json\n" + '{"name": "browse"', ', "arguments": {"topic": "bridges"}}'),
         ("```json\n" + '{\n  "name": "browse"', ', "arguments": {"topic": "bridges"}}'),  # pretty-printed
@@ -128,6 +129,21 @@ def test_a_marker_cannot_open_a_call_of_a_tool_not_offered(qwen, compiler):
     assert firsts and all("get_weather".startswith(t) or "browse".startswith(t) for t in firsts), firsts
     tokens = ids(qwen, 'delete_all_files", "arguments": {}}')
     assert write(compiler.constraint(LAZY), prefix + tokens) < len(prefix + tokens)
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("opening", ['{{"name": "', '{{"name":"', 'I will look it up.\n{{ "name": "'])
+def test_the_templates_doubled_opening_makes_the_name_an_offered_tools(qwen, compiler, opening):
+    # the real pair's first steps wrote {{"name": "Elizabeth Stanley", "arguments": {"query": ...}}} (issue #45)
+    prefix = ids(qwen, opening)
+    constraint = compiler.constraint(LAZY)
+    assert write(constraint, prefix) == len(prefix)
+    firsts = {qwen.decode([token]) for token in constraint.allowed().nonzero().flatten().tolist()}
+    assert firsts and all("get_weather".startswith(t) or "browse".startswith(t) for t in firsts), firsts
+    entity = ids(qwen, opening + 'Elizabeth Stanley", "arguments": {"query": "her father"}}}')
+    assert write(compiler.constraint(LAZY), entity) < len(entity)
+    call = ids(qwen, opening + 'browse", "arguments": {"topic": "rivers"}}} Done.')
+    assert write(compiler.constraint(LAZY), call) == len(call)
 
 
 @needs_xgrammar
@@ -167,7 +183,9 @@ def test_the_lazy_tag_triggers_on_the_marker_and_each_offered_tool_by_name():
     assert tag["type"] == "triggered_tags"
     openings = ['{{"name": "{}"', '{{"name":"{}"', '{{ "name": "{}"', '{{\n  "name": "{}"', '{{\n    "name": "{}"']
     names = ["get_weather", "browse"]
-    assert tag["triggers"] == ["<tool_call>", *(opening.format(name) for name in names for opening in openings)]
+    template = ['{{"name": "', '{{"name":"', '{{ "name": "']
+    bare = [opening.format(name) for name in names for opening in openings]
+    assert tag["triggers"] == ["<tool_call>", *template, *bare]
     assert all(any(t["begin"].startswith(trigger) for trigger in tag["triggers"]) for t in tag["tags"])
 
 
@@ -221,6 +239,20 @@ def test_auto_completes_a_call_a_model_starts_whole_and_streamed(qwen, model, tr
         chunks = list(lazy.stream_chat(QUESTION, tools=[WEATHER, BROWSE], max_new_tokens=120, seed=0))
     streamed = [c for chunk in chunks for c in chunk.tool_calls]
     assert [(c.name, dict(c.arguments)) for c in streamed] == [(c.name, dict(c.arguments)) for c in result.tool_calls]
+
+
+@needs_xgrammar
+def test_a_call_in_the_templates_form_naming_an_entity_becomes_a_call_of_the_offered_tool(qwen, model):
+    written = 'Let me look. {{"name": "Elizabeth Stanley", "arguments": {"query": "her father"}}}'
+    with scripted(model, ids(qwen, written)):
+        lazy = engine(model, qwen).chat(QUESTION, tools=[BROWSE], max_new_tokens=60, seed=0)
+    [call] = lazy.tool_calls
+    assert call.name == "browse" and dict(call.arguments)["topic"] in ("bridges", "rivers")
+    assert lazy.text == "Let me look."
+    script = ids(qwen, written)
+    with scripted(model, script):
+        free = engine(model, qwen, lazy_tool_grammar=False).chat(QUESTION, tools=[BROWSE], max_new_tokens=len(script))
+    assert free.tool_calls == () and written.removeprefix("Let me look. ") in free.text  # stays the answer's text
 
 
 @needs_xgrammar

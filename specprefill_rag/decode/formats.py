@@ -169,6 +169,13 @@ def tool_call_structural_tag(fmt: OutputFormat, markers: Mapping[str, int]) -> d
 _TEXT_CALL_OPENINGS = ('{{"name": {}', '{{"name":{}', '{{ "name": {}', '{{\n  "name": {}', '{{\n    "name": {}')
 
 
+# How Qwen2.5's chat template shows a call: ``{{"name": <function-name>, "arguments": <args-json-object>}}``, doubled
+# braces included. Small models copy it and fill the name with an entity of the question rather than the tool (9 of
+# 60 HotpotQA agent runs' first steps, issue #45). No JSON value opens with two braces, so the template's opening is
+# taken as the family's marker: once written, the name must be an offered tool's.
+TEMPLATE_CALL_OPENINGS = ('{{"name": "', '{{"name":"', '{{ "name": "')
+
+
 def text_call_triggers(name: str) -> tuple[str, ...]:
     """The texts that start a call of tool ``name`` written without markup: ``{"name": "<name>"`` as JSON
     writes it (compact, spaced or pretty-printed).
@@ -189,9 +196,11 @@ def lazy_tool_call_tag(fmt: OutputFormat) -> dict[str, Any]:
 
     Triggers: the family's call marker (``<tool_call>``, ``[TOOL_CALLS]``; llama3 has none), and for each tool
     ``{"name": "<tool>"`` (:func:`text_call_triggers`), the bare JSON that small models write instead (also
-    inside doubled braces or a json fence; compact, spaced or pretty-printed). A bare trigger names the tool, closing
-    quote included, so JSON
-    that names no offered tool (``{"name": "Alice"}``) never triggers. Markers are matched as text (xgrammar's
+    inside a json fence; compact, spaced or pretty-printed). A bare trigger names the tool, closing quote included,
+    so JSON that names no offered tool (``{"name": "Alice"}``) never triggers. For hermes, also the template's own
+    opening with its doubled braces (:data:`TEMPLATE_CALL_OPENINGS`), before any name: the name written after it
+    must be an offered tool's (so an answer's code that spells ``{{"name": "`` literally, as a Python f-string
+    building JSON does, is read as a call when tools are offered). Markers are matched as text (xgrammar's
     triggered tags take text), which a marker's single token also spells.
     """
     assert fmt.tool_format is not None
@@ -200,6 +209,8 @@ def lazy_tool_call_tag(fmt: OutputFormat) -> dict[str, Any]:
     tools = _tools(fmt)
     marker = _LIST_OPEN[family] or _CALL_OPEN[family]
     tags, triggers = [], [marker] if marker else []
+    if family == "hermes":
+        triggers += TEMPLATE_CALL_OPENINGS
     for name, parameters in tools:
         openings = text_call_triggers(name)
         bare = openings[0]
@@ -207,6 +218,8 @@ def lazy_tool_call_tag(fmt: OutputFormat) -> dict[str, Any]:
         triggers += openings
         if family == "hermes":
             tags.append(_tag(f'{marker}\n{bare}, "{key}": ', parameters, "}\n" + _CALL_CLOSE[family]))
+            quoted = json.dumps(name, ensure_ascii=False)[1:]  # the name and its closing quote
+            tags += [_tag(f'{opening}{quoted}, "{key}": ', parameters, "}}") for opening in TEMPLATE_CALL_OPENINGS]
         elif family == "mistral":
             tags.append(_tag(f'{marker}[{bare}, "{key}": ', parameters, "}]"))
     body = {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": not fmt.parallel}
