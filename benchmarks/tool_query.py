@@ -25,6 +25,12 @@ intervals.
     python benchmarks/tool_query.py --questions 100 --draft self --out benchmarks/results/tool-query/hotpotqa-self
     python benchmarks/tool_query.py --report --out benchmarks/results/tool-query/hotpotqa-0.5b
 
+``--task squad`` or ``--task nq`` holds the forms out on other questions: a SQuAD v1.1 or NQ-open question
+with its gold passage among 9 others (``tasks.squad`` / ``tasks.nq``, 10 passages), searched the same way.
+
+    python benchmarks/tool_query.py --task squad --questions 100 --forms args-question-answer \
+        args-question-short-answer --out benchmarks/results/tool-query/squad-0.5b-endings
+
 Writes ``<out>.json`` and ``<out>.md`` after every question. No timings: the forms cost the same (a few query
 tokens more or less).
 """
@@ -42,6 +48,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import agentic  # noqa: E402
+import tasks  # noqa: E402
 import torch  # noqa: E402
 from quality import bootstrap_interval, bootstrap_ratio_interval, normalise, scores  # noqa: E402
 
@@ -54,6 +61,8 @@ from specprefill_rag.results import ToolCall  # noqa: E402
 FORMS = ["question-args", "question-answer", "args-question-answer"]
 MORE_FORMS = ["args-question-answer-is", "args-question-short-answer"]  # variants tried after the engine's change
 KEEP_RATES = [0.3, 0.1]
+TASKS = ["hotpotqa", "squad", "nq"]
+PASSAGES = 10  # per SQuAD / NQ question, as HotpotQA's distractor setting
 
 
 def query_text(form: str, question: str, arguments: dict) -> str:
@@ -74,6 +83,26 @@ def with_query(layout: PromptLayout, tokenizer: Any, text: str) -> PromptLayout:
     ids = encode_as_text(tokenizer, text)[0]
     source = replace(layout.source, draft_query=text) if layout.source is not None else None
     return replace(layout, draft_query_ids=layout.input_ids.new_tensor(ids), source=source)
+
+
+def titled(sample: dict) -> dict:
+    """A ``tasks.squad`` / ``tasks.nq`` sample with its passages as ``(title, text)`` for ``agentic.search``."""
+    parts = [document.partition(": ") for document in sample["documents"]]
+    untitled = not all(sep for _, sep, _ in parts)  # SQuAD's contexts carry no title: number them
+    paragraphs = [
+        (f"Passage {index + 1}", document) if untitled else (title, text)
+        for index, (document, (title, _, text)) in enumerate(zip(sample["documents"], parts))
+    ]
+    return {**sample, "paragraphs": paragraphs}
+
+
+def load_samples(task: str, count: int, seed: int) -> list[dict]:
+    """The questions of ``task``, each with the paragraphs its one search ranks."""
+    if task == "hotpotqa":
+        return agentic.load_questions(count, seed)
+    tasks.require_data()
+    loader = {"squad": tasks.squad, "nq": tasks.nq}[task]
+    return [titled(sample) for sample in loader(count, PASSAGES, seed)]
 
 
 def second_step(sample: dict, system: str, top_k: int) -> tuple[list[ChatMessage], dict]:
@@ -182,12 +211,16 @@ def summary(report: dict) -> list[dict]:
     return rows
 
 
+TASK_NAMES = {"hotpotqa": "HotpotQA", "squad": "SQuAD v1.1", "nq": "NQ-open"}
+
+
 def markdown(report: dict) -> str:
     meta, settings, records = report["meta"], report["settings"], report["records"]
     with_answers = settings["answers"]
+    task = TASK_NAMES[settings.get("task", "hotpotqa")]
     full = f"; keep 1 answers {sum(r['runs']['1']['correct'] for r in records):g} correctly" if with_answers else ""
     lines = [
-        f"Main {settings['main']}, draft {settings['draft']}; {len(records)} HotpotQA questions, one search each "
+        f"Main {settings['main']}, draft {settings['draft']}; {len(records)} {task} questions, one search each "
         f"(top {settings['top_k']}); the gold answer is in the tool result for "
         f"{sum(r['answer_in_result'] for r in records)}{full}. Machine: {meta['machine']}; {meta['date']}.",
         "",
@@ -216,6 +249,7 @@ def main() -> None:
     options = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     options.add_argument("--questions", type=int, default=60)
     options.add_argument("--seed", type=int, default=0)
+    options.add_argument("--task", default="hotpotqa", choices=TASKS, help="whose questions and passages")
     options.add_argument("--main", default=agentic.MAIN)
     options.add_argument("--draft", default=agentic.DRAFT)
     options.add_argument("--forms", nargs="+", default=FORMS, choices=FORMS + MORE_FORMS)
@@ -234,6 +268,8 @@ def main() -> None:
         return
     names = ("main", "draft", "forms", "keep_rates", "top_k", "answers", "answer_tokens", "seed")
     settings = {name: getattr(args, name) for name in names}
+    if args.task != "hotpotqa":  # the earlier runs' settings have no task: they stay resumable
+        settings["task"] = args.task
     settings["system"] = args.system
     report: dict[str, Any] = {"settings": settings, "records": []}
     if args.resume and path.exists():
@@ -247,7 +283,7 @@ def main() -> None:
     }
     engine = SpecPrefillEngine(main=args.main, draft=args.draft, min_prompt_tokens=0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    samples = agentic.load_questions(args.questions, args.seed)
+    samples = load_samples(args.task, args.questions, args.seed)
     for index, sample in enumerate(samples[len(report["records"]) :], start=len(report["records"])):
         record = {"question": index, **one_question(engine, sample, args)}
         report["records"].append(record)
