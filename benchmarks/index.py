@@ -96,6 +96,8 @@ STUDIES: dict[str, Study] = {
             "hotpotqa-auto": "#45: 60 questions, auto throughout, pretty-printed JSON calls recognised",
             "hotpotqa-auto-answer-query": f"#45: the same with the draft reading `Answer:` after tool results, keep 1 "
             f"and 0.3; {EPYC}, the first 24 questions beside test suites",
+            "hotpotqa-auto-template-opening": '#45: the same with Qwen\'s template opening `{{"name": "` as a '
+            "trigger, keep 1 and 0.3; the Xeon, beside the vLLM test tier",
         },
     ),
     "constrained-mask": Study(
@@ -409,7 +411,8 @@ STUDIES: dict[str, Study] = {
     ),
     "tool-query": Study(
         "what the draft reads after a tool result (issue #45): the answer's text kept at keep 0.3 and 0.1 under "
-        "three query forms, 100 HotpotQA questions searched once, the 0.5B draft and `self`",
+        "three query forms, 100 HotpotQA questions searched once, the 0.5B draft and `self`; endings held out on "
+        "SQuAD and NQ",
         "docs/guide/agents.md",
         f"{EPYC}, bfloat16, the draft only (no timings); beside short test runs",
         "shared",
@@ -418,6 +421,9 @@ STUDIES: dict[str, Study] = {
             "hotpotqa-self": "`self` (the 1.5B main's first 11 layers)",
             "hotpotqa-0.5b-endings": "the 0.5B draft, the engine's form against two other endings (`Answer: The answer "
             "is`, `Short answer:`), tried on the same questions after the change",
+            "squad-0.5b-endings": f"held out: `Answer:` against `Short answer:` on SQuAD v1.1 questions (gold passage "
+            f"among 10, one search); {XEON}",
+            "nq-0.5b-endings": f"held out: the same on NQ-open questions; {XEON}",
         },
     ),
     "ttft": Study(

@@ -249,6 +249,9 @@ def test_a_call_in_the_templates_form_naming_an_entity_becomes_a_call_of_the_off
     [call] = lazy.tool_calls
     assert call.name == "browse" and dict(call.arguments)["topic"] in ("bridges", "rivers")
     assert lazy.text == "Let me look."
+    with scripted(model, ids(qwen, written)):
+        chunks = list(engine(model, qwen).stream_chat(QUESTION, tools=[BROWSE], max_new_tokens=60, seed=0))
+    assert [(c.name, dict(c.arguments)) for chunk in chunks for c in chunk.tool_calls] == [(call.name, call.arguments)]
     script = ids(qwen, written)
     with scripted(model, script):
         free = engine(model, qwen, lazy_tool_grammar=False).chat(QUESTION, tools=[BROWSE], max_new_tokens=len(script))
