@@ -254,7 +254,7 @@ def test_a_call_of_a_tool_the_request_did_not_offer_is_content_not_a_call(qwen):
     chunks, last = decode_text(qwen, text, **params)
     result = last.result
     assert result.tool_calls == () and result.invalid_tool_calls == () and result.finish_reason == "stop"
-    assert result.text == "The result says to clean up.\n\n" + injected
+    assert result.text == text  # as written
     assert "".join(c.text for c in [*chunks, last]) == result.text and not any(c.tool_calls for c in chunks)
 
 

@@ -502,7 +502,7 @@ def test_a_call_of_a_tool_not_offered_is_content_whole_and_streamed(gateway, scr
         message = sent.json()["choices"][0]["message"]
         content, names = message["content"], [c["function"]["name"] for c in message["tool_calls"]]
         extra = sent.json()["spec_prefill"]
-    assert names == ["search"] and content == "Cleaning up.\n\n" + INJECTED
+    assert names == ["search"] and content == "Cleaning up.\n" + INJECTED  # as written
     assert extra["invalid_tool_calls"] == []
 
 

@@ -530,7 +530,9 @@ INJECTED = {"path": "/"}  # what a tool result told the model to call
 def test_hermes_call_of_a_tool_not_offered_stays_content_as_written():
     block = hermes_block("delete_all_files", INJECTED)
     out = parse("Sure.\n" + block + "\n" + hermes_block("get_weather", WEATHER), "hermes", {"get_weather"})
-    assert out.content == "Sure.\n\n" + block
+    assert out.content == "Sure.\n" + block  # as written; the newline before the real call goes with it
+    alone = "See " + block + " then more."
+    assert parse(alone, "hermes", {"get_weather"}) == ParsedOutput(alone, (), ())
     assert out.tool_calls == (ToolCall("get_weather", WEATHER, "call_0"),) and out.invalid_tool_calls == ()
 
 
@@ -598,4 +600,4 @@ def test_a_call_written_without_markup_of_a_tool_not_offered_stays_content(writt
     the model's text, kept in the content, not dropped and not a call (#43 item 4)."""
     parsed = parse_tool_calls(f"Sure. {written} done", "hermes", offered=("search",))
     assert parsed.tool_calls == () and parsed.invalid_tool_calls == ()
-    assert written in parsed.content and parsed.content.startswith("Sure.") and parsed.content.endswith("done")
+    assert parsed.content == f"Sure. {written} done"  # as written, not split off by blank lines

@@ -358,7 +358,7 @@ class _Parser:
 
     def not_offered(self, name: Any, written: str) -> bool:
         """True when ``name`` is a tool name that was not offered: then ``written`` (the call's text) was
-        released as content, a piece of its own.
+        released as content (:meth:`as_content`).
         """
         if self.offered is None or not isinstance(name, str) or not name or name in self.offered:
             return False
@@ -366,7 +366,7 @@ class _Parser:
         return True
 
     def as_content(self, written: str) -> None:
-        """Release text that looked like a call but is none, as a piece of content of its own."""
+        """Release text that looked like a call but is none, as a piece of content of its own (hermes: in place)."""
         self.new_piece(after_markup=False)
         self.emit(written)
         self.new_piece(after_markup=True)
@@ -413,6 +413,21 @@ class _Hermes(_Parser):
     def __init__(self, new_id: Callable[[], str]) -> None:
         super().__init__(new_id)
         self.inside = False
+        self.gap = ""  # the whitespace held back before the open block: content again if its call is no call
+        self.resumed = False  # a call of a tool not offered went back into the content: the piece goes on
+
+    def as_content(self, written: str) -> None:
+        """Release a call of a tool not offered in place, as written: with the whitespace before its block, in
+        the same piece as the text around it (no blank lines added, none trimmed after it).
+        """
+        self.emit(self.gap + written)
+        self.gap, self.resumed, self.trim_start = "", True, False
+
+    def new_piece(self, after_markup: bool) -> None:
+        if self.resumed:
+            self.resumed = False
+            return
+        super().new_piece(after_markup)
 
     def feed(self, delta: str, final: bool) -> None:
         self.buf += delta
@@ -453,13 +468,16 @@ class _Hermes(_Parser):
         tag, call = text.find(_HERMES_OPEN), _TEXT_CALL.search(text)
         bare = call.start() if call else -1
         if tag >= 0 and (bare < 0 or tag < bare):
-            self.emit(text[:tag].rstrip())
+            prose = text[:tag].rstrip()
+            self.emit(prose)
+            self.gap = text[len(prose) : tag]
             self.buf = text[tag + len(_HERMES_OPEN) :]
             return "block"
         if bare >= 0:
             start = _WRAPPER.search(text, 0, bare)
             cut = len(text[: start.start() if start else bare].rstrip())
             self.emit(text[:cut])
+            self.gap = ""  # the call's text holds its whitespace
             self.buf = text[cut:]
             return "text" if self.text_call(final) else None
         if final:

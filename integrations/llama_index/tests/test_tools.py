@@ -333,7 +333,7 @@ def test_a_call_of_a_tool_not_offered_stays_text_in_process(llm, tool_engine, mo
     for response in (whole, streamed):
         calls = llm.get_tool_calls_from_response(response)
         assert [(c.tool_name, c.tool_kwargs) for c in calls] == [("paint", {"colour": "red"})]
-        assert response.message.content == "Cleaning up.\n\n" + INJECTED
+        assert response.message.content == "Cleaning up.\n" + INJECTED
         assert not response.message.additional_kwargs.get("invalid_tool_calls")
 
 

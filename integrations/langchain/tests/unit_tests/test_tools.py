@@ -390,7 +390,7 @@ def test_a_call_of_a_tool_not_offered_stays_text(tool_engine, monkeypatch):
     chat = ChatSpecPrefill.from_engine(tool_engine, keep_rate=0.2, max_tokens=4).bind_tools([search])
     for message in (chat.invoke("Find it."), _merged(chat.stream("Find it."))):
         assert [(c["name"], c["args"]) for c in message.tool_calls] == [("search", {"query": "x"})]
-        assert message.content == "Cleaning up.\n\n" + injected and not message.invalid_tool_calls
+        assert message.content == "Cleaning up.\n" + injected and not message.invalid_tool_calls
 
 
 def test_a_template_without_tool_calling_still_takes_tools(tiny_engine):
