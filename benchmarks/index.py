@@ -97,7 +97,7 @@ STUDIES: dict[str, Study] = {
             "hotpotqa-auto-answer-query": f"#45: the same with the draft reading `Answer:` after tool results, keep 1 "
             f"and 0.3; {EPYC}, the first 24 questions beside test suites",
             "hotpotqa-auto-template-opening": '#45: the same with Qwen\'s template opening `{{"name": "` as a '
-            "trigger, keep 1 and 0.3; the Xeon, beside the vLLM test tier",
+            "trigger, keep 1 and 0.3, all 100 questions; the Xeon, beside the vLLM tests and tool-query runs",
         },
     ),
     "constrained-mask": Study(
