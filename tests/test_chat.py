@@ -136,3 +136,14 @@ def test_an_agents_first_step_awaits_its_tool_results(tokenizer):
     assert first.layout.awaits_tool_results and first.layout.n_document_tokens == 0
     plain = chat_layout(tokenizer, [ChatMessage("user", ["When did the bridge open?"])])
     assert not plain.layout.awaits_tool_results
+
+
+def test_an_agents_first_step_keeps_a_long_question_whole(tokenizer):
+    # the fallback protects a prompt's last 64 tokens; a longer question's head became a pseudo-document (#45's
+    # agentic study, question 95); with tools offered and no tool result yet nothing is retrieved text
+    tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}
+    question = [ChatMessage("user", [" ".join(["Which bridge over the river opened first?"] * 20)])]
+    first = chat_layout(tokenizer, question, tools=[tool])
+    assert first.document_source == "none" and first.layout.n_document_tokens == 0
+    assert first.layout.awaits_tool_results
+    assert chat_layout(tokenizer, question).layout.n_document_tokens > 0  # without tools: the fallback, as before

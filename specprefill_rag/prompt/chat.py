@@ -322,6 +322,12 @@ def _fallback(messages: Sequence[ChatMessage], question: str | None) -> list[Tur
     return turns
 
 
+def _whole(messages: Sequence[ChatMessage]) -> list[Turn]:
+    """Every message whole: an agent's first step holds no retrieved text yet (it comes as tool results)."""
+    question = _question_index(messages)
+    return [_turn(m, (Segment(m.text, _outside_role(m, i == question)),)) for i, m in enumerate(messages)]
+
+
 def _append_question(turns: list[Turn], index: int, question: str) -> list[Turn]:
     extra = (Segment("\n\nQuestion: ", Role.TEMPLATE), Segment(question, Role.QUESTION))
     turns = list(turns)
@@ -359,6 +365,10 @@ def chat_layout(
     check_no_control_text(tokenizer, checked_tools, [c for m in messages for c in m.tool_calls])
     question = check_optional_text(question, "question", "user's question")
     turns, source = _turns(messages, documents, question, insert_missing)
+    has_results = any(m.role == "tool" for m in messages)
+    awaits_tool_results = bool(checked_tools) and tool_choice in (None, "auto") and not has_results
+    if source == "none" and awaits_tool_results:
+        turns = _whole(messages)  # no fallback pseudo-documents: the question stays whole, however long
     source = "system-context" if from_system else source
     question_index = _question_index(messages)
     if question is not None and question not in messages[question_index].text:
@@ -369,7 +379,7 @@ def chat_layout(
     if uses_tools and use_chat_template and model_tool_format(tokenizer) and not template_tool_format(tokenizer):
         turns, offered = hermes_in_messages(turns, checked_tools), ()
     layout = build_turns_layout(tokenizer, turns, use_chat_template, offered, query)
-    if checked_tools and tool_choice in (None, "auto") and not any(m.role == "tool" for m in messages):
+    if awaits_tool_results:
         layout = replace(layout, awaits_tool_results=True)
     if source == "none":
         return fallback_layout(layout if question else protect_tail(layout, protect_tail_tokens), checked_tools)

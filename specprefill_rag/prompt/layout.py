@@ -70,8 +70,8 @@ class PromptLayout:
             (the attention of the prompt's last tokens would otherwise score the documents against the tool
             result); None: the prompt's own last tokens are the queries (the paper).
         awaits_tool_results: a chat that offers tools and holds no tool result yet (an agent's first step): its
-            documents come later, as tool results, so it goes whole as ``awaiting_tool_results``, not
-            ``no_documents``, when nothing else is found.
+            documents come later, as tool results, so unless it marks documents it goes whole (no fallback
+            pseudo-documents) as ``awaiting_tool_results``, not ``no_documents``.
     """
 
     input_ids: torch.Tensor
