@@ -30,6 +30,9 @@ Methods (all share one prompt layout and one main model):
   embeddings-filter  the documents' sentences most similar to the question (all-MiniLM-L6-v2) that fit the
                    budget, as LangChain's EmbeddingsFilter at sentence grain (benchmarks/sentence_filter.py); the
                    main model prefills the shorter prompt whole
+  embeddings-filter<NN>-specprefill  both (issue #44): the filter keeps NN% of the documents' tokens, the prompt
+                   is laid out with what it kept, and specprefill keeps what brings the share prefilled to the
+                   keep rate (keep 0.1 after a 50% filter: specprefill at 0.2 of the filtered documents)
   random           random chunks at the same budget (seeded)
   first            the first tokens of every document at the same budget
 
@@ -60,7 +63,7 @@ from pathlib import Path
 
 import tasks
 import torch
-from sentence_filter import SentenceFilter
+from sentence_filter import SentenceFilter, sparse_keep_rate
 from tqdm import tqdm
 
 from specprefill_rag import SpecPrefillEngine
@@ -297,6 +300,9 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
         methods["longllmlingua"] = longllmlingua_method(engine, args.compressor or compressor_default(args))
     if EMBEDDINGS_FILTER in args.methods:
         methods[EMBEDDINGS_FILTER] = sentence_filter_method(engine)
+    for name in args.methods:
+        if match := FILTERED_METHOD.fullmatch(name):
+            methods[name] = filtered_sparse_method(engine, int(match[1]) / 100)
     names = [n for method in args.methods for n in (auto if method == AUTO else [method])]
     return {name: methods[name] for name in names}
 
@@ -354,8 +360,14 @@ def longllmlingua_method(engine: SpecPrefillEngine, compressor_spec: str) -> Cal
 
 
 EMBEDDINGS_FILTER = "embeddings-filter"
+# the sentence filter keeping NN% of the documents' tokens, then specprefill on what it kept
+FILTERED_METHOD = re.compile(r"embeddings-filter(\d{2})-specprefill")
 # methods that rewrite the documents' text: their prompt's documents are not the sample's, so no gold document
 TEXT_METHODS = ("longllmlingua", EMBEDDINGS_FILTER)
+
+
+def rewrites_text(method: str) -> bool:
+    return method in TEXT_METHODS or FILTERED_METHOD.fullmatch(method) is not None
 
 
 def sentence_filter_method(engine: SpecPrefillEngine) -> Callable:
@@ -364,6 +376,27 @@ def sentence_filter_method(engine: SpecPrefillEngine) -> Callable:
     def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
         kept = sentence_filter.filter(sample["documents"], sample["question"], keep_rate)
         return Prefill.whole(sample_layout(engine, sample, kept))
+
+    return run
+
+
+def filtered_sparse_method(engine: SpecPrefillEngine, filter_share: float) -> Callable:
+    """``embeddings-filter<NN>-specprefill``: the filter keeps ``filter_share`` of the documents (once per
+    sample: it does not depend on the keep rate), then the engine's draft scores the filtered prompt and
+    selection keeps what brings the share of the original documents prefilled to the keep rate."""
+    sentence_filter = SentenceFilter(engine.tokenizer)
+    # id(original layout) -> (original layout, filtered layout, its importance [L']); the layout is held
+    filtered: dict[int, tuple[PromptLayout, PromptLayout, torch.Tensor]] = {}
+
+    def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
+        if id(layout) not in filtered:
+            kept_text = sentence_filter.filter(sample["documents"], sample["question"], filter_share)
+            shorter = sample_layout(engine, sample, kept_text)
+            filtered[id(layout)] = (layout, shorter, engine.draft_scoring.importance(shorter))
+        _, shorter, importance = filtered[id(layout)]
+        rate = sparse_keep_rate(keep_rate, layout.n_document_tokens, shorter.n_document_tokens)
+        kept = select_kept(importance, shorter.document_index, keep_rate=rate, chunk_size=32)
+        return Prefill(shorter, kept, kept)
 
     return run
 
@@ -564,7 +597,8 @@ def run(args: argparse.Namespace, save: Callable[[dict], None], earlier: dict | 
                 except MethodFailed as failure:
                     records.append({"sample": index, "method": name, "keep_rate": keep_rate, "failed": str(failure)})
                     continue
-                key = (tuple(prefill.kept.tolist()), tuple(prefill.positions.tolist()), len(prefill.layout))
+                # what is prefilled where: methods that rewrite the documents prefill other layouts
+                key = (tuple(prefill.layout.input_ids[prefill.kept].tolist()), tuple(prefill.positions.tolist()))
                 if key not in evaluated:
                     evaluated[key] = evaluate(engine, sample, prefill, args.max_new_tokens, document_tokens)
                 result = evaluated[key]
@@ -642,7 +676,7 @@ def markdown(report: dict, metric: str) -> str:
         lp = logprob[(row["method"], row["keep_rate"])]
         retention = "n/a" if metric == "logprob" else f"{row['retention']:.0%} ({retention_interval(row)})"
         # LongLLMLingua merges and reorders the documents: which one was gold is no longer known
-        gold = f"{row['gold_kept']:.0%}" if row["method"] not in TEXT_METHODS else "n/a"
+        gold = f"{row['gold_kept']:.0%}" if not rewrites_text(row["method"]) else "n/a"
         lines.append(
             f"| {row['method']} | {row['keep_rate']:g} | {row['n']} | {row['kept_share']:.2f} | {row['score']:.3f} | "
             f"{low:.2f} to {high:.2f} | "
@@ -777,13 +811,15 @@ def main() -> None:
         - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     )
     unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
-    unknown = {name for name in unknown if not (QUERY_METHOD.fullmatch(name) or LAYERS_METHOD.fullmatch(name))}
+    patterns = (QUERY_METHOD, LAYERS_METHOD, FILTERED_METHOD)
+    unknown = {name for name in unknown if not any(pattern.fullmatch(name) for pattern in patterns)}
     if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
         options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")
     if unknown:
         options.error(
             f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS + OPTIONAL_METHODS}, "
-            "specprefill-documents-query<NN>, specprefill-layers<N> or self-<n> with --self-layers"
+            "specprefill-documents-query<NN>, specprefill-layers<N>, embeddings-filter<NN>-specprefill "
+            "or self-<n> with --self-layers"
         )
     out = args.out or ROOT / "benchmarks" / "results" / "quality" / args.task
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,10 @@ with none is dropped. LangChain's ``EmbeddingsFilter`` does the same over whole 
 threshold (LlamaIndex: ``SentenceEmbeddingOptimizer``, at sentence grain); a token budget instead of a threshold
 lets it be compared with SpecPrefill at the same kept share. The main model then prefills the shorter prompt
 whole, at renumbered positions, as it would from a filtered retriever.
+
+The two combine (issue #44): a filter at retrieval keeps a fixed share of the documents (``filter_share``), the
+prompt is laid out with what it kept, and SpecPrefill keeps ``sparse_keep_rate`` of the filtered documents, so
+that the main model prefills the same share of the original documents as either method alone.
 """
 
 from __future__ import annotations
@@ -82,6 +86,14 @@ class SentenceFilter:
         similarity = (vectors[1:] @ vectors[0]).float().cpu()  # [S] cosine similarity to the question
         budget = math.ceil(keep_rate * sum(s.tokens for s in sentences))
         return filtered_documents(sentences, chosen_sentences(sentences, similarity, budget))
+
+
+def sparse_keep_rate(keep_rate: float, document_tokens: int, filtered_tokens: int) -> float:
+    """The keep rate SpecPrefill applies to ``filtered_tokens`` document tokens so that ``keep_rate`` of the
+    original ``document_tokens`` is prefilled overall; 1 where the filter already kept that little or less."""
+    if filtered_tokens <= 0:
+        return 1.0
+    return min(1.0, keep_rate * document_tokens / filtered_tokens)
 
 
 def load_minilm() -> Any:

@@ -20,6 +20,8 @@ one. The models' own weights are loaded before and are not part of it.
                  compressors cost the same per token), then the main model prefills the compressed prompt
   embeddings-filter  the sentences most similar to the question (all-MiniLM-L6-v2) within the budget
                  (benchmarks/sentence_filter.py), then the main model prefills the shorter prompt
+  embeddings-filter<NN>-specprefill  with --filter-share: the filter keeps that share of the documents, the
+                 draft scores the shorter prompt, and the sparse prefill keeps --keep-rate of the original documents
 
 Main model: a random model of SmolLM2-1.7B's shape with SmolLM2's tokenizer (timing does not depend
 on weights), or any model spec (``--main smollm2-135m``, ``--main qwen2.5-coder-1.5b``, a folder). The
@@ -40,7 +42,7 @@ from pathlib import Path
 
 import torch
 from longllmlingua import LongLLMLingua
-from sentence_filter import SentenceFilter
+from sentence_filter import SentenceFilter, sparse_keep_rate
 from ttft import ESSAYS, ROOT, clock, first_token, machine, peak_rss_growth_mb, shape_model
 
 from specprefill_rag import SpecPrefillEngine
@@ -89,6 +91,13 @@ def methods(
         kept = sentence_filter.filter(documents, QUESTION, args.keep_rate)
         first_token(engine.backend, SparsePrompt.full(engine.layout(QUESTION, kept).input_ids))
 
+    def filtered_sparse() -> None:
+        shorter = engine.layout(QUESTION, sentence_filter.filter(documents, QUESTION, args.filter_share))
+        rate = sparse_keep_rate(args.keep_rate, layout.n_document_tokens, shorter.n_document_tokens)
+        importance = drafts["specprefill"].importance(shorter)
+        kept = select_kept(importance, shorter.document_index, keep_rate=rate, chunk_size=32)
+        first_token(engine.backend, SparsePrompt.kept(shorter.input_ids, kept))
+
     runs = {
         "full": lambda: first_token(engine.backend, SparsePrompt.full(layout.input_ids)),
         "draft_scoring": lambda: drafts["specprefill"].importance(layout),
@@ -98,6 +107,8 @@ def methods(
         runs["longllmlingua"] = longllmlingua
     if sentence_filter is not None:
         runs["embeddings-filter"] = embeddings_filter
+    if sentence_filter is not None and args.filter_share is not None:
+        runs[f"embeddings-filter{round(100 * args.filter_share):02d}-specprefill"] = filtered_sparse
     return {
         "prompt_tokens": len(layout),
         "document_tokens": layout.n_document_tokens,
@@ -234,8 +245,15 @@ def main() -> None:
     options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="of loaded models")
     options.add_argument("--no-longllmlingua", action="store_true", help="leave the LongLLMLingua baseline out")
     options.add_argument("--no-embeddings-filter", action="store_true", help="leave the sentence filter out")
+    options.add_argument(
+        "--filter-share",
+        type=float,
+        help="also time the sentence filter keeping this share of the documents, then specprefill on the rest",
+    )
     options.add_argument("--out", type=Path)
     args = options.parse_args()
+    if args.filter_share is not None and not (args.keep_rate < args.filter_share < 1):
+        options.error("--filter-share must lie between --keep-rate and 1")
     engine = load_engine(args)
     dtype = engine.draft.model.dtype  # LongLLMLingua's compressor in the draft's dtype: the same cost per token
     compressor = None if args.no_longllmlingua else LongLLMLingua(resolve(args.draft, dtype), dtype)

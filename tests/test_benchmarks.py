@@ -346,11 +346,11 @@ def test_ttft_lengths_bound_counts_the_tokens_kept_whole(monkeypatch, tiny_model
     engine = SpecPrefillEngine.from_models(
         tiny_model, tokenizer, tiny_draft, draft_tokenizer=tokenizer, min_prompt_tokens=0, draft_cache_mb=0
     )
-    args = argparse.Namespace(keep_rate=0.1, repeats=1, self_layers=1)
+    args = argparse.Namespace(keep_rate=0.1, repeats=1, self_layers=1, filter_share=0.5)
     sentence_filter = SentenceFilter(tokenizer, KeywordEmbedder())
     row = ttft_lengths.run_length(engine, None, sentence_filter, 0, args, probe_memory=False)
     assert set(row["kept_tokens"]) == {"specprefill", "self-1"}
-    assert set(row["speedup"]) == {"specprefill", "self-1", "embeddings-filter"}
+    assert set(row["speedup"]) == {"specprefill", "self-1", "embeddings-filter", "embeddings-filter50-specprefill"}
     assert row["kept_share"] == row["kept_tokens"]["specprefill"] / row["prompt_tokens"]
     assert row["kept_tokens"]["specprefill"] >= row["prompt_tokens"] - row["document_tokens"]
     assert row["kept_share"] > args.keep_rate
@@ -900,6 +900,50 @@ def test_the_most_similar_sentence_is_kept_even_over_a_tiny_budget(tokenizer):
     documents = ["Some text on rivers in general. The bridge opened in 1883 after years of work on it."]
     kept = SentenceFilter(tokenizer, KeywordEmbedder()).filter(documents, "When was the bridge opened?", 0.01)
     assert kept == ["The bridge opened in 1883 after years of work on it."]
+
+
+def test_specprefill_after_the_filter_keeps_the_keep_rate_of_the_original_documents():
+    from sentence_filter import sparse_keep_rate
+
+    assert sparse_keep_rate(0.1, 1000, 500) == pytest.approx(0.2)  # half filtered out: twice the rate on the rest
+    assert sparse_keep_rate(0.3, 1000, 200) == 1.0  # the filter already kept less than the budget
+    assert sparse_keep_rate(0.1, 1000, 0) == 1.0  # nothing left to select from
+
+
+def test_a_quality_method_runs_specprefill_on_what_the_filter_kept(tiny_model, tiny_draft, tokenizer, monkeypatch):
+    """``embeddings-filter50-specprefill``: the prompt is laid out with the filter's sentences (50% of the
+    documents' tokens) and the draft's selection on it keeps twice the keep rate of what is left."""
+    import argparse
+
+    import quality
+    import sentence_filter
+
+    from specprefill_rag import SpecPrefillEngine
+
+    monkeypatch.setattr(sentence_filter, "load_minilm", KeywordEmbedder)
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, min_prompt_tokens=0, look_ahead=2)
+    name = "embeddings-filter50-specprefill"
+    args = argparse.Namespace(
+        methods=[name], self_layers=[], self_windows=[], extra_drafts=[], seed=0, auto_floors=[0.1], auto_ceilings=[0.5]
+    )
+    text = (Path(__file__).parent.parent / "examples" / "documents" / "brooklyn_bridge.txt").read_text()
+    sample = {"question": "When was the bridge over the river opened?", "documents": [text[:600], text[600:1200]]}
+    layout = quality.sample_layout(engine, sample)
+    prefill = quality.make_methods(engine, args)[name](sample, layout, 0.1)
+
+    kept_text = sentence_filter.SentenceFilter(tokenizer, KeywordEmbedder()).filter(
+        sample["documents"], sample["question"], 0.5
+    )
+    shorter = quality.sample_layout(engine, sample, kept_text)
+    assert prefill.layout.input_ids.tolist() == shorter.input_ids.tolist()
+    assert shorter.n_document_tokens < layout.n_document_tokens
+    rate = sentence_filter.sparse_keep_rate(0.1, layout.n_document_tokens, shorter.n_document_tokens)
+    assert 0.1 < rate < 1
+    expected = quality.select_kept(
+        engine.draft_scoring.importance(shorter), shorter.document_index, keep_rate=rate, chunk_size=32
+    )
+    assert prefill.kept.tolist() == expected.tolist() and torch.equal(prefill.positions, prefill.kept)
+    assert quality.rewrites_text(name) and not quality.rewrites_text("specprefill")
 
 
 class _Store:
