@@ -270,6 +270,12 @@ STUDIES: dict[str, Study] = {
             "hotpotqa-embeddings-filter": "the same on HotpotQA",
             "nq-embeddings-filter": "the same on NQ",
             "niah-4k-embeddings-filter": "the same on NIAH 4k",
+            "squad-filter50-specprefill": "#44: the filter keeping 50% of the documents, then SpecPrefill (0.5B "
+            "draft) on what it kept, to keep 0.1 and 0.3 overall; same 30 samples, own full baseline; the Xeon with "
+            "AMX (2026-12-06), run alone",
+            "nq-filter50-specprefill": "the same on NQ",
+            "hotpotqa-filter50-specprefill": "the same on HotpotQA",
+            "niah-4k-filter50-specprefill": "the same on NIAH 4k: 15 of 30 samples (stopped for time); resumable",
         },
     ),
     "pair-self-tuning": Study(
