@@ -62,6 +62,7 @@ import tasks  # noqa: E402
 import torch  # noqa: E402
 from quality import bootstrap_interval, bootstrap_ratio_interval, sample_digest, scores  # noqa: E402
 
+from specprefill_rag.decode.tool_calls import parse_tool_calls  # noqa: E402
 from specprefill_rag.prompt.chat import ChatMessage  # noqa: E402
 from specprefill_rag.results import GenerationResult, ToolCall  # noqa: E402
 
@@ -219,6 +220,32 @@ def call_as_text(turn: dict) -> bool:
     """A turn that wrote a search call outside the tool-call markup (a JSON code block, say): not parsed,
     so neither a call nor an invalid call; the loop takes it as the answer."""
     return not turn["tool_calls"] and not turn["invalid_tool_calls"] and bool(CALL_AS_TEXT.search(turn["text"]))
+
+
+def reparsed(report: dict) -> dict:
+    """``report`` with every generated turn's raw text parsed again by today's tool-call parser (the decode is
+    the same; only what counts as a call, an invalid call or content may change). A turn whose valid calls
+    change would have led the loop elsewhere: that is an error, not a report. A run whose answer came from a
+    turn takes that turn's new content.
+    """
+    for record in report["records"]:
+        for run in record["runs"].values():
+            for turn in run["turns"]:
+                if turn["tool_choice"] == "none":
+                    continue
+                parsed = parse_tool_calls(turn["raw"], "hermes", offered=(SEARCH["function"]["name"],))
+                if [c.name for c in parsed.tool_calls] != [c["name"] for c in turn["tool_calls"]]:
+                    raise ValueError(f"question {record['question']}: the calls of step {turn['step']} changed")
+                turn["text"] = parsed.content
+                turn["invalid_tool_calls"] = [
+                    {"name": c.name, "arguments": c.arguments, "error": c.error} for c in parsed.invalid_tool_calls
+                ]
+            last = run["turns"][-1]
+            if not last["tool_calls"] and last["tool_choice"] != "none":
+                run["answer"] = last["text"].strip()
+                run["correct"] = scores(run["answer"], record["answers"])["contains"]
+            run["parse_failures"] = sum(len(t["invalid_tool_calls"]) for t in run["turns"])
+    return report
 
 
 def strict_correct(run: dict) -> float:
@@ -717,6 +744,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     options.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "agentic" / "hotpotqa")
     options.add_argument("--resume", action="store_true", help="keep the questions an earlier run saved at --out")
     options.add_argument("--report", action="store_true", help="rewrite <out>.md from <out>.json; run nothing")
+    options.add_argument(
+        "--reparse",
+        action="store_true",
+        help="with --report: print the report with every turn's output parsed by today's tool-call parser",
+    )
     args = options.parse_args(argv)
     if args.max_steps < 2:
         options.error("--max-steps must be at least 2: a search, then the answer")
@@ -729,7 +761,11 @@ def main(argv: list[str] | None = None, engine: Any = None) -> dict:
     args = parse(argv)
     if args.report:
         report = json.loads(Path(f"{args.out}.json").read_text())
-        Path(f"{args.out}.md").write_text(markdown(report))
+        if args.reparse:
+            report = reparsed(report)
+            print(markdown(report))
+        else:
+            Path(f"{args.out}.md").write_text(markdown(report))
         return report
     samples = load_questions(args.questions, args.seed)
     digests = [sample_digest({k: v for k, v in s.items() if k != "paragraphs"}) for s in samples]

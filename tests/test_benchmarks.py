@@ -606,6 +606,35 @@ def test_agentic_study_runs_its_loop_on_a_tiny_model_and_resumes(task_data, tmp_
     assert [r["question"] for r in resumed["records"]] == [0, 1] and len(resumed["sessions"]) == 2
 
 
+def test_agentic_reparse_reads_stored_outputs_with_todays_parser():
+    """--report --reparse: a stored answer that was a cut search call becomes an invalid call and an empty
+    answer (scored again); a turn whose valid calls would change is an error, since the loop would have
+    differed."""
+    import agentic
+    import pytest
+
+    cut = '{"name": "search", "arguments": {"query": "Paris is the capital'
+
+    def turn(raw, calls=(), choice="auto"):
+        return {"step": 1, "tool_choice": choice, "raw": raw, "text": raw, "tool_calls": list(calls),
+                "invalid_tool_calls": []}  # fmt: skip
+
+    def report(*turns):
+        run = {"answer": turns[-1]["text"], "correct": 1.0, "parse_failures": 0, "turns": list(turns)}
+        return {"records": [{"question": 0, "answers": ["Paris"], "runs": {"1": run}}]}
+
+    (run,) = agentic.reparsed(report(turn(cut)))["records"][0]["runs"].values()
+    assert run["answer"] == "" and run["correct"] == 0.0 and run["parse_failures"] == 1
+    assert run["turns"][0]["invalid_tool_calls"][0]["error"] == "unterminated"
+    prose = report(turn("It is Lyon."))
+    assert agentic.reparsed(prose)["records"][0]["runs"]["1"]["correct"] == 0.0  # scored again: 'Paris' absent
+    kept = report(turn("The answer is Paris."))
+    assert agentic.reparsed(kept)["records"][0]["runs"]["1"] | {"turns": []} == {
+        "answer": "The answer is Paris.", "correct": 1.0, "parse_failures": 0, "turns": []}  # fmt: skip
+    with pytest.raises(ValueError, match="calls of step 1 changed"):
+        agentic.reparsed(report(turn('{"name": "search", "arguments": {"query": "x"}}')))
+
+
 def test_agentic_search_ranks_by_bm25_and_breaks_ties_by_order():
     from agentic import bm25_rank, query_of
 

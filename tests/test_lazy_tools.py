@@ -23,7 +23,7 @@ from specprefill_rag.config import GenerationParams, GrammarLimits, OutputFormat
 from specprefill_rag.decode import constraints
 from specprefill_rag.decode.constraints import ConstraintCompiler, TokenConstraint
 from specprefill_rag.decode.formats import lazy_tool_call_tag
-from specprefill_rag.decode.tool_calls import ToolCallStream, parse_tool_calls
+from specprefill_rag.decode.tool_calls import InvalidToolCall, ToolCallStream, parse_tool_calls
 from specprefill_rag.decode.tool_choice import tool_decoding
 from specprefill_rag.engine import SpecPrefillEngine
 from specprefill_rag.errors import InvalidRequestError
@@ -354,11 +354,19 @@ def test_hermes_parses_a_call_written_without_markup_whole_and_streamed(text, co
 
 # PLAIN[4] writes a call of a tool not offered: the parser alone takes it as a call (the offered names decide).
 @pytest.mark.parametrize(
-    "text", [*PLAIN[:4], 'bad {"name": "x", "arguments": {', '{"name": "x", "arguments": {}, "id": 1}']
+    "text", [*PLAIN[:4], 'bad {"name": "x", "arguments": {]} end', '{"name": "x", "arguments": {}, "id": 1}']
 )
 def test_hermes_leaves_json_that_is_no_call_as_content(text):
     whole, streamed = parse_both(text)
     assert whole == streamed == (text, (), ())
+
+
+def test_hermes_takes_a_call_the_text_ends_inside_as_an_unterminated_call():
+    """max_tokens cut the call off: an invalid call (any name counts when none were offered), not content."""
+    whole, streamed = parse_both('bad {"name": "x", "arguments": {')
+    assert (
+        whole == streamed == ("bad", (), (InvalidToolCall("x", '{"name": "x", "arguments": {', "id", "unterminated"),))
+    )
 
 
 def test_without_xgrammar_auto_still_parses_the_calls(qwen, model, monkeypatch, caplog):

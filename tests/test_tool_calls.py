@@ -302,6 +302,10 @@ SAMPLES = {
         "almost <tool_ca but not",
         "ends with <tool_",
         "\n\n<tool_call></tool_call>\n\n",
+        'Searching. {"name": "get_weather", "arguments": {"city": "Par',
+        '{{"name": "a", "arguments": {"x": 1}',
+        '```json\n{\n  "name": "x", "arguments": {}\n',
+        'Use {"name": "get_weather", like this.',
     ],
     "llama3": [
         "",
@@ -601,3 +605,31 @@ def test_a_call_written_without_markup_of_a_tool_not_offered_stays_content(writt
     parsed = parse_tool_calls(f"Sure. {written} done", "hermes", offered=("search",))
     assert parsed.tool_calls == () and parsed.invalid_tool_calls == ()
     assert parsed.content == f"Sure. {written} done"  # as written, not split off by blank lines
+
+
+@pytest.mark.parametrize(
+    ("written", "raw"),
+    [
+        ('{"name": "get_weather", "arguments": {"city": "Par', '{"name": "get_weather", "arguments": {"city": "Par'),
+        ('{{"name": "get_weather", "arguments": {"city": "Paris"}', '{"name": "get_weather", "arguments": {"city": '
+         '"Paris"}'),
+        ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n', '{\n  "name": "get_weather",\n  "arguments": {'),
+    ],
+)  # fmt: skip
+def test_a_call_written_without_markup_that_the_text_ends_inside_is_an_unterminated_call(written, raw):
+    """A call the lazy grammar of tool_choice="auto" started and max_tokens cut off is a call, not the answer's
+    text (#45: the agentic study's call-text answers): an invalid call naming the tool, as OpenAI returns a cut
+    call, in place of content."""
+    parsed = parse_tool_calls("Let me search.\n" + written, "hermes", counter(), offered=("get_weather",))
+    assert parsed == ParsedOutput(
+        "Let me search.", (), (InvalidToolCall("get_weather", raw, "call_0", "unterminated"),)
+    )
+    assert streamed("hermes", list("Let me search.\n" + written), {"get_weather"}) == parsed
+
+
+def test_a_cut_off_or_malformed_text_call_that_is_no_call_of_an_offered_tool_stays_content():
+    for text in ['Sure: {"name": "delete_all_files", "arguments": {"path": "/',  # a tool not offered
+                 'A record: {"name": "Ali',  # no name given whole
+                 'Use {"name": "get_weather", like this.',  # malformed before the end: prose
+                 'Then {"name": "get_weather", "arguments": {"city": Paris}} and so on']:  # fmt: skip
+        assert parse(text, "hermes", {"get_weather"}) == ParsedOutput(text, (), ()), text

@@ -15,13 +15,14 @@ streamed (:class:`ToolCallStream`).
 
 Content is the text outside the markup. Whitespace next to removed markup is trimmed, and the pieces of text on
 either side of removed calls are joined by a blank line. A call the model wrote that cannot be decoded is an
-:class:`InvalidToolCall`, never an exception and never dropped. Given the ``offered`` tool names, a call (valid
-or not) naming any other tool is no call at all: its text stays content, as written (its JSON re-serialised for
-a call inside a Mistral list), so text that a tool result or a document smuggled into the answer never becomes a
-call of a tool the client did not offer. Arguments must be a JSON object; they are not validated against the
-tool's ``parameters`` schema here (a forced ``tool_choice`` constrains them to it while they are generated).
-The blocking parser is the streaming one fed the whole text at once, so both give the same content, calls and
-ids however the text is split.
+:class:`InvalidToolCall`, never an exception and never dropped; so is a call written without markup that the text
+ends inside (``max_tokens`` cut it off) once it has named an offered tool. Given the ``offered`` tool names, a
+call (valid or not) naming any other tool is no call at all: its text stays content, as written (its JSON
+re-serialised for a call inside a Mistral list), so text that a tool result or a document smuggled into the
+answer never becomes a call of a tool the client did not offer. Arguments must be a JSON object; they are not
+validated against the tool's ``parameters`` schema here (a forced ``tool_choice`` constrains them to it while
+they are generated). The blocking parser is the streaming one fed the whole text at once, so both give the same
+content, calls and ids however the text is split.
 """
 
 from __future__ import annotations
@@ -274,6 +275,11 @@ def _name_of(text: str) -> str | None:
     return found.group(1) if found else None
 
 
+def _cut_off(error: json.JSONDecodeError) -> bool:
+    """Whether JSON failed to decode because the text ended inside it (not because it is malformed)."""
+    return error.msg.startswith("Unterminated string") or error.pos >= len(error.doc.rstrip())
+
+
 def _call_key(value: Any) -> str | None:
     """The arguments' key of a call written without markup: ``value`` is a JSON object of a string ``name`` and
     ``arguments`` (or ``parameters``), nothing else; None when it is not such an object.
@@ -355,6 +361,10 @@ class _Parser:
         """Release the rest of ``buf`` as content: the text has ended, no markup follows."""
         self.emit(self.buf.lstrip() if self.trim_start else self.buf)
         self.buf = ""
+
+    def offers(self, name: str | None) -> bool:
+        """Whether ``name`` is a tool the model may call (any name when no tools were named)."""
+        return bool(name) and (self.offered is None or name in self.offered)
 
     def not_offered(self, name: Any, written: str) -> bool:
         """True when ``name`` is a tool name that was not offered: then ``written`` (the call's text) was
@@ -495,7 +505,8 @@ class _Hermes(_Parser):
     def text_call(self, final: bool) -> bool:
         """Take the call without markup that ``buf`` starts with (whitespace, a fence or a brace, then
         ``{"name":``), with the closing brace and fence that go with it; text that is no such call is released as
-        content. False when more text is needed to tell.
+        content, unless the text ends inside a call of an offered tool (invalid, ``unterminated``). False when
+        more text is needed to tell.
         """
         text = self.buf
         call = _TEXT_CALL.search(text)
@@ -505,9 +516,14 @@ class _Hermes(_Parser):
         fence, brace = (wrapper.group(1), wrapper.group(2)) if wrapper else (None, None)
         try:
             value, end = _raw_decode(text[at:])
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as error:
             if not final:
                 return False
+            if _cut_off(error) and self.offers(_name_of(text[at:])):
+                # a call of an offered tool that the text ends inside (max_tokens): a call, not prose (#45)
+                self.add_invalid(_name_of(text[at:]), text[at:].rstrip(), "unterminated")
+                self.buf = ""
+                return True
             self.emit(text[: call.end()])
             self.buf = text[call.end() :]
             return True
