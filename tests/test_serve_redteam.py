@@ -442,6 +442,50 @@ def test_the_concurrency_bound_answers_429_with_a_retry_after(engine, monkeypatc
         assert _in_flight(url) == 0 and served_normally(url)
 
 
+def test_one_api_key_cannot_hold_every_slot(engine, monkeypatch, tmp_path):
+    """max_requests_per_key=1: key A's second request in flight gets 429 naming the setting, while key B, and
+    key A once its request is done, are served; the slots count per key and free with the request."""
+    import specprefill_rag.serve.app as app_module
+
+    release, real = threading.Event(), app_module.tokenize_request
+    monkeypatch.setattr(app_module, "tokenize_request", lambda *a: release.wait(SLACK_S) and real(*a))
+    key_file = tmp_path / "keys"
+    key_file.write_text("key-b-0123456789abcdef\n")
+    a, b = ({"Authorization": f"Bearer {key}"} for key in ("key-a-0123456789abcdef", "key-b-0123456789abcdef"))
+    settings = {"api_key": "key-a-0123456789abcdef", "api_key_file": key_file, "max_requests_per_key": 1}
+    with running_gateway(engine, max_concurrent_requests=4, **settings) as url:
+        holder = threading.Thread(
+            target=post, args=(url, {"model": MODEL, "prompt": "x"}), kwargs={"path": "/tokenize", "headers": a}
+        )
+        holder.start()
+        try:
+            deadline = time.monotonic() + SLACK_S
+            while gateway_of(url).slots.of(0) < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            refused = post(url, GOOD, headers=a)
+            assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+            assert "max_requests_per_key" in refused.json()["error"]["message"]
+            assert post(url, GOOD, headers=b).status_code == 200
+        finally:
+            release.set()
+            holder.join(SLACK_S)
+        assert _in_flight(url) == 0 and gateway_of(url).slots.of(0) == 0
+        assert post(url, GOOD, headers=a).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"max_requests_per_key": 2}, "no keys"),
+        ({"api_key": "k" * 16, "max_requests_per_key": 9, "max_concurrent_requests": 8}, "exceeds"),
+    ],
+)
+def test_a_per_key_bound_that_cannot_act_is_refused(settings, named):
+    with pytest.raises(ValidationError, match=named):
+        GatewaySettings(main="m", **settings)
+
+
 def _slow_bodies(url, count: int, source: str) -> list[socket.socket]:
     """``count`` connections from ``source`` that send headers and 10 bytes of a 1,000-byte body, then wait."""
     parts = urlsplit(url)

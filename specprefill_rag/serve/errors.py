@@ -107,6 +107,14 @@ def overloaded(in_flight: int, retry_after_s: int) -> GatewayError:
     return GatewayError(429, message, "RateLimitError", "overloaded", headers={"Retry-After": str(retry_after_s)})
 
 
+def key_overloaded(per_key: int, retry_after_s: int) -> GatewayError:
+    message = (
+        f"this API key already has its limit of {per_key} requests in flight (max_requests_per_key); retry after "
+        f"{retry_after_s} s, or send fewer at once"
+    )
+    return GatewayError(429, message, "RateLimitError", "overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
 def workers_busy(work: str, threads: int, queue: int, setting: str, retry_after_s: int = 1) -> GatewayError:
     """503: the bounded workers of one kind of heavy work (grammar compiles, warm-ups) are all taken."""
     message = (

@@ -121,7 +121,7 @@ class Gateway:
             settings.draft_batch_tokens,
             settings.batch_window_ms / 1000.0,
         )
-        self.slots = Slots(settings.max_concurrent_requests)
+        self.slots = Slots(settings.max_concurrent_requests, settings.max_requests_per_key)
         self.grammar_workers = Workers("grammar", settings.grammar_workers, settings.grammar_queue)
         self.warm_workers = Workers("warm", settings.warm_workers, settings.warm_queue)
         self.tenancy = Tenancy.of(settings)

@@ -1,13 +1,13 @@
 """Admission of every HTTP request before a route runs: the key, the JSON content type, the body, read
 under a size limit and a deadline, and the concurrency bound.
 
-A request turned away here costs constant work and at most ``max_body_bytes`` of memory: no tokenizer,
-no model, no thread. The order is the cheapest refusal first: key (401; ``/metrics`` takes its own key when
-one is set), content type (415), declared length (413), a free body reader (429: bodies being received at once,
-in all and per client address), then the body as it arrives (413 past the limit, 408 past the deadline), and
-only then a request slot (429). A request holds a slot only once its body is complete, so clients that send
-bodies slowly cannot hold the slots that complete requests need; they hold body readers, of which one client
-address gets only a few.
+A request turned away here costs constant work and at most ``max_body_bytes`` of memory: no tokenizer, no model,
+no thread. The order is the cheapest refusal first: key (401; ``/metrics`` takes its own key when one is set),
+content type (415), declared length (413), a free body reader (429: bodies being received at once, in all and
+per client address), then the body as it arrives (413 past the limit, 408 past the deadline), and only then a
+request slot (429: in all, and per API key with ``max_requests_per_key``). A request holds a slot only once its
+body is complete, so clients that send bodies slowly cannot hold the slots that complete requests need; they
+hold body readers, of which one client address gets only a few.
 A client that disconnects mid-body is counted as ``disconnected``, not as an error.
 """
 
@@ -24,7 +24,16 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..config import WARM_DOCUMENTS_PATH
-from .errors import GatewayError, body_too_slow, not_json, overloaded, too_large, too_many_bodies, unauthorized
+from .errors import (
+    GatewayError,
+    body_too_slow,
+    key_overloaded,
+    not_json,
+    overloaded,
+    too_large,
+    too_many_bodies,
+    unauthorized,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -48,16 +57,20 @@ class _ClientGone(Exception):
 
 
 class Slots:
-    """At most ``capacity`` requests in flight, with a Retry-After estimate for the rest.
+    """At most ``capacity`` requests in flight, and at most ``per_key`` of them from one API key, with a
+    Retry-After estimate for the rest.
 
     Used from the event loop only (no lock). Little's law: with ``capacity`` requests in flight that each
     stay ``W`` seconds on average, one slot frees about every ``W / capacity`` seconds. Before any request
-    has finished, ``W`` is at least the age of the oldest one in flight.
+    has finished, ``W`` is at least the age of the oldest one in flight. A key at its share waits for one of
+    its own ``per_key`` requests: about ``W / per_key``.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, per_key: int | None = None) -> None:
         self.capacity = capacity
+        self.per_key = per_key
         self._started: dict[int, float] = {}
+        self._by_key: Counter[int] = Counter()
         self._next_id = 0
         self._mean_s: float | None = None
 
@@ -65,23 +78,38 @@ class Slots:
     def in_flight(self) -> int:
         return len(self._started)
 
-    def retry_after_s(self) -> int:
+    def of(self, key: int) -> int:
+        """The requests in flight from the API key numbered ``key``."""
+        return self._by_key[key]
+
+    def retry_after_s(self, sharing: int | None = None) -> int:
+        """Seconds until a slot frees, about: among ``sharing`` slots (default: all of them)."""
         now = time.monotonic()
         stay = self._mean_s if self._mean_s is not None else max((now - t for t in self._started.values()), default=0)
-        return max(1, math.ceil(stay / self.capacity))
+        return max(1, math.ceil(stay / (sharing or self.capacity)))
 
     @contextmanager
-    def hold(self) -> Iterator[None]:
-        """One slot for the body of the ``with``; raises a 429 :class:`GatewayError` when none is free."""
+    def hold(self, key: int | None = None) -> Iterator[None]:
+        """One slot for the body of the ``with``, for the API key numbered ``key`` (None: a gateway without
+        keys, one client); raises a 429 :class:`GatewayError` when none is free.
+        """
+        if key is not None and self.per_key is not None and self._by_key[key] >= self.per_key:
+            raise key_overloaded(self.per_key, self.retry_after_s(self.per_key))
         if self.in_flight >= self.capacity:
             raise overloaded(self.capacity, self.retry_after_s())
         slot, self._next_id = self._next_id, self._next_id + 1
         self._started[slot] = time.monotonic()
+        if key is not None:
+            self._by_key[key] += 1
         try:
             yield
         finally:
             stayed = time.monotonic() - self._started.pop(slot)
             self._mean_s = stayed if self._mean_s is None else 0.9 * self._mean_s + 0.1 * stayed
+            if key is not None:
+                self._by_key[key] -= 1
+                if not self._by_key[key]:
+                    del self._by_key[key]
 
 
 class BodyReaders:
@@ -141,9 +169,10 @@ def bearer_matches(header: bytes | None, key: bytes) -> bool:
     return scheme.lower() == b"bearer" and hmac.compare_digest(token.lstrip(b" "), key)
 
 
-def bearer_matches_any(header: bytes | None, keys: Sequence[bytes]) -> bool:
-    """Whether the header carries one of ``keys`` (each compared in constant time, all of them every time)."""
-    return sum(bearer_matches(header, key) for key in keys) > 0
+def matched_key(header: bytes | None, keys: Sequence[bytes]) -> int | None:
+    """The number of the key in ``keys`` the header carries, None if none (all compared, each in constant time)."""
+    matches = [bearer_matches(header, key) for key in keys]
+    return matches.index(True) if any(matches) else None
 
 
 def _media_type(header: bytes | None) -> str:
@@ -232,14 +261,15 @@ class RequestGuard:
         endpoint = ENDPOINTS.get(scope["path"])
         keys = self._metrics_keys if scope["path"] == METRICS_PATH else self._keys
         try:
-            if keys and not bearer_matches_any(_header(scope, b"authorization"), keys):
+            key = matched_key(_header(scope, b"authorization"), keys) if keys else None
+            if keys and key is None:
                 raise unauthorized()
             if scope["path"] in UNCOUNTED_PATHS:
                 await self.app(scope, receive, send)
                 return
             if scope["method"] == "POST":
                 receive = _replay(await self._body(scope, receive), receive)
-            with self.slots.hold():
+            with self.slots.hold(key):
                 await self.app(scope, receive, send)
         except GatewayError as error:
             if endpoint is not None:

@@ -125,6 +125,15 @@ class GatewaySettings(EngineSettings):
         description="Requests in flight at once, of every kind (drafted, short, /tokenize, /v1/models); more get 429 "
         "with a Retry-After from measured service times. /health and /metrics are not counted.",
     )
+    max_requests_per_key: int | None = Field(
+        None,
+        strict=True,
+        ge=1,
+        le=65536,
+        description="Requests in flight from one API key at once (more get 429 with Retry-After), so that one key "
+        "cannot hold every slot of max_concurrent_requests. None: no bound per key. Needs API keys: a gateway "
+        "without them has one client.",
+    )
     max_bodies_per_client: int = Field(
         64,
         strict=True,
@@ -219,6 +228,16 @@ class GatewaySettings(EngineSettings):
     @model_validator(mode="after")
     def _tenancy(self) -> GatewaySettings:
         self.api_keys()  # the key file is readable and its keys usable
+        if self.max_requests_per_key is not None and not self.api_keys():
+            raise ValueError(
+                "max_requests_per_key bounds each API key's requests, but the gateway has no keys (one client); "
+                "set api_key or api_key_file, or leave max_requests_per_key unset and bound max_concurrent_requests"
+            )
+        if (self.max_requests_per_key or 0) > self.max_concurrent_requests:
+            raise ValueError(
+                f"max_requests_per_key ({self.max_requests_per_key}) exceeds max_concurrent_requests "
+                f"({self.max_concurrent_requests}), which bounds every key together; lower it or raise the other"
+            )
         if self.cache_scope == "shared" and self.tenant_header is not None:
             raise ValueError(
                 "tenant_header declares tenants, but cache_scope 'shared' shares the caches among all clients; "
