@@ -296,6 +296,9 @@ STUDIES: dict[str, Study] = {
             "embeddings-filter-keep-0.1": "#44: the sentence filter beside full, SpecPrefill and `self` at 4k, keep "
             f"0.1; {XEON}, run alone",
             "embeddings-filter-keep-0.3": f"the same at keep 0.3; {XEON}, run alone",
+            "filter50-specprefill-keep-0.1": "#44: the filter keeping half the documents, then SpecPrefill "
+            f"(`--filter-share 0.5`), beside the others at 4k, keep 0.1; {XEON}, run alone",
+            "filter50-specprefill-keep-0.3": f"the same at keep 0.3; {XEON}, run alone",
         },
     ),
     "serve-draft-batching": Study(
