@@ -83,7 +83,7 @@ def test_hermes_malformed_json_is_invalid():
     assert out.content == "Hi"
     assert out.tool_calls == ()
     (bad,) = out.invalid_tool_calls
-    assert bad.name is None and bad.id == "call_0"
+    assert bad.name == "get_weather" and bad.id == "call_0"  # the name it gave, for the agent's error message
     assert bad.arguments == '{"name": "get_weather", "arguments": {"city": }'
     assert bad.error.startswith("malformed JSON: Expecting value")
 
@@ -142,7 +142,8 @@ def test_hermes_unterminated_block_at_the_end():
     assert out == ParsedOutput("Checking.", (ToolCall("get_weather", {"city": "Paris"}, "call_0"),), ())
     out = parse('<tool_call>\n{"name": "get_weather", "argu', "hermes")
     assert out.tool_calls == ()
-    assert out.invalid_tool_calls == (InvalidToolCall(None, '{"name": "get_weather", "argu', "call_0", "unterminated"),)
+    (cut,) = out.invalid_tool_calls
+    assert cut == InvalidToolCall("get_weather", '{"name": "get_weather", "argu', "call_0", "unterminated")
 
 
 def test_hermes_block_left_open_before_the_next_one():
@@ -150,7 +151,7 @@ def test_hermes_block_left_open_before_the_next_one():
     assert parse(text, "hermes").tool_calls == (ToolCall("a", {}, "call_0"), ToolCall("b", {}, "call_1"))
     out = parse('<tool_call>{"name": "a", <tool_call>{"name": "b", "arguments": {}}</tool_call>', "hermes")
     assert out.tool_calls == (ToolCall("b", {}, "call_1"),)
-    assert out.invalid_tool_calls == (InvalidToolCall(None, '{"name": "a",', "call_0", "unterminated"),)
+    assert out.invalid_tool_calls == (InvalidToolCall("a", '{"name": "a",', "call_0", "unterminated"),)
 
 
 def test_valid_and_invalid_calls_take_ids_in_writing_order():
@@ -418,7 +419,7 @@ def test_hermes_stream_releases_content_early_and_calls_when_closed():
         "", (ToolCall("get_weather", {"city": "Paris"}, "call_0"),)
     )
     assert stream.push('<tool_call>{"name": "x"') == StreamedPart("", ())
-    assert stream.finish() == StreamedPart("", (), (InvalidToolCall(None, '{"name": "x"', "call_1", "unterminated"),))
+    assert stream.finish() == StreamedPart("", (), (InvalidToolCall("x", '{"name": "x"', "call_1", "unterminated"),))
 
 
 def test_hermes_stream_releases_a_false_alarm():

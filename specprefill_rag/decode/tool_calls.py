@@ -556,8 +556,7 @@ class _Hermes(_Parser):
         try:
             value = _loads(text)
         except json.JSONDecodeError as error:
-            if not self.not_offered(_name_of(text), written):
-                self.add_invalid(None, text, _malformed(error) if terminated else "unterminated")
+            self.add_invalid(_name_of(text), text, _malformed(error) if terminated else "unterminated", written)
             return
         self.add_object(value, ("arguments", "parameters"), written)
 
