@@ -23,7 +23,8 @@ the tutorials study's), and whether the answer holds it, anywhere and in its las
 the right year and concludes another is wrong). Stats come from each surface's own place (LangChain
 callbacks, LlamaIndex instrumentation, the gateway's ``x-specprefill-*`` response headers).
 ``--min-prompt-tokens`` is 0 by default: the tool results here are a few hundred tokens, under the pair's
-automatic floor (1,152), which would leave every prompt whole.
+automatic floor (1,152), which would leave every prompt whole. With ``--k 8 --min-prompt-tokens auto`` the tool
+returns about 2,000 tokens and the engine's defaults compress them.
 
     python benchmarks/agent_patterns.py                       # every pattern, both surfaces
     python benchmarks/agent_patterns.py --patterns li-function-agent --surfaces gateway
@@ -338,7 +339,12 @@ def main() -> None:
     options.add_argument("--surfaces", nargs="+", default=SURFACES, choices=SURFACES)
     options.add_argument("--keep-rate", type=float, default=0.3)
     options.add_argument("--k", type=int, default=4, help="chunks the retriever tool returns per search")
-    options.add_argument("--min-prompt-tokens", type=int, default=0)
+    options.add_argument(
+        "--min-prompt-tokens",
+        type=lambda value: value if value == "auto" else int(value),
+        default=0,
+        help="a number, or 'auto': the engine's default, the length from which the draft pays for this pair",
+    )
     options.add_argument("--max-tokens", type=int, default=96)
     options.add_argument("--question", default=QUESTION)
     options.add_argument("--system", default=SYSTEM)
