@@ -275,7 +275,8 @@ STUDIES: dict[str, Study] = {
             "AMX (2026-12-06), run alone",
             "nq-filter50-specprefill": "the same on NQ",
             "hotpotqa-filter50-specprefill": "the same on HotpotQA",
-            "niah-4k-filter50-specprefill": "the same on NIAH 4k: 15 of 30 samples (stopped for time); resumable",
+            "niah-4k-filter50-specprefill": "the same on NIAH 4k: samples 0-14 on 2026-12-06 afternoon, 15-29 "
+            "that evening (`--resume`) on another Xeon with AMX",
         },
     ),
     "pair-self-tuning": Study(
