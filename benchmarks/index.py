@@ -81,6 +81,10 @@ STUDIES: dict[str, Study] = {
             "tutorial-prompt-k4-keep-1": "the same, keep 1, in-process",
             "tutorial-prompt-k4-answer-query": "4 chunks, 256 tokens, keep 0.3, the draft reading the arguments, the "
             "question and `Answer:` after a tool result (the engine now); the EPYC, beside the `self` tool-query run",
+            "k8-defaults": f"8 chunks (prompts of ~1,500 tokens), `min_prompt_tokens` auto (the defaults compress), "
+            f"keep 0.3, the 0.5B draft, both surfaces; {XEON}, alone",
+            "k8-defaults-keep-1": "the same, keep 1, in-process",
+            "k8-defaults-self": "the same at keep 0.3 with `draft='self'`, in-process",
         },
     ),
     "agentic": Study(
