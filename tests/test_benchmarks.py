@@ -635,6 +635,29 @@ def test_agentic_reparse_reads_stored_outputs_with_todays_parser():
         agentic.reparsed(report(turn('{"name": "search", "arguments": {"query": "x"}}')))
 
 
+def test_agent_kept_shows_the_tool_results_kept_text():
+    """benchmarks/agent_kept.py on a tiny Qwen-format model: keep 1 keeps the whole tool result; keep 0.3 keeps
+    fewer tokens, and the text it shows is the tool result's own (no template text)."""
+    import agent_kept
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.testing import build_family_tokenizer, build_model
+
+    tokenizer = build_family_tokenizer("qwen3")
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2_5.jinja").read_text()
+    main, draft = (
+        build_model(tokenizer, layers=2, max_positions=4096),
+        build_model(tokenizer, layers=1, seed=1, max_positions=4096),
+    )
+    engine = SpecPrefillEngine.from_models(main, tokenizer, draft, min_prompt_tokens=0)
+    result = " ".join(f"Sentence {i} says the stone was found in {1700 + i}." for i in range(15))
+    chat = agent_kept.messages(result)
+    kept, total, text = agent_kept.kept_document_text(engine, chat, 1.0)
+    assert kept == total and text.strip() == result
+    kept, total, text = agent_kept.kept_document_text(engine, chat, 0.3)
+    assert kept < total and 0 < len(text) < len(result) and "<tool_response>" not in text
+
+
 def test_agentic_search_ranks_by_bm25_and_breaks_ties_by_order():
     from agentic import bm25_rank, query_of
 
