@@ -299,6 +299,19 @@ def final_line_ok(answer: str) -> bool:
     return EXPECTED.lower() in last_line(answer).lower()
 
 
+def stopped_at_limit(run: dict, max_tokens: int) -> bool | None:
+    """Whether the answer's model call wrote its whole token allowance (the answer was cut, not concluded); None
+    where the surface does not report completion tokens (the gateway's headers)."""
+    tokens = run["calls"][-1].get("completion_tokens") if run["calls"] else None
+    return None if tokens is None else int(tokens) >= max_tokens
+
+
+def concluded_ok(run: dict, max_tokens: int) -> bool:
+    """The answer's last line holds the expected text and the answer was not cut at the token limit: a
+    one-line answer that quotes the year and then repeats a phrase to the limit concludes nothing."""
+    return final_line_ok(run["answer"]) and not stopped_at_limit(run, max_tokens)
+
+
 def retrieved_cell(run: dict) -> str:
     if "answer_retrieved" not in run:  # runs recorded before the tool kept its results
         return "not recorded"
@@ -315,17 +328,19 @@ def markdown(report: dict) -> str:
         f"{meta['system']!r}. Machine: {meta['machine']}; {meta['date']}.",
         "",
         "| pattern | surface | ran | tool calls | model calls | calls with tool results: compressed "
-        "| answer in tool results | answer ok | its last line ok | not compressed because | answer's last line |",
-        "|---|---|---|---:|---:|---|---|---|---|---|---|",
+        "| answer in tool results | answer ok | its last line ok, not cut | cut at the token limit "
+        "| not compressed because | answer's last line |",
+        "|---|---|---|---:|---:|---|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         answer = " ".join(last_line(run["answer"]).split()).replace("|", "\\|")[-80:]
         ran = "yes" if run["ran"] else f"no: {run['error'][:80]}"
+        cut = {None: "not reported", True: "yes", False: "no"}[stopped_at_limit(run, meta["max_tokens"])]
         lines.append(
             f"| {LABELS[run['pattern']]} | {run['surface']} | {ran} | {run['tool_calls']} | {run['model_calls']} "
             f"| {run['compressed']} of {run['calls_with_results']} | {retrieved_cell(run)} "
-            f"| {'yes' if run['answer_ok'] else 'no'} | {'yes' if final_line_ok(run['answer']) else 'no'} "
-            f"| {', '.join(run['reasons']) or '-'} | {answer} |"
+            f"| {'yes' if run['answer_ok'] else 'no'} | {'yes' if concluded_ok(run, meta['max_tokens']) else 'no'} "
+            f"| {cut} | {', '.join(run['reasons']) or '-'} | {answer} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1027,6 +1027,12 @@ def test_the_agent_study_records_whether_its_tool_returned_the_answer():
     quoted_then_wrong = "The context says the stone was found in July 1799.\n\nTherefore the answer is:\n\n2019\n"
     assert not agent_patterns.final_line_ok(quoted_then_wrong)
     assert agent_patterns.final_line_ok("It was found in July 1799.\nTherefore: 1799.")
+    looping = {"answer": "It was found in July 1799 while working on it while working on it", "calls": [{}]}
+    assert agent_patterns.stopped_at_limit(looping, 256) is None  # the gateway's headers give no token count
+    looping["calls"] = [{"completion_tokens": 26}, {"completion_tokens": 256}]
+    assert agent_patterns.stopped_at_limit(looping, 256) and not agent_patterns.concluded_ok(looping, 256)
+    looping["calls"][-1]["completion_tokens"] = 40
+    assert agent_patterns.concluded_ok(looping, 256)
 
 
 def test_the_tool_query_study_changes_only_what_the_draft_reads_after_the_prompt():
