@@ -281,6 +281,10 @@ STUDIES: dict[str, Study] = {
             "hotpotqa-filter50-specprefill": "the same on HotpotQA",
             "niah-4k-filter50-specprefill": "the same on NIAH 4k: samples 0-14 on 2026-12-06 afternoon, 15-29 "
             "that evening (`--resume`) on another Xeon with AMX",
+            "squad-filter30-specprefill": "the filter keeping 30%, then SpecPrefill, keep 0.1 and 0.3 (at 0.3 the "
+            "filter alone); the same 30 samples, own full baseline; a Xeon with AMX, beside a CI run (answers only)",
+            "nq-filter30-specprefill": "the same on NQ",
+            "hotpotqa-filter30-specprefill": "the same on HotpotQA",
         },
     ),
     "pair-self-tuning": Study(
