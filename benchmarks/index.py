@@ -308,6 +308,8 @@ STUDIES: dict[str, Study] = {
             "filter50-specprefill-keep-0.1": "#44: the filter keeping half the documents, then SpecPrefill "
             f"(`--filter-share 0.5`), beside the others at 4k, keep 0.1; {XEON}, run alone",
             "filter50-specprefill-keep-0.3": f"the same at keep 0.3; {XEON}, run alone",
+            "filter30-specprefill-keep-0.1": "the filter keeping 30%, then SpecPrefill (`--filter-share 0.3`), at 4k, "
+            f"keep 0.1; {XEON}, run alone right after a CI run (full prefill 18.3 s: compare ratios only)",
         },
     ),
     "serve-draft-batching": Study(
