@@ -15,25 +15,23 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import tutorials  # noqa: E402
 from agent_patterns import EXPECTED, QUESTION, SYSTEM, Tool  # noqa: E402
+from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa: E402
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
 from specprefill_rag.prompt.chat import ChatMessage  # noqa: E402
 from specprefill_rag.results import ToolCall  # noqa: E402
 
-RETRIEVE = {  # the tool as LangChain's bind_tools sends it
-    "type": "function",
-    "function": {
-        "name": "retrieve_context",
-        "description": "Retrieve information to help answer a query.",
-        "parameters": {"properties": {"query": {"type": "string"}}, "required": ["query"], "type": "object"},
-    },
-}
+
+def offered(tool: Tool) -> list[dict[str, Any]]:
+    """The retriever tool as LangChain's ``bind_tools`` sends it."""
+    return [convert_to_openai_tool(tool.langchain())]
 
 
 def messages(result: str) -> list[ChatMessage]:
@@ -46,9 +44,11 @@ def messages(result: str) -> list[ChatMessage]:
     ]
 
 
-def kept_document_text(engine: SpecPrefillEngine, chat: list[ChatMessage], keep_rate: float) -> tuple[int, int, str]:
+def kept_document_text(
+    engine: SpecPrefillEngine, chat: list[ChatMessage], tools: list[dict[str, Any]], keep_rate: float
+) -> tuple[int, int, str]:
     """(kept tokens, prompt tokens, the kept document tokens' text) of the draft's selection."""
-    layout = engine.chat_layout(chat, tools=[RETRIEVE]).layout
+    layout = engine.chat_layout(chat, tools=tools).layout
     kept = engine.select(layout, keep_rate=keep_rate).kept
     in_documents = kept[layout.document_index[kept] >= 0]
     return int(kept.numel()), len(layout), engine.tokenizer.decode(layout.input_ids[in_documents])
@@ -62,12 +62,12 @@ def main() -> None:
     options.add_argument("--keep-rates", type=float, nargs="+", default=[0.3])
     options.add_argument("--max-tokens", type=int, default=160)
     args = options.parse_args()
-    result = Tool(tutorials.build_retrieval(), args.k).retrieve(QUESTION)
+    tool = Tool(tutorials.build_retrieval(), args.k)
+    tools, chat = offered(tool), messages(tool.retrieve(QUESTION))
     engine = SpecPrefillEngine(main=args.main, draft=args.draft, min_prompt_tokens=0)
-    chat = messages(result)
     for keep_rate in args.keep_rates:
-        kept, total, text = kept_document_text(engine, chat, keep_rate)
-        answer = engine.chat(chat, tools=[RETRIEVE], keep_rate=keep_rate, max_new_tokens=args.max_tokens).text
+        kept, total, text = kept_document_text(engine, chat, tools, keep_rate)
+        answer = engine.chat(chat, tools=tools, keep_rate=keep_rate, max_new_tokens=args.max_tokens).text
         print(f"## keep {keep_rate:g}: {kept} of {total} tokens kept; {EXPECTED!r} in the kept documents: "
               f"{EXPECTED in text}\n\n{text}\n\nAnswer: {answer}\n")  # fmt: skip
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine
@@ -17,6 +18,15 @@ QUESTION = "When did the bridge open?"
 
 def tiny_engine(tokenizer, main, draft) -> SpecPrefillEngine:
     return SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=0.3, min_prompt_tokens=0, look_ahead=2)
+
+
+def wait_for(condition, seconds=60.0):
+    """Poll ``condition()`` until it holds (the server's bookkeeping runs after the client's answer), at most
+    ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
 
 
 _APPS = {}

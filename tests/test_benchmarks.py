@@ -652,9 +652,12 @@ def test_agent_kept_shows_the_tool_results_kept_text():
     engine = SpecPrefillEngine.from_models(main, tokenizer, draft, min_prompt_tokens=0)
     result = " ".join(f"Sentence {i} says the stone was found in {1700 + i}." for i in range(15))
     chat = agent_kept.messages(result)
-    kept, total, text = agent_kept.kept_document_text(engine, chat, 1.0)
+    retriever = type("Retriever", (), {"vectorstore": _Store([])})()
+    tools = agent_kept.offered(agent_kept.Tool({"langchain": retriever}, k=1))
+    assert tools[0]["function"]["name"] == "retrieve_context"  # the name the call in the messages gives
+    kept, total, text = agent_kept.kept_document_text(engine, chat, tools, 1.0)
     assert kept == total and text.strip() == result
-    kept, total, text = agent_kept.kept_document_text(engine, chat, 0.3)
+    kept, total, text = agent_kept.kept_document_text(engine, chat, tools, 0.3)
     assert kept < total and 0 < len(text) < len(result) and "<tool_response>" not in text
 
 

@@ -15,7 +15,7 @@ import pytest
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.errors import DraftScoringError
 from specprefill_rag.testing import random_documents
-from tests.serve_helpers import MODEL, chat_messages, gateway_of, running_gateway, tiny_engine
+from tests.serve_helpers import MODEL, chat_messages, gateway_of, running_gateway, tiny_engine, wait_for
 from tests.test_vllm_client import StandIn, handler_class, serve
 
 DOCUMENTS = random_documents(3, 60)
@@ -160,13 +160,6 @@ class BlockedDraft:
         self.entered.set()
         self.release.wait(120)  # bounded, and far past any test's release however busy the machine
         return self.real(prompts)
-
-
-def wait_for(condition, seconds=60.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_full_queue_gives_429_with_retry_after(engine):

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from specprefill_rag.cli import main
 from specprefill_rag.serve import GatewaySettings
 from specprefill_rag.testing import random_documents
-from tests.serve_helpers import MODEL, chat_messages, gateway_of, running_gateway, tiny_engine
+from tests.serve_helpers import MODEL, chat_messages, gateway_of, running_gateway, tiny_engine, wait_for
 
 BODY_LIMIT = 64 * 1024
 LIMITS = {"max_body_bytes": BODY_LIMIT, "header_timeout_s": 1.0, "body_timeout_s": 1.0}
@@ -422,10 +422,7 @@ def test_the_concurrency_bound_answers_429_with_a_retry_after(engine, monkeypatc
         try:
             for holder in holders:
                 holder.start()
-            deadline = time.monotonic() + SLACK_S
-            while _in_flight(url) < 2:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_for(lambda: _in_flight(url) >= 2, SLACK_S)
             for attempt in (
                 lambda: post(url, GOOD),
                 lambda: httpx.get(url + "/v1/models", timeout=SLACK_S),
@@ -439,7 +436,7 @@ def test_the_concurrency_bound_answers_429_with_a_retry_after(engine, monkeypatc
             release.set()
             for holder in holders:
                 holder.join(SLACK_S)
-        _until(lambda: _in_flight(url) == 0)  # the answer reaches the client before the slot is handed back
+        wait_for(lambda: _in_flight(url) == 0, SLACK_S)  # the answer reaches the client before the slot is handed back
         assert served_normally(url)
 
 
@@ -460,10 +457,7 @@ def test_one_api_key_cannot_hold_every_slot(engine, monkeypatch, tmp_path):
         )
         holder.start()
         try:
-            deadline = time.monotonic() + SLACK_S
-            while gateway_of(url).slots.of(0) < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_for(lambda: gateway_of(url).slots.of(0) >= 1, SLACK_S)
             refused = post(url, GOOD, headers=a)
             assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
             assert "max_requests_per_key" in refused.json()["error"]["message"]
@@ -471,7 +465,7 @@ def test_one_api_key_cannot_hold_every_slot(engine, monkeypatch, tmp_path):
         finally:
             release.set()
             holder.join(SLACK_S)
-        _until(lambda: _in_flight(url) == 0 and gateway_of(url).slots.of(0) == 0)
+        wait_for(lambda: _in_flight(url) == 0 and gateway_of(url).slots.of(0) == 0, SLACK_S)
         assert post(url, GOOD, headers=a).status_code == 200
 
 
@@ -518,10 +512,9 @@ def test_slow_bodies_cannot_hold_the_request_slots(engine):
         readers = gateway_of(url).readers
         attackers = _slow_bodies(url, 130, "127.0.0.2")
         try:
-            deadline = time.monotonic() + SLACK_S
-            while readers.of("127.0.0.2") < 4:  # the first four are being read; the rest were answered 429
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_for(
+                lambda: readers.of("127.0.0.2") >= 4, SLACK_S
+            )  # the first four are being read; the rest were answered 429
             assert sorted(_answers(attackers, 126)) == [429] * 126  # the other four are still being read
             assert readers.of("127.0.0.2") == 4 and _in_flight(url) == 0
             answers = [post(url, GOOD).status_code for _ in range(5)]
@@ -536,10 +529,7 @@ def test_a_complete_body_takes_its_slot_after_the_body_arrived(engine):
     with running_gateway(engine, max_concurrent_requests=1, body_timeout_s=SLACK_S) as url:
         [slow] = _slow_bodies(url, 1, "127.0.0.3")
         try:
-            deadline = time.monotonic() + SLACK_S
-            while gateway_of(url).readers.reading < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_for(lambda: gateway_of(url).readers.reading >= 1, SLACK_S)
             assert _in_flight(url) == 0 and served_normally(url)
         finally:
             slow.close()
@@ -547,14 +537,6 @@ def test_a_complete_body_takes_its_slot_after_the_body_arrived(engine):
 
 def _in_flight(url) -> int:
     return gateway_of(url).slots.in_flight
-
-
-def _until(condition) -> None:
-    """Wait for ``condition()`` to hold, at most SLACK_S: the server's bookkeeping after an answer was sent."""
-    deadline = time.monotonic() + SLACK_S
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
 
 
 def _rss_bytes() -> int:

@@ -370,7 +370,7 @@ class _Parser:
         """True when ``name`` is a tool name that was not offered: then ``written`` (the call's text) was
         released as content (:meth:`as_content`).
         """
-        if self.offered is None or not isinstance(name, str) or not name or name in self.offered:
+        if not isinstance(name, str) or not name or self.offers(name):
             return False
         self.as_content(written)
         return True
@@ -519,9 +519,10 @@ class _Hermes(_Parser):
         except json.JSONDecodeError as error:
             if not final:
                 return False
-            if _cut_off(error) and self.offers(_name_of(text[at:])):
+            name = _name_of(text[at:])
+            if _cut_off(error) and self.offers(name):
                 # a call of an offered tool that the text ends inside (max_tokens): a call, not prose (#45)
-                self.add_invalid(_name_of(text[at:]), text[at:].rstrip(), "unterminated")
+                self.add_invalid(name, text[at:].rstrip(), "unterminated")
                 self.buf = ""
                 return True
             self.emit(text[: call.end()])

@@ -227,8 +227,8 @@ class GatewaySettings(EngineSettings):
 
     @model_validator(mode="after")
     def _tenancy(self) -> GatewaySettings:
-        self.api_keys()  # the key file is readable and its keys usable
-        if self.max_requests_per_key is not None and not self.api_keys():
+        keys = self.api_keys()  # the key file is readable and its keys usable
+        if self.max_requests_per_key is not None and not keys:
             raise ValueError(
                 "max_requests_per_key bounds each API key's requests, but the gateway has no keys (one client); "
                 "set api_key or api_key_file, or leave max_requests_per_key unset and bound max_concurrent_requests"
