@@ -8,6 +8,7 @@ that drops the answer from a main model that does not use it.
 
     python benchmarks/agent_kept.py --k 8 --keep-rates 0.3 0.5 1
     python benchmarks/agent_kept.py --draft self
+    python benchmarks/agent_kept.py --chunking sentences
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ def main() -> None:
     options.add_argument("--k", type=int, default=8, help="chunks the tool returns")
     options.add_argument("--keep-rates", type=float, nargs="+", default=[0.3])
     options.add_argument("--max-tokens", type=int, default=160)
+    options.add_argument("--chunking", default="tokens", choices=["tokens", "sentences"])
     args = options.parse_args()
     tool = Tool(tutorials.build_retrieval(), args.k)
     tools, chat = offered(tool), messages(tool.retrieve(QUESTION))
-    engine = SpecPrefillEngine(main=args.main, draft=args.draft, min_prompt_tokens=0)
+    engine = SpecPrefillEngine(main=args.main, draft=args.draft, min_prompt_tokens=0, chunking=args.chunking)
     for keep_rate in args.keep_rates:
         kept, total, text = kept_document_text(engine, chat, tools, keep_rate)
         answer = engine.chat(chat, tools=tools, keep_rate=keep_rate, max_new_tokens=args.max_tokens).text

@@ -256,7 +256,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     drafts = {
         name: make()
         for name, make in drafts.items()
-        if name in args.methods or (name == "specprefill" and ({"contiguous", AUTO} & set(args.methods)))
+        if name in args.methods or (name == "specprefill" and ({"contiguous", SENTENCES, AUTO} & set(args.methods)))
     }
     # draft -> {id(layout): (layout, importance [L])}; the layout is held, so its id() is not reused
     scored: dict[str, dict[int, tuple[PromptLayout, torch.Tensor]]] = {name: {} for name in drafts}
@@ -266,9 +266,11 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
             scored[name][id(layout)] = (layout, drafts[name](layout))
         return scored[name][id(layout)][1]
 
-    def draft_method(name: str, renumber: bool = False) -> Callable:
+    def draft_method(name: str, renumber: bool = False, sentences: bool = False) -> Callable:
         def run(sample: dict, layout: PromptLayout, keep_rate: float) -> Prefill:
-            kept = select_kept(importance(name, layout), layout.document_index, keep_rate=keep_rate, chunk_size=32)
+            starts = layout.sentence_starts() if sentences else None
+            scores = importance(name, layout)
+            kept = select_kept(scores, layout.document_index, keep_rate=keep_rate, chunk_size=32, sentence_start=starts)
             return Prefill(layout, kept, torch.arange(kept.numel()) if renumber else kept)
 
         return run
@@ -295,6 +297,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
 
     methods = {name: draft_method(name) for name in drafts}
     methods.update({"contiguous": draft_method("specprefill", renumber=True), "random": random_chunks, "first": first})
+    methods[SENTENCES] = draft_method("specprefill", sentences=True)
     methods.update({name: auto_method(floor, ceiling) for name, (floor, ceiling) in auto.items()})
     if "longllmlingua" in args.methods:
         methods["longllmlingua"] = longllmlingua_method(engine, args.compressor or compressor_default(args))
@@ -360,6 +363,7 @@ def longllmlingua_method(engine: SpecPrefillEngine, compressor_spec: str) -> Cal
 
 
 EMBEDDINGS_FILTER = "embeddings-filter"
+SENTENCES = "specprefill-sentences"  # the engine's draft, chunks of whole sentences (chunking="sentences")
 # the sentence filter keeping NN% of the documents' tokens, then specprefill on what it kept
 FILTERED_METHOD = re.compile(r"embeddings-filter(\d{2})-specprefill")
 # methods that rewrite the documents' text: their prompt's documents are not the sample's, so no gold document
@@ -743,6 +747,7 @@ def write_tables(report: dict, out: Path, metrics: list[str]) -> None:
 # SQuAD split with SmolLM2-135M, where it is self-12-w16, the name earlier tables use)
 ALL_METHODS = ["specprefill", "specprefill-la1", "self", "contiguous", "longllmlingua", "random", "first"]
 OPTIONAL_METHODS = [  # run only when named
+    SENTENCES,
     "specprefill-documents",
     "specprefill-documents-naive",
     "specprefill-documents-blend05",

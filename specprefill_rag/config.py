@@ -66,6 +66,7 @@ DRAFT_DESCRIPTION = (
 # equally often; contiguous raised the answer's log-probability on held-out NIAH and HotpotQA at keep 0.1
 # (BENCHMARKS.md, "Original or contiguous positions").
 Positions = Literal["original", "contiguous"]
+Chunking = Literal["tokens", "sentences"]
 # Retrieved context sent as plain text in a system message: which of it is documents (prompt/context.py).
 SystemContext = Literal["off", "after_instructions", "delimited"]
 DocumentRepairKind = Literal["naive", "epic", "blend", "query"]
@@ -517,6 +518,12 @@ class EngineSettings(CompressionSettings, GrammarLimits):
     pool_kernel: PoolKernel = Field(13, strict=True, ge=1, description="Average-pooling kernel along the prompt (odd).")
     chunk_size: int = Field(
         32, strict=True, ge=1, description="Document tokens are kept or dropped in chunks of this size."
+    )
+    chunking: Chunking = Field(
+        "tokens",
+        description="Where document chunks end: 'tokens' every chunk_size tokens; 'sentences' at sentence ends, whole "
+        "sentences packed into chunks of at most chunk_size tokens (a longer sentence is cut every chunk_size), so "
+        "the main model reads no sentence cut where a dropped chunk begins.",
     )
     draft_cache_mb: int = Field(
         DEFAULT_DRAFT_CACHE_MB,

@@ -360,7 +360,8 @@ class Pipeline:
         """Everything besides the prompt that decides which tokens a span keeps."""
         config = self.config
         auto = (config.auto_keep_share, config.auto_keep_floor, config.auto_keep_ceiling)
-        return f"{budget.keep_rate}|{budget.max_document_tokens}|{config.chunk_size}|{auto}|{config.positions}"
+        chunks = f"{config.chunk_size}|{config.chunking}"
+        return f"{budget.keep_rate}|{budget.max_document_tokens}|{chunks}|{auto}|{config.positions}"
 
     def select(
         self,
@@ -386,6 +387,7 @@ class Pipeline:
             keep_rate=self.keep_budget(budget.keep_rate),
             chunk_size=self.config.chunk_size,
             max_document_tokens=cap,
+            sentence_start=layout.sentence_starts() if self.config.chunking == "sentences" else None,
         )
         if recalled is not None:
             kept = _with_recalled(kept, recalled, len(layout))

@@ -1,6 +1,7 @@
 """SpecPrefillEngine end to end on a tiny random Llama."""
 
 import asyncio
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -340,3 +341,32 @@ def test_contiguous_positions_prefill_the_same_kept_tokens_as_an_ordinary_prompt
     assert result.token_ids != at_original.token_ids
     at_original_positions = original.sparse_prompt(layout, kept)
     assert torch.equal(at_original_positions.position_ids, kept) and at_original_positions.prompt_length == len(layout)
+
+
+def kept_document_runs(engine: SpecPrefillEngine, chunking: str) -> list[str]:
+    """The text of each run of kept document tokens when the engine chunks by ``chunking``."""
+    documents = [" ".join(f"Fact {d}.{i} is in document {d}." for i in range(14)) for d in range(3)]
+    engine = SpecPrefillEngine.from_models(
+        engine.main.model, engine.tokenizer, engine.draft.model, keep_rate=0.3, min_prompt_tokens=0,
+        look_ahead=3, chunking=chunking,
+    )  # fmt: skip
+    layout = engine.layout(QUESTION, documents)
+    kept = torch.zeros(len(layout), dtype=torch.bool)
+    kept[engine.select(layout).kept] = True
+    kept &= layout.document_index >= 0
+    runs, current = [], []
+    for position in range(len(layout)):
+        if kept[position] and (not current or current[-1] == position - 1):
+            current.append(position)
+            continue
+        if current:
+            runs.append(engine.tokenizer.decode(layout.input_ids[current]))
+        current = [position] if kept[position] else []
+    return runs + ([engine.tokenizer.decode(layout.input_ids[current])] if current else [])
+
+
+def test_sentence_chunking_keeps_whole_sentences_where_token_chunks_cut_them(engine):
+    sentence = r"(\s*Fact \d\.\d+ is in document \d\.)+"
+    by_sentences = kept_document_runs(engine, "sentences")
+    assert by_sentences and all(re.fullmatch(sentence, run) for run in by_sentences)
+    assert not all(re.fullmatch(sentence, run) for run in kept_document_runs(engine, "tokens"))

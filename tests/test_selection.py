@@ -132,3 +132,65 @@ def test_importance_mass_never_keeps_less_than_the_floor(case, share, floor, cei
     kept_documents = int((document_index[kept] >= 0).sum())
     assert kept_documents >= math.ceil(floor * n_documents - 1e-9)
     assert kept_documents <= math.ceil(ceiling * n_documents - 1e-9) + chunk_size
+
+
+def test_sentences_are_packed_whole_into_chunks_and_long_ones_are_cut():
+    # document 0: sentences of 3, 2, 6 and 1 tokens; document 1: one sentence of 5
+    document_index = torch.tensor([-1] + [0] * 12 + [-1] + [1] * 5)
+    sentence_start = torch.zeros(19, dtype=torch.bool)
+    sentence_start[[1, 4, 6, 12]] = True
+    chunk_id = document_chunks(document_index, chunk_size=4, sentence_start=sentence_start)
+    # 3 fits, 3+2 does not; the 6-token sentence is cut after 4 and its last 2 pack with the 1-token one
+    assert chunk_id.tolist() == [-1, 0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, -1, 4, 4, 4, 4, 5]
+
+
+@st.composite
+def sentence_layouts(draw):
+    importance, document_index, keep_rate, chunk_size = draw(layouts())
+    starts = draw(st.lists(st.booleans(), min_size=document_index.numel(), max_size=document_index.numel()))
+    return importance, document_index, keep_rate, chunk_size, torch.tensor(starts)
+
+
+def sentences_of(document_index: torch.Tensor, sentence_start: torch.Tensor) -> list[list[int]]:
+    """Each sentence's token positions: a run from a sentence or document start to the next such start."""
+    sentences: list[list[int]] = []
+    for position, document in enumerate(document_index.tolist()):
+        if document < 0:
+            continue
+        new_run = position == 0 or document_index[position - 1] != document
+        if new_run or sentence_start[position]:
+            sentences.append([])
+        sentences[-1].append(position)
+    return sentences
+
+
+@settings(max_examples=150, deadline=None)
+@given(sentence_layouts())
+def test_sentence_chunks_never_cut_a_sentence_that_fits(case):
+    importance, document_index, keep_rate, chunk_size, sentence_start = case
+    chunk_id = document_chunks(document_index, chunk_size, sentence_start)
+    fixed = document_chunks(document_index, chunk_size)
+    assert torch.equal(chunk_id >= 0, fixed >= 0)
+    sizes = torch.bincount(chunk_id[chunk_id >= 0])
+    assert sizes.numel() == 0 or int(sizes.max()) <= chunk_size
+    for chunk in chunk_id.unique().tolist():
+        if chunk >= 0:
+            assert document_index[chunk_id == chunk].unique().numel() == 1
+            members = torch.nonzero(chunk_id == chunk).flatten()
+            assert int(members[-1] - members[0]) + 1 == members.numel()  # contiguous
+    for sentence in sentences_of(document_index, sentence_start):
+        if len(sentence) <= chunk_size:
+            assert chunk_id[sentence].unique().numel() == 1
+    kept = select_kept(importance, document_index, keep_rate=keep_rate, chunk_size=chunk_size,
+                       sentence_start=sentence_start)  # fmt: skip
+    mask = torch.zeros_like(sentence_start)
+    mask[kept] = True
+    for chunk in chunk_id.unique().tolist():
+        if chunk >= 0:
+            assert mask[chunk_id == chunk].all() or not mask[chunk_id == chunk].any()
+
+
+def test_a_start_at_every_token_is_the_fixed_chunking():
+    document_index = torch.tensor([-1] * 3 + [0] * 70 + [-1] + [1] * 40 + [2] * 9)
+    every = torch.ones(document_index.numel(), dtype=torch.bool)
+    assert torch.equal(document_chunks(document_index, 32, every), document_chunks(document_index, 32))

@@ -14,6 +14,7 @@ from pydantic import Field, PrivateAttr, SecretStr, model_validator
 from typing_extensions import Self
 
 from ..config import (
+    Chunking,
     CompressionSettings,
     EngineSettings,
     GenerationParams,
@@ -44,6 +45,7 @@ class AdapterSettings(CompressionSettings, GrammarLimits):
     self_draft_window: int = declared_field(EngineSettings, "self_draft_window", "adapters")
     pool_kernel: int = declared_field(EngineSettings, "pool_kernel", "adapters")
     chunk_size: int = declared_field(EngineSettings, "chunk_size", "adapters")
+    chunking: Chunking = declared_field(EngineSettings, "chunking", "adapters")
     draft_cache_mb: int = declared_field(EngineSettings, "draft_cache_mb", "adapters")
     main_cache_mb: int = declared_field(EngineSettings, "main_cache_mb", "adapters")
     document_cache_mb: int = declared_field(EngineSettings, "document_cache_mb", "adapters")

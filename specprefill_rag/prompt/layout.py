@@ -13,6 +13,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..results import ToolCall
+from .sentences import sentence_starts
 
 
 class Role(IntEnum):
@@ -90,6 +91,14 @@ class PromptLayout:
     @property
     def n_document_tokens(self) -> int:
         return int((self.document_index >= 0).sum())
+
+    def sentence_starts(self) -> torch.Tensor:
+        """``[L]`` bool, the tokens that start a sentence of :attr:`text`; every token for a layout built by hand
+        (no offsets), whose chunks are then cut every ``chunk_size`` tokens.
+        """
+        if self.offsets is None:
+            return torch.ones(len(self), dtype=torch.bool)
+        return sentence_starts(self.text, self.offsets)
 
 
 def document_runs(document_index: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Importance -> kept token indices. Pure tensor functions: no model calls, no state.
 
 Only document tokens are candidates. They are grouped into chunks of ``chunk_size`` that never
-span two documents; chunks are ranked by mean importance and the best are kept until the budget
-is met. Everything else (instructions, question, chat-template scaffolding) and the last prompt
-token are always kept. Paper section 3.2.3.
+span two documents (or, given sentence starts, into chunks of whole sentences up to ``chunk_size``
+tokens); chunks are ranked by mean importance and the best are kept until the budget is met.
+Everything else (instructions, question, chat-template scaffolding) and the last prompt token are
+always kept. Paper section 3.2.3.
 """
 
 from __future__ import annotations
@@ -14,27 +15,79 @@ from dataclasses import dataclass
 import torch
 
 
-def document_chunks(document_index: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def document_chunks(
+    document_index: torch.Tensor, chunk_size: int, sentence_start: torch.Tensor | None = None
+) -> torch.Tensor:
     """Chunk id of every token.
 
     Args:
         document_index: ``[L]`` long, the document each token belongs to, ``-1`` for non-documents.
-        chunk_size: tokens per chunk; a run of one document's tokens is split from its start.
+        chunk_size: most tokens per chunk; without ``sentence_start`` a run of one document's tokens is split
+            every ``chunk_size`` tokens from its start.
+        sentence_start: ``[L]`` bool, tokens that start a sentence (``chunking="sentences"``): whole sentences
+            are packed into chunks of at most ``chunk_size`` tokens (:func:`packed_chunk_starts`).
 
     Returns:
         ``[L]`` long: chunk id in ``0..n_chunks-1`` for document tokens, ``-1`` elsewhere. Chunk ids
         increase along the prompt; a chunk holds contiguous tokens of a single document.
     """
     is_candidate = document_index >= 0
-    previous = torch.cat([document_index.new_full((1,), -1), document_index[:-1]])
-    run_start = is_candidate & (document_index != previous)
-    positions = torch.arange(document_index.numel(), device=document_index.device)
-    run_id = torch.cumsum(run_start.long(), 0) - 1
-    run_start_positions = positions[run_start]
-    offset_in_run = positions - run_start_positions[run_id.clamp(min=0)] if run_start.any() else positions
-    chunk_start = is_candidate & (offset_in_run % chunk_size == 0)
+    if sentence_start is None:
+        chunk_start = is_candidate & (_offsets_in_runs(_run_starts(document_index)) % chunk_size == 0)
+    else:
+        chunk_start = packed_chunk_starts(document_index, sentence_start, chunk_size)
     chunk_id = torch.cumsum(chunk_start.long(), 0) - 1
     return torch.where(is_candidate, chunk_id, torch.full_like(chunk_id, -1))
+
+
+def _run_starts(document_index: torch.Tensor) -> torch.Tensor:
+    """``[L]`` bool: the first token of each run of one document's tokens."""
+    previous = torch.cat([document_index.new_full((1,), -1), document_index[:-1]])
+    return (document_index >= 0) & (document_index != previous)
+
+
+def _offsets_in_runs(run_start: torch.Tensor) -> torch.Tensor:
+    """``[L]`` long: each token's distance from the last ``run_start`` at or before it."""
+    positions = torch.arange(run_start.numel(), device=run_start.device)
+    if not run_start.any():
+        return positions
+    run_id = torch.cumsum(run_start.long(), 0) - 1
+    return positions - positions[run_start][run_id.clamp(min=0)]
+
+
+def packed_chunk_starts(document_index: torch.Tensor, sentence_start: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``[L]`` bool: the first token of every chunk when whole sentences are packed greedily.
+
+    A chunk takes the next sentence while it stays within ``chunk_size`` tokens; a sentence longer than
+    ``chunk_size`` starts a chunk and is split every ``chunk_size`` tokens, and its last piece packs on. Each run
+    of one document's tokens starts a chunk (and a sentence).
+
+    Args:
+        document_index: ``[L]`` long, document of each token or ``-1``.
+        sentence_start: ``[L]`` bool, tokens that start a sentence; a sentence ends at the next sentence start,
+            document run or non-document token.
+    """
+    run_start = _run_starts(document_index)
+    segment_start = (document_index >= 0) & (sentence_start | run_start)
+    starts = torch.nonzero(segment_start).flatten()
+    stops = torch.nonzero(segment_start | (document_index < 0)).flatten()
+    stops = torch.cat([stops, stops.new_tensor([document_index.numel()])])
+    ends = stops[torch.searchsorted(stops, starts, right=True)]
+    marks: list[int] = []
+    filled = 0
+    for start, end, new_run in zip(starts.tolist(), ends.tolist(), run_start[starts].tolist(), strict=True):
+        length = end - start
+        if new_run or filled + length > chunk_size:
+            marks.append(start)
+            filled = 0
+        if length > chunk_size:
+            marks.extend(range(start + chunk_size, end, chunk_size))
+            filled = length - (length - 1) // chunk_size * chunk_size
+        else:
+            filled += length
+    chunk_start = torch.zeros_like(segment_start)
+    chunk_start[torch.tensor(marks, dtype=torch.long, device=segment_start.device)] = True
+    return chunk_start
 
 
 def chunk_means(importance: torch.Tensor, chunk_id: torch.Tensor, n_chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +177,7 @@ def select_kept(
     keep_rate: float | KeepBudget,
     chunk_size: int,
     max_document_tokens: int | None = None,
+    sentence_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sorted indices of the prompt tokens the main model prefills.
 
@@ -132,14 +186,16 @@ def select_kept(
         document_index: ``[L]`` long, document of each token or ``-1``.
         keep_rate: fraction of document tokens to keep, in (0, 1], or a budget policy
             (:class:`FixedRate`, :class:`ImportanceMass`) that chooses it from the ranked chunks.
-        chunk_size: chunk length in tokens.
+        chunk_size: chunk length in tokens (the most, with ``sentence_start``).
         max_document_tokens: optional hard cap on kept document tokens.
+        sentence_start: optional ``[L]`` bool, tokens that start a sentence: chunks hold whole sentences where
+            they fit (:func:`document_chunks`).
 
     Returns:
         ``[K]`` long, strictly increasing: all non-document tokens, the kept document chunks and the
         last prompt token. Ties between chunks go to the earlier chunk, so the result is deterministic.
     """
-    chunk_id = document_chunks(document_index, chunk_size)
+    chunk_id = document_chunks(document_index, chunk_size, sentence_start)
     n_chunks = int(chunk_id.max().item()) + 1 if chunk_id.numel() else 0
     keep = chunk_id < 0
     if n_chunks > 0:
