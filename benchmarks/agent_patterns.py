@@ -321,7 +321,8 @@ def retrieved_cell(run: dict) -> str:
 def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [
-        f"Main {meta['main']}, draft {meta['draft']}, keep_rate {meta['keep_rate']}, min_prompt_tokens "
+        f"Main {meta['main']}, draft {meta['draft']}, keep_rate {meta['keep_rate']}, chunking "
+        f"{meta.get('chunking', 'tokens')}, min_prompt_tokens "
         f"{meta['min_prompt_tokens']}, {meta['max_tokens']} new tokens per model call, the tool returns the "
         f"{meta.get('k', 2)} best chunks, tool_choice left to the "
         f"framework; question {meta['question']!r} (expected {meta['expected']!r}); system prompt "
@@ -361,6 +362,7 @@ def main() -> None:
         help="a number, or 'auto': the engine's default, the length from which the draft pays for this pair",
     )
     options.add_argument("--max-tokens", type=int, default=96)
+    options.add_argument("--chunking", default="tokens", choices=["tokens", "sentences"], help="the engine's chunking")
     options.add_argument("--question", default=QUESTION)
     options.add_argument("--system", default=SYSTEM)
     options.add_argument("--resume", action="store_true", help="keep the runs a previous run with these settings wrote")
@@ -380,6 +382,7 @@ def main() -> None:
             "draft": args.draft,
             "keep_rate": args.keep_rate,
             "min_prompt_tokens": args.min_prompt_tokens,
+            "chunking": args.chunking,
             "max_tokens": args.max_tokens,
             "k": args.k,
             "question": args.question,
@@ -393,13 +396,16 @@ def main() -> None:
     path = out.with_suffix(".json")
     if args.resume and path.exists():
         earlier = json.loads(path.read_text())
-        same = ("main", "draft", "keep_rate", "min_prompt_tokens", "max_tokens", "k", "question", "system")
-        if any(earlier["meta"].get(key, 2 if key == "k" else None) != report["meta"][key] for key in same):
+        same = ("main", "draft", "keep_rate", "min_prompt_tokens", "chunking", "max_tokens", "k", "question", "system")
+        before = {"k": 2, "chunking": "tokens"}  # what runs from before a setting was recorded used
+        if any(earlier["meta"].get(key, before.get(key)) != report["meta"][key] for key in same):
             raise SystemExit(f"--resume: {path} was run with other settings; use another --out")
         report["runs"] = earlier["runs"]
     done = {(r["pattern"], r["surface"]) for r in report["runs"]}
     retrieval = tutorials.build_retrieval()
-    models = tutorials.Surfaces(args.draft, args.keep_rate, args.max_tokens, args.min_prompt_tokens)
+    models = tutorials.Surfaces(
+        args.draft, args.keep_rate, args.max_tokens, args.min_prompt_tokens, {"chunking": args.chunking}
+    )
     try:
         for surface in args.surfaces:
             for pattern in args.patterns:

@@ -26,6 +26,7 @@ Methods (all share one prompt layout and one main model):
   self-<n>[-w<W>]  the main model's first n layers as draft; queries: the last prompt token, or the
                    last W prompt tokens
   contiguous       specprefill's kept tokens, renumbered 0..K-1 (what original positions are worth)
+  specprefill-sentences  specprefill's importance, chunks of whole sentences (``chunking="sentences"``)
   longllmlingua    LongLLMLingua (real ``llmlingua`` package, SmolLM2-135M as its compressor)
   embeddings-filter  the documents' sentences most similar to the question (all-MiniLM-L6-v2) that fit the
                    budget, as LangChain's EmbeddingsFilter at sentence grain (benchmarks/sentence_filter.py); the

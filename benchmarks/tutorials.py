@@ -213,9 +213,17 @@ def run_llama_index(pattern: str, llm: Any, index: Any, question: str) -> str:
 class Surfaces:
     """The LLM objects of one draft: the adapters in-process, ChatOpenAI/OpenAILike to a gateway."""
 
-    def __init__(self, draft: str, keep_rate: float, max_tokens: int, min_prompt_tokens: int | str = "auto") -> None:
+    def __init__(
+        self,
+        draft: str,
+        keep_rate: float,
+        max_tokens: int,
+        min_prompt_tokens: int | str = "auto",
+        engine_settings: dict[str, Any] | None = None,
+    ) -> None:
         self.draft = draft
         self.min_prompt_tokens = min_prompt_tokens
+        self.engine_settings = engine_settings or {}  # more engine settings, on every surface (e.g. chunking)
         # "self" is named explicitly: the adapters' and the gateway's unnamed default (draft None, meant to become
         # "self") raised TypeError in SpecPrefillConfig.with_default_draft when this was measured (see the page)
         self.draft_model = draft
@@ -234,6 +242,7 @@ class Surfaces:
             keep_rate=self.keep_rate,
             max_tokens=self.max_tokens,
             min_prompt_tokens=self.min_prompt_tokens,
+            **self.engine_settings,
         )
 
     def llama_in_process(self) -> Any:
@@ -245,6 +254,7 @@ class Surfaces:
             keep_rate=self.keep_rate,
             max_new_tokens=self.max_tokens,
             min_prompt_tokens=self.min_prompt_tokens,
+            **self.engine_settings,
         )
 
     def start_gateway(self) -> str:
@@ -255,7 +265,11 @@ class Surfaces:
             from specprefill_rag.serve.server import BackgroundServer
 
             settings = GatewaySettings(
-                main=MAIN, draft=self.draft_model, keep_rate=self.keep_rate, min_prompt_tokens=self.min_prompt_tokens
+                main=MAIN,
+                draft=self.draft_model,
+                keep_rate=self.keep_rate,
+                min_prompt_tokens=self.min_prompt_tokens,
+                **self.engine_settings,
             )
             app = create_app(settings)
             self.gateway_engine = app.state.gateway.engine

@@ -634,3 +634,12 @@ def test_a_cut_off_or_malformed_text_call_that_is_no_call_of_an_offered_tool_sta
                  'Use {"name": "get_weather", like this.',  # malformed before the end: prose
                  'Then {"name": "get_weather", "arguments": {"city": Paris}} and so on']:  # fmt: skip
         assert parse(text, "hermes", {"get_weather"}) == ParsedOutput(text, (), ()), text
+
+
+def test_a_malformed_call_is_named_by_its_own_name_not_an_arguments():
+    text = '<tool_call>\n{"arguments": {"name": "Kendrick \\"K\\" Lamar", "x": }, "name": "search"}\n</tool_call>'
+    (bad,) = parse(text, "hermes").invalid_tool_calls
+    assert bad.name == "search"
+    doubled = '{{"arguments": {{"name": "inner"}}, "name": "search", "arguments": }}'
+    (bad,) = parse(f"<tool_call>\n{doubled}\n</tool_call>", "hermes").invalid_tool_calls
+    assert bad.name == "search"

@@ -268,11 +268,30 @@ _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
 
 
 def _name_of(text: str) -> str | None:
-    """The name an undecodable call gives first (``"name": "..."``), None if it gives none: so a broken call of
-    a tool not offered stays content too.
+    """The name an undecodable call gives at its shallowest nesting (the call's own ``"name": "..."``, not an
+    argument's of that key), None if it gives none: so a broken call of a tool not offered stays content too.
     """
-    found = _NAME.search(text)
-    return found.group(1) if found else None
+    depth, found, shallowest = 0, None, None
+    at = 0
+    while at < len(text):
+        char = text[at]
+        if char == '"':
+            name = _NAME.match(text, at)
+            if name and (shallowest is None or depth < shallowest):
+                found, shallowest = name.group(1), depth
+            at = _string_end(text, at)
+            continue
+        depth += 1 if char in "{[" else -1 if char in "}]" else 0
+        at += 1
+    return found
+
+
+def _string_end(text: str, start: int) -> int:
+    """Where the JSON string opening at ``start`` ends (after its closing quote; the text's end if cut)."""
+    at = start + 1
+    while at < len(text) and text[at] != '"':
+        at += 2 if text[at] == "\\" else 1
+    return min(at + 1, len(text))
 
 
 def _cut_off(error: json.JSONDecodeError) -> bool:
