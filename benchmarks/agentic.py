@@ -64,6 +64,7 @@ from quality import bootstrap_interval, bootstrap_ratio_interval, sample_digest,
 
 from specprefill_rag.decode.tool_calls import parse_tool_calls  # noqa: E402
 from specprefill_rag.prompt.chat import ChatMessage  # noqa: E402
+from specprefill_rag.prompt.tools import tool_call_format  # noqa: E402
 from specprefill_rag.results import GenerationResult, ToolCall  # noqa: E402
 
 ROOT = tasks.ROOT
@@ -228,12 +229,13 @@ def reparsed(report: dict) -> dict:
     change would have led the loop elsewhere: that is an error, not a report. A run whose answer came from a
     turn takes that turn's new content.
     """
+    call_format = report.get("meta", {}).get("tool_format", "hermes")  # runs before it was recorded: the Qwen pair
     for record in report["records"]:
         for run in record["runs"].values():
             for turn in run["turns"]:
                 if turn["tool_choice"] == "none":
                     continue
-                parsed = parse_tool_calls(turn["raw"], "hermes", offered=(SEARCH["function"]["name"],))
+                parsed = parse_tool_calls(turn["raw"], call_format, offered=(SEARCH["function"]["name"],))
                 if [c.name for c in parsed.tool_calls] != [c["name"] for c in turn["tool_calls"]]:
                     raise ValueError(f"question {record['question']}: the calls of step {turn['step']} changed")
                 turn["text"] = parsed.content
@@ -779,6 +781,7 @@ def main(argv: list[str] | None = None, engine: Any = None) -> dict:
         "machine": machine(),
         "torch_dtype": str(engine.main.model.dtype).removeprefix("torch."),
         "draft_path": engine.draft_path,
+        "tool_format": tool_call_format(engine.tokenizer.chat_template),
         "min_prompt_tokens": engine.min_prompt_tokens,
         "auto_min_prompt_tokens": auto_floor(engine),
         "versions": versions(),

@@ -574,6 +574,7 @@ def test_agentic_study_runs_its_loop_on_a_tiny_model_and_resumes(task_data, tmp_
     saved = json.loads(Path(f"{out}.json").read_text())
     assert saved["records"] == report["records"] and [r["question"] for r in saved["records"]] == [0]
     assert {"machine", "torch_dtype", "versions", "min_prompt_tokens", "auto_min_prompt_tokens"} <= set(saved["meta"])
+    assert saved["meta"]["tool_format"] == "hermes"  # what --reparse reads the stored turns with
     assert saved["sessions"][0]["load_start"] and saved["sessions"][0]["load_end"]
     (record,) = saved["records"]
     assert set(record["runs"]) == {"1", "0.1"} and record["load_before"] and record["load_after"]
