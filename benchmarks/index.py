@@ -285,6 +285,11 @@ STUDIES: dict[str, Study] = {
             "filter alone); the same 30 samples, own full baseline; a Xeon with AMX, beside a CI run (answers only)",
             "nq-filter30-specprefill": "the same on NQ",
             "hotpotqa-filter30-specprefill": "the same on HotpotQA",
+            "squad-sentences": "#45: SpecPrefill with chunks of whole sentences (`chunking=\"sentences\"`) beside "
+            "SpecPrefill's 32-token chunks, same draft scores, same 30 samples, own full baseline; a Xeon with AMX "
+            "(2026-12-06), alone",
+            "nq-sentences": "the same on NQ",
+            "hotpotqa-sentences": "the same on HotpotQA",
         },
     ),
     "pair-self-tuning": Study(
