@@ -85,6 +85,8 @@ STUDIES: dict[str, Study] = {
             f"keep 0.3, the 0.5B draft, both surfaces; {XEON}, alone",
             "k8-defaults-keep-1": "the same, keep 1, in-process",
             "k8-defaults-self": "the same at keep 0.3 with `draft='self'`, in-process",
+            "k8-defaults-sentences": "the same at keep 0.3, the 0.5B draft, both surfaces, with chunks of whole "
+            "sentences (`--chunking sentences`, issue #45); the Xeon with AMX, beside a test run (times contended)",
         },
     ),
     "agentic": Study(
