@@ -8,7 +8,8 @@ Tasks (benchmarks/tasks.py, data read in place from ../shared/data):
   longbench  LongBench v1 samples with the official prompts, contexts middle-truncated
 
 Methods (all share one prompt layout and one main model):
-  specprefill      draft = SmolLM2-135M (the paper's algorithm), look-ahead 8
+  specprefill      draft = SmolLM2-135M (the paper's algorithm), look-ahead 8, 32-token chunks (the paper's;
+                   the engine's default chunking is now ``sentences``: ``specprefill-sentences``)
   specprefill-la1  the same draft, look-ahead 1
   specprefill-documents  the same draft from the per-document draft cache (issue #28): each document encoded
                    alone after the prompt's prefix first, then the prompt scored with every document a hit
@@ -26,7 +27,8 @@ Methods (all share one prompt layout and one main model):
   self-<n>[-w<W>]  the main model's first n layers as draft; queries: the last prompt token, or the
                    last W prompt tokens
   contiguous       specprefill's kept tokens, renumbered 0..K-1 (what original positions are worth)
-  specprefill-sentences  specprefill's importance, chunks of whole sentences (``chunking="sentences"``)
+  <draft>-sentences  that draft's importance (specprefill, self, self-<n>...), chunks of whole sentences up to
+                   32 tokens (``chunking="sentences"``, the engine's default since issue #45)
   longllmlingua    LongLLMLingua (real ``llmlingua`` package, SmolLM2-135M as its compressor)
   embeddings-filter  the documents' sentences most similar to the question (all-MiniLM-L6-v2) that fit the
                    budget, as LangChain's EmbeddingsFilter at sentence grain (benchmarks/sentence_filter.py); the
@@ -257,7 +259,9 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     drafts = {
         name: make()
         for name, make in drafts.items()
-        if name in args.methods or (name == "specprefill" and ({"contiguous", SENTENCES, AUTO} & set(args.methods)))
+        if name in args.methods
+        or name + SENTENCES in args.methods
+        or (name == "specprefill" and ({"contiguous", AUTO} & set(args.methods)))
     }
     # draft -> {id(layout): (layout, importance [L])}; the layout is held, so its id() is not reused
     scored: dict[str, dict[int, tuple[PromptLayout, torch.Tensor]]] = {name: {} for name in drafts}
@@ -298,7 +302,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
 
     methods = {name: draft_method(name) for name in drafts}
     methods.update({"contiguous": draft_method("specprefill", renumber=True), "random": random_chunks, "first": first})
-    methods[SENTENCES] = draft_method("specprefill", sentences=True)
+    methods.update({name + SENTENCES: draft_method(name, sentences=True) for name in drafts})
     methods.update({name: auto_method(floor, ceiling) for name, (floor, ceiling) in auto.items()})
     if "longllmlingua" in args.methods:
         methods["longllmlingua"] = longllmlingua_method(engine, args.compressor or compressor_default(args))
@@ -364,7 +368,7 @@ def longllmlingua_method(engine: SpecPrefillEngine, compressor_spec: str) -> Cal
 
 
 EMBEDDINGS_FILTER = "embeddings-filter"
-SENTENCES = "specprefill-sentences"  # the engine's draft, chunks of whole sentences (chunking="sentences")
+SENTENCES = "-sentences"  # <draft>-sentences: that draft's importance, chunks of whole sentences (chunking="sentences")
 # the sentence filter keeping NN% of the documents' tokens, then specprefill on what it kept
 FILTERED_METHOD = re.compile(r"embeddings-filter(\d{2})-specprefill")
 # methods that rewrite the documents' text: their prompt's documents are not the sample's, so no gold document
@@ -748,7 +752,7 @@ def write_tables(report: dict, out: Path, metrics: list[str]) -> None:
 # SQuAD split with SmolLM2-135M, where it is self-12-w16, the name earlier tables use)
 ALL_METHODS = ["specprefill", "specprefill-la1", "self", "contiguous", "longllmlingua", "random", "first"]
 OPTIONAL_METHODS = [  # run only when named
-    SENTENCES,
+    "specprefill" + SENTENCES,
     "specprefill-documents",
     "specprefill-documents-naive",
     "specprefill-documents-blend05",
@@ -812,7 +816,7 @@ def main() -> None:
     args = options.parse_args()
     args.sampler = tasks.sampler_version(args.task)
     unknown = (
-        set(args.methods)
+        {name.removesuffix(SENTENCES) for name in args.methods}
         - set(ALL_METHODS + OPTIONAL_METHODS)
         - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     )
@@ -825,7 +829,7 @@ def main() -> None:
         options.error(
             f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS + OPTIONAL_METHODS}, "
             "specprefill-documents-query<NN>, specprefill-layers<N>, embeddings-filter<NN>-specprefill "
-            "or self-<n> with --self-layers"
+            "or self-<n> with --self-layers, and <draft method>-sentences"
         )
     out = args.out or ROOT / "benchmarks" / "results" / "quality" / args.task
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -520,10 +520,10 @@ class EngineSettings(CompressionSettings, GrammarLimits):
         32, strict=True, ge=1, description="Document tokens are kept or dropped in chunks of this size."
     )
     chunking: Chunking = Field(
-        "tokens",
-        description="Where document chunks end: 'tokens' every chunk_size tokens; 'sentences' at sentence ends, whole "
-        "sentences packed into chunks of at most chunk_size tokens (a longer sentence is cut every chunk_size), so "
-        "the main model reads no sentence cut where a dropped chunk begins.",
+        "sentences",
+        description="Where document chunks end: 'sentences' at sentence ends, whole sentences packed into chunks of "
+        "at most chunk_size tokens (a longer sentence is cut every chunk_size), so the main model reads no sentence "
+        "cut where a dropped chunk begins; 'tokens' every chunk_size tokens (the paper's chunks).",
     )
     draft_cache_mb: int = Field(
         DEFAULT_DRAFT_CACHE_MB,

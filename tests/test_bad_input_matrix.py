@@ -494,6 +494,13 @@ ROWS += [
     ),
     Row(
         "SpecPrefillEngine(...)",
+        "chunking: unknown",
+        lambda s: s.configure(chunking="words"),
+        ValidationError,
+        "chunking\n.*'tokens' or 'sentences'",
+    ),
+    Row(
+        "SpecPrefillEngine(...)",
         "max_draft_tokens: bool",
         lambda s: s.configure(max_draft_tokens=True),
         ValidationError,

@@ -785,6 +785,39 @@ def test_a_quality_method_runs_the_draft_to_its_first_layers(tiny_model, tokeniz
     assert not quality.LAYERS_METHOD.fullmatch("specprefill-layers0")
 
 
+def test_a_draft_method_with_the_sentences_suffix_keeps_what_the_engine_keeps_by_sentences(tokenizer, tiny_model):
+    """``--methods specprefill-sentences`` and ``self-sentences``: the draft's own importance, chunks of whole
+    sentences, as an engine with ``chunking="sentences"`` selects them."""
+    import argparse
+
+    import quality
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.testing import build_model
+
+    draft = build_model(tokenizer, layers=1, seed=3)
+    args = argparse.Namespace(methods=["specprefill-sentences", "self-sentences"], self_layers=[], self_windows=[],
+                              extra_drafts=[], seed=0, auto_floors=[0.1], auto_ceilings=[0.5])  # fmt: skip
+    documents = [" ".join(f"Fact {d}.{i} is in document {d}." for i in range(12)) for d in range(2)]
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft, min_prompt_tokens=0, look_ahead=2)
+    layout = engine.layout("When?", documents)
+    methods = quality.make_methods(engine, args)
+    sentences = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, draft, min_prompt_tokens=0, look_ahead=2, chunking="sentences", keep_rate=0.3
+    )
+    assert methods["specprefill-sentences"]({}, layout, 0.3).kept.tolist() == sentences.select(layout).kept.tolist()
+    index = layout.document_index
+    starts = layout.sentence_starts() | (index != torch.cat([torch.tensor([-1]), index[:-1]]))  # or a document's
+    by_tokens = quality.select_kept(engine.draft_scoring.importance(layout), layout.document_index, keep_rate=0.3,
+                                    chunk_size=32)  # fmt: skip
+    for kept in (methods["self-sentences"]({}, layout, 0.3).kept, sentences.select(layout).kept):
+        mask = torch.zeros(len(layout), dtype=torch.bool)
+        mask[kept] = True
+        first_kept = mask & (layout.document_index >= 0) & ~torch.cat([torch.tensor([False]), mask[:-1]])
+        assert starts[first_kept].all()  # every kept run of document tokens begins a sentence
+    assert by_tokens.tolist() != sentences.select(layout).kept.tolist()
+
+
 def test_the_draft_phase_timer_counts_each_phase_and_restores_the_originals():
     import document_cache_speed as study
 
