@@ -30,3 +30,8 @@ def test_a_token_that_carries_the_punctuation_and_the_space_is_not_a_start_but_t
     text = "One. Two"
     offsets = torch.tensor([[0, 3], [3, 5], [5, 8]])  # "One", ". ", "Two"
     assert sentence_starts(text, offsets).tolist() == [False, False, True]
+
+
+def test_full_width_stops_end_sentences_without_a_space():
+    text = "石碑は1799年に見つかった。「誰が？」フランス兵だ！"
+    assert [text[end - 1] for end in boundary_chars(text).tolist()] == ["。", "」", "！"]

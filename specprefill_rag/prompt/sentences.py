@@ -10,9 +10,10 @@ import re
 
 import torch
 
-# A sentence ends after ., ! or ? (and any closing quotes or brackets) followed by whitespace; a line ends one too.
-# The boundary is the first character after the punctuation, or after the line break.
-_SENTENCE_END = re.compile(r"[.!?][\"'”’)\]]*(?=\s)|\n+")
+# A sentence ends after ., ! or ? (and any closing quotes or brackets) followed by whitespace, after the full-width
+# 。！？ (Chinese and Japanese write no space after them), or at a line break. The boundary is the first character
+# after the punctuation, or after the line break.
+_SENTENCE_END = re.compile(r"[.!?][\"'”’)\]]*(?=\s)|[。！？][」』”）]*|\n+")
 
 
 def boundary_chars(text: str) -> torch.Tensor:
