@@ -87,6 +87,8 @@ STUDIES: dict[str, Study] = {
             "k8-defaults-self": "the same at keep 0.3 with `draft='self'`, in-process",
             "k8-defaults-sentences": "the same at keep 0.3, the 0.5B draft, both surfaces, with chunks of whole "
             "sentences (`--chunking sentences`, issue #45); the Xeon with AMX, beside a test run (times contended)",
+            "k8-defaults-self-sentences": "the same with `draft='self'`, in-process, beside a quality run (times "
+            "contended)",
         },
     ),
     "agentic": Study(
@@ -287,7 +289,7 @@ STUDIES: dict[str, Study] = {
             "filter alone); the same 30 samples, own full baseline; a Xeon with AMX, beside a CI run (answers only)",
             "nq-filter30-specprefill": "the same on NQ",
             "hotpotqa-filter30-specprefill": "the same on HotpotQA",
-            "squad-sentences": "#45: SpecPrefill with chunks of whole sentences (`chunking=\"sentences\"`) beside "
+            "squad-sentences": '#45: SpecPrefill with chunks of whole sentences (`chunking="sentences"`) beside '
             "SpecPrefill's 32-token chunks, same draft scores, same 30 samples, own full baseline; a Xeon with AMX "
             "(2026-12-06), alone",
             "nq-sentences": "the same on NQ",
