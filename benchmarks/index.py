@@ -294,6 +294,7 @@ STUDIES: dict[str, Study] = {
             "(2026-12-06), alone",
             "nq-sentences": "the same on NQ",
             "hotpotqa-sentences": "the same on HotpotQA",
+            "niah-4k-sentences": "the same on NIAH 4k, beside the agent-pattern runs and a CI run (answers only)",
         },
     ),
     "pair-self-tuning": Study(
