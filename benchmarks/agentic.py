@@ -113,6 +113,7 @@ STUDY = [
     "share_first_step",
     "force_search",
     "lazy_tool_grammar",
+    "chunking",
 ]
 STAT_FIELDS = (
     "ttft_ms",
@@ -573,6 +574,7 @@ def markdown(report: dict) -> str:
         f"draft {settings['draft']} ({meta['draft_path']} path), {meta['torch_dtype']}; search top-{settings['top_k']} "
         f"of 10 paragraphs by BM25; at most {settings['max_steps']} steps, the last with tool_choice 'none'; "
         f"{settings['max_new_tokens']} new tokens per tool turn, {settings['answer_tokens']} for the answer turn; "
+        f"chunks of {settings.get('chunking', 'tokens')}; "
         f"min_prompt_tokens {settings['min_prompt_tokens']} (resolved {meta['min_prompt_tokens']}; 'auto' would be "
         f"{meta['auto_min_prompt_tokens']}), draft prefix cache {settings['draft_cache_mb']} MB.",
         "",
@@ -686,6 +688,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         min_prompt_tokens=args.min_prompt_tokens,
         draft_cache_mb=args.draft_cache_mb,
         lazy_tool_grammar=args.lazy_tool_grammar,
+        chunking=args.chunking,
     )
 
 
@@ -730,6 +733,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="a step 1 without a call is scored, then one search is forced (tool_choice 'required'; issue #30)",
+    )
+    options.add_argument(
+        "--chunking",
+        default="sentences",
+        choices=["tokens", "sentences"],
+        help="the engine's chunking (runs recorded without it used 'tokens', the default then)",
     )
     options.add_argument(
         "--lazy-tool-grammar",
