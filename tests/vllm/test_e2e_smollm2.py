@@ -9,7 +9,9 @@ from specprefill_rag.backends.vllm import VLLMOfflineBackend
 from specprefill_rag.config import GenerationParams
 from specprefill_rag.models.loading import embedded_gguf, gguf_folder, load_model
 
-GREEDY = GenerationParams(max_new_tokens=16)
+# room for the answer's sentence: sentence chunks keep "It opened to traffic on May 24, 1883, ..." whole, and the
+# model answers with it ("The Brooklyn Bridge was opened to traffic on May 24, 1883"), 16 tokens cut it at "18"
+GREEDY = GenerationParams(max_new_tokens=24)
 DOCUMENT = (
     "The Brooklyn Bridge is a hybrid cable-stayed suspension bridge in New York City. "
     "It opened to traffic on May 24, 1883, after thirteen years of construction. "
