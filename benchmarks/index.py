@@ -295,6 +295,9 @@ STUDIES: dict[str, Study] = {
             "nq-sentences": "the same on NQ",
             "hotpotqa-sentences": "the same on HotpotQA",
             "niah-4k-sentences": "the same on NIAH 4k, beside the agent-pattern runs and a CI run (answers only)",
+            "squad-self-sentences": "`self` (11 of 28 layers) with 32-token chunks and with sentence chunks, same 30 "
+            "samples, own full baseline; the Xeon with AMX, alone",
+            "hotpotqa-self-sentences": "the same on HotpotQA",
         },
     ),
     "pair-self-tuning": Study(
