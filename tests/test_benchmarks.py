@@ -1096,3 +1096,43 @@ def test_the_tool_query_study_changes_only_what_the_draft_reads_after_the_prompt
     assert "1883" in tool_query.kept_document_text(layout, None, tokenizer)
     assert tool_query.contains_answer(search["result"], ["1883"])
     assert tool_query.checkable(["1883"]) and not tool_query.checkable(["no"])  # "no" is inside "not", "known"
+
+
+def test_first_call_probe_reads_the_first_token_of_step_one_per_prompt(task_data, tmp_path):
+    """benchmarks/first_call.py on a tiny random Qwen-format model: one record per question and prompt, the call
+    openings' probability in [0, 1] and consistent with the most likely token, and the agreement with a stored
+    agentic run counted only for the prompt that run used."""
+    import json
+
+    import agentic
+    import first_call
+
+    from specprefill_rag.testing import build_family_tokenizer, build_model
+
+    tokenizer = build_family_tokenizer("qwen3")
+    tokenizer.chat_template = (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2_5.jinja").read_text()
+    model = build_model(tokenizer, layers=1)
+    openings = first_call.opening_ids(tokenizer)
+    assert tokenizer.convert_tokens_to_ids("<tool_call>") in openings
+    assert tokenizer.encode('{{"name"', add_special_tokens=False)[0] in openings  # '{' here; '{{' in Qwen's vocabulary
+    stored = {
+        "settings": {"system": agentic.SYSTEM},
+        "records": [
+            {"question": 0, "runs": {"1": {"natural_call": True}}},
+            {"question": 1, "runs": {"1": {"natural_call": False}}},
+        ],
+    }
+    (tmp_path / "stored.json").write_text(json.dumps(stored))
+    out = tmp_path / "probe"
+    argv = ["--questions", "2", "--prompts", "agentic", "tutorial-helpful-assistant", "--out", str(out)]
+    report = first_call.main([*argv, "--against", str(tmp_path / "stored.json")], model=model, tokenizer=tokenizer)
+
+    assert json.loads(Path(f"{out}.json").read_text())["prompts"] == report["prompts"]
+    for entry in report["prompts"].values():
+        assert [row["question"] for row in entry["records"]] == [0, 1]
+        for row in entry["records"]:
+            assert 0.0 <= row["p_call"] <= 1.0 and row["prompt_tokens"] > 0
+            assert not row["opens_call"] or row["p_call"] > 0
+    probe = report["prompts"]["agentic"]["records"]
+    assert report["agreement"] == {"agentic": int(probe[0]["opens_call"]) + int(not probe[1]["opens_call"])}
+    assert "| agentic | 2 |" in Path(f"{out}.md").read_text()

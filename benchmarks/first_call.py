@@ -1,0 +1,151 @@
+"""Does the agent call its tool? The first token of the agentic study's step 1, per system prompt (issue #45).
+
+At step 1 of ``benchmarks/agentic.py`` (a HotpotQA question, the one ``search`` tool, ``tool_choice="auto"``) the
+model either opens a tool call or starts an answer in prose, and its first token decides which: ``<tool_call>``,
+or the chat template's doubled-brace ``{{"`` (the form Qwen2.5's template shows, which the lazy grammar takes as
+a call), or a bare ``{"``. This script prefills step 1's prompt under each candidate system prompt, rendered as
+the engine renders it (``prompt.chat.chat_layout``), with no generation, and records per question the probability
+of those first tokens and whether one of them is the most likely token (what greedy decoding writes). It is a
+proxy for the study's step-1 natural calls, cheap enough to try several prompts on every question: ``--against``
+compares it question by question with a stored agentic run of the same questions.
+
+    python benchmarks/first_call.py --questions 100 --out benchmarks/results/agentic/first-call-prompts \
+        --against benchmarks/results/agentic/hotpotqa-auto-template-opening.json
+
+Writes ``<out>.json`` and ``<out>.md`` after every prompt (a rerun starts again: each prompt takes about two
+minutes for 100 questions on two cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import agentic  # noqa: E402
+import torch  # noqa: E402
+
+from specprefill_rag.models.loading import load_model  # noqa: E402
+from specprefill_rag.prompt.chat import ChatMessage, chat_layout  # noqa: E402
+
+QWEN_DEFAULT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."  # Qwen2.5's own system prompt
+OPENINGS = ("<tool_call>", '{{"', '{"')  # the first text of a call the lazy grammar takes up (hermes family)
+PROMPTS = {
+    "agentic": agentic.SYSTEM,
+    "qwen-default-then-agentic": f"{QWEN_DEFAULT} {agentic.SYSTEM}",
+    "first-reply-is-a-call": (
+        "Your first reply to every question is a call of the search tool, with a short query for the first fact "
+        "you need; never answer from memory. Once the results hold the answer, reply with the answer alone: a "
+        "short phrase."
+    ),
+    "no-knowledge-of-your-own": (
+        "You have no knowledge of your own: every fact must come from the search tool. Call the search tool "
+        "before answering, with a short query for each fact you need. Once the results hold the answer, reply "
+        "with the answer alone: a short phrase."
+    ),
+    "tutorial-helpful-assistant": (
+        "You are a helpful assistant. Use the search tool to look up facts before answering. Once the results "
+        "hold the answer, reply with the answer alone: a short phrase."
+    ),
+}
+
+
+def opening_ids(tokenizer: Any) -> list[int]:
+    """The first token of each call opening in :data:`OPENINGS`, as the tokenizer writes it."""
+    return sorted({tokenizer.encode(text, add_special_tokens=False)[0] for text in OPENINGS})
+
+
+@torch.inference_mode()
+def first_token(model: Any, tokenizer: Any, system: str, question: str, openings: list[int]) -> dict:
+    """Step 1's prompt prefilled once: the call openings' probability and whether one is the most likely token."""
+    messages = [ChatMessage("system", [system]), ChatMessage("user", [question])]
+    ids = chat_layout(tokenizer, messages, tools=[agentic.SEARCH], tool_choice="auto").layout.input_ids
+    logits = model(ids[None], position_ids=torch.arange(ids.numel())[None]).logits[0, -1].float()
+    probabilities = logits.softmax(-1)
+    top = int(probabilities.argmax())
+    return {
+        "prompt_tokens": ids.numel(),
+        "p_call": float(probabilities[openings].sum()),
+        "top_token": tokenizer.decode([top]),
+        "opens_call": top in openings,
+    }
+
+
+def agreement(report: dict, stored: dict) -> dict[str, int]:
+    """Per prompt, on the questions both hold, how often ``opens_call`` equals the stored run's step-1 call."""
+    system = stored["settings"]["system"]
+    called = {r["question"]: r["runs"][next(iter(r["runs"]))]["natural_call"] for r in stored["records"]}
+    return {
+        name: sum(row["opens_call"] == called[row["question"]] for row in entry["records"] if row["question"] in called)
+        for name, entry in report["prompts"].items()
+        if entry["text"] == system
+    }
+
+
+def markdown(report: dict) -> str:
+    settings = report["settings"]
+    lines = [
+        f"Step 1 of the agentic study, first token only: {settings['questions']} HotpotQA questions (seed "
+        f"{settings['seed']}), main {settings['main']}, {report['meta']['torch_dtype']}; the `search` tool offered, "
+        f"tool_choice 'auto'. Machine: {report['meta']['machine']}. {report['meta']['date']}.",
+        "",
+        "| system prompt | questions | most likely first token opens a call | P(call opening), mean | median |",
+        "|---|---|---|---|---|",
+    ]
+    for name, entry in report["prompts"].items():
+        p = [row["p_call"] for row in entry["records"]]
+        opens = sum(row["opens_call"] for row in entry["records"])
+        share = f"{opens} ({opens / len(p):.0%})"
+        lines.append(f"| {name} | {len(p)} | {share} | {statistics.mean(p):.2f} | {statistics.median(p):.2f} |")
+    for name, agree in report.get("agreement", {}).items():
+        against = f"Against `{settings['against']}` (greedy step 1, `{name}`)"
+        lines += ["", f"{against}: the proxy agrees on {agree} questions."]
+    lines += ["", "Prompts:", ""] + [f"- `{name}`: {entry['text']}" for name, entry in report["prompts"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--main", default=agentic.MAIN)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--prompts", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
+    parser.add_argument("--against", help="a stored agentic run (.json) of the same questions to compare with")
+    parser.add_argument("--out", required=True)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, model: Any = None, tokenizer: Any = None) -> dict:
+    args = parse(argv)
+    if model is None:
+        loaded = load_model(args.main, dtype=args.dtype)
+        model, tokenizer = loaded.model, loaded.tokenizer
+    openings = opening_ids(tokenizer)
+    samples = agentic.load_questions(args.questions, args.seed)
+    meta = {"machine": agentic.machine(), "torch_dtype": str(model.dtype).removeprefix("torch."), "date": agentic.now()}
+    report: dict = {"settings": vars(args), "meta": {**meta, "versions": agentic.versions()}, "prompts": {}}
+    stored = json.loads(Path(args.against).read_text()) if args.against else None
+    for name in args.prompts:
+        began = time.perf_counter()
+        rows = [
+            {"question": i, **first_token(model, tokenizer, PROMPTS[name], sample["question"], openings)}
+            for i, sample in enumerate(samples)
+        ]
+        report["prompts"][name] = {"text": PROMPTS[name], "records": rows, "seconds": time.perf_counter() - began}
+        if stored is not None:
+            report["agreement"] = agreement(report, stored)
+        Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))
+        Path(f"{args.out}.md").write_text(markdown(report))
+        print(f"{name}: {sum(r['opens_call'] for r in rows)} of {len(rows)} open a call", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
