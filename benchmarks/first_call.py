@@ -49,6 +49,14 @@ PROMPTS = {
         "before answering, with a short query for each fact you need. Once the results hold the answer, reply "
         "with the answer alone: a short phrase."
     ),
+    "agentic-with-an-example-call": (
+        f"{agentic.SYSTEM} For example, to the question 'In which city is the Eiffel Tower?' your first reply is:\n"
+        '<tool_call>\n{"name": "search", "arguments": {"query": "Eiffel Tower"}}\n</tool_call>'
+    ),
+    "agentic-with-an-example-question": (
+        f"{agentic.SYSTEM} For example, to the question 'In which city is the Eiffel Tower?' your first reply is "
+        "a search for 'Eiffel Tower'; once its results say 'Paris', your reply is 'Paris'."
+    ),
     "tutorial-helpful-assistant": (
         "You are a helpful assistant. Use the search tool to look up facts before answering. Once the results "
         "hold the answer, reply with the answer alone: a short phrase."
