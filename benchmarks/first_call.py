@@ -1,11 +1,12 @@
-"""Does the agent call its tool? The first token of the agentic study's step 1, per system prompt (issue #45).
+"""Does the agent call its tool? The start of the agentic study's step 1, per system prompt (issue #45).
 
 At step 1 of ``benchmarks/agentic.py`` (a HotpotQA question, the one ``search`` tool, ``tool_choice="auto"``) the
 model either opens a tool call or starts an answer in prose, and its first token decides which: ``<tool_call>``,
 or the chat template's doubled-brace ``{{"`` (the form Qwen2.5's template shows, which the lazy grammar takes as
 a call), or a bare ``{"``. This script prefills step 1's prompt under each candidate system prompt, rendered as
-the engine renders it (``prompt.chat.chat_layout``), with no generation, and records per question the probability
-of those first tokens and whether one of them is the most likely token (what greedy decoding writes). It is a
+the engine renders it (``prompt.chat.chat_layout``), continues it greedily for a few tokens, and records per
+question the probability of those openings' first tokens and whether the greedy start holds a trigger of the lazy
+grammar (``TRIGGERS``: then the engine writes a call). It is a
 proxy for the study's step-1 natural calls, cheap enough to try several prompts on every question: ``--against``
 compares it question by question with a stored agentic run of the same questions.
 
@@ -31,11 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import agentic  # noqa: E402
 import torch  # noqa: E402
 
+from specprefill_rag.config import OutputFormat  # noqa: E402
+from specprefill_rag.decode.formats import lazy_tool_call_tag  # noqa: E402
 from specprefill_rag.models.loading import load_model  # noqa: E402
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout  # noqa: E402
 
 QWEN_DEFAULT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."  # Qwen2.5's own system prompt
-OPENINGS = ("<tool_call>", '{{"', '{"')  # the first text of a call the lazy grammar takes up (hermes family)
+OPENINGS = ("<tool_call>", '{{"', '{"')  # how a call's first token starts (hermes family)
+# What the engine's lazy grammar takes as the start of a call of ``search`` (the family's marker, the template's
+# opening, the bare JSON naming the tool), and enough greedy tokens to write any of them, even a marker in ordinary
+# tokens.
+LAZY = OutputFormat("tool_call", tools=(agentic.SEARCH,), tool_format="hermes", lazy=True)
+TRIGGERS = tuple(lazy_tool_call_tag(LAZY)["format"]["triggers"])
+GREEDY_TOKENS = 10
 PROMPTS = {
     "agentic": agentic.SYSTEM,
     "qwen-default-then-agentic": f"{QWEN_DEFAULT} {agentic.SYSTEM}",
@@ -69,19 +78,35 @@ def opening_ids(tokenizer: Any) -> list[int]:
     return sorted({tokenizer.encode(text, add_special_tokens=False)[0] for text in OPENINGS})
 
 
+def starts_a_call(text: str) -> bool:
+    """Whether ``text`` holds a trigger of the lazy grammar (then the engine would write a call of ``search``)."""
+    return any(trigger in text for trigger in TRIGGERS)
+
+
 @torch.inference_mode()
 def first_token(model: Any, tokenizer: Any, system: str, question: str, openings: list[int]) -> dict:
-    """Step 1's prompt prefilled once: the call openings' probability and whether one is the most likely token."""
+    """Step 1's prompt prefilled once and continued greedily for :data:`GREEDY_TOKENS` tokens: the probability of
+    the call openings' first tokens, and whether the greedy start opens a call (a marker may also be spelled in
+    ordinary tokens, ``<`` ``tool`` ``_call`` ``>``, when the system prompt shows one as text: the lazy grammar
+    matches triggers as text, so that is a call too)."""
     messages = [ChatMessage("system", [system]), ChatMessage("user", [question])]
-    ids = chat_layout(tokenizer, messages, tools=[agentic.SEARCH], tool_choice="auto").layout.input_ids
-    logits = model(ids[None], position_ids=torch.arange(ids.numel())[None]).logits[0, -1].float()
-    probabilities = logits.softmax(-1)
-    top = int(probabilities.argmax())
+    ids = chat_layout(tokenizer, messages, tools=[agentic.SEARCH], tool_choice="auto").layout.input_ids[None]
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=GREEDY_TOKENS,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    probabilities = out.scores[0][0].float().softmax(-1)
+    start = tokenizer.decode(out.sequences[0, ids.shape[1] :]).lstrip()
     return {
-        "prompt_tokens": ids.numel(),
+        "prompt_tokens": ids.shape[1],
         "p_call": float(probabilities[openings].sum()),
-        "top_token": tokenizer.decode([top]),
-        "opens_call": top in openings,
+        "greedy_start": start,
+        "opens_call": starts_a_call(start),
     }
 
 
@@ -99,11 +124,11 @@ def agreement(report: dict, stored: dict) -> dict[str, int]:
 def markdown(report: dict) -> str:
     settings = report["settings"]
     lines = [
-        f"Step 1 of the agentic study, first token only: {settings['questions']} HotpotQA questions (seed "
-        f"{settings['seed']}), main {settings['main']}, {report['meta']['torch_dtype']}; the `search` tool offered, "
-        f"tool_choice 'auto'. Machine: {report['meta']['machine']}. {report['meta']['date']}.",
+        f"Step 1 of the agentic study, its first {GREEDY_TOKENS} greedy tokens: {settings['questions']} HotpotQA "
+        f"questions (seed {settings['seed']}), main {settings['main']}, {report['meta']['torch_dtype']}; the `search` "
+        f"tool offered, tool_choice 'auto'. Machine: {report['meta']['machine']}. {report['meta']['date']}.",
         "",
-        "| system prompt | questions | most likely first token opens a call | P(call opening), mean | median |",
+        "| system prompt | questions | greedy start opens a call | P(first token opens a call), mean | median |",
         "|---|---|---|---|---|",
     ]
     for name, entry in report["prompts"].items():

@@ -1132,7 +1132,12 @@ def test_first_call_probe_reads_the_first_token_of_step_one_per_prompt(task_data
         assert [row["question"] for row in entry["records"]] == [0, 1]
         for row in entry["records"]:
             assert 0.0 <= row["p_call"] <= 1.0 and row["prompt_tokens"] > 0
-            assert not row["opens_call"] or row["p_call"] > 0
+            assert row["opens_call"] == first_call.starts_a_call(row["greedy_start"])
     probe = report["prompts"]["agentic"]["records"]
     assert report["agreement"] == {"agentic": int(probe[0]["opens_call"]) + int(not probe[1]["opens_call"])}
     assert "| agentic | 2 |" in Path(f"{out}.md").read_text()
+    # what counts as a call: the lazy grammar's triggers, a marker spelled in ordinary tokens decodes the same
+    calls = ['<tool_call>\n{"name": "search"', '{{"name": "The Wire", "arg', 'Sure. {"name": "search", "arg']
+    assert all(first_call.starts_a_call(text) for text in calls)
+    answers = ['{"name": "Alice", "age": 3}', "The search found 1883.", "<tool_response>\nParis"]
+    assert not any(first_call.starts_a_call(text) for text in answers)
