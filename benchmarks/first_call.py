@@ -13,7 +13,7 @@ compares it question by question with a stored agentic run of the same questions
     python benchmarks/first_call.py --questions 100 --out benchmarks/results/agentic/first-call-prompts \
         --against benchmarks/results/agentic/hotpotqa-auto-template-opening.json
 
-Writes ``<out>.json`` and ``<out>.md`` after every prompt (a rerun starts again: each prompt takes about two
+Writes ``<out>.json`` and ``<out>.md`` after every prompt (a rerun starts again: each prompt takes three to four
 minutes for 100 questions on two cores).
 """
 

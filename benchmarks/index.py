@@ -106,6 +106,12 @@ STUDIES: dict[str, Study] = {
             f"and 0.3; {EPYC}, the first 24 questions beside test suites",
             "hotpotqa-auto-template-opening": '#45: the same with Qwen\'s template opening `{{"name": "` as a '
             "trigger, keep 1 and 0.3, all 100 questions; the Xeon, beside the vLLM tests and tool-query runs",
+            "hotpotqa-auto-sentences": "#45: the same with chunks of whole sentences (the default since), keep 1, 0.3 "
+            "and 0.1; the Xeon, alone but for short pauses (the questions in flight are named on the page)",
+            "first-call-prompts": "#45: step 1 only, its first 10 greedy tokens under six system prompts (a seventh "
+            "ran out of time; `first_call.py`), all 100 questions; the Xeon, alone (the agentic run paused)",
+            "hotpotqa-auto-example-call": "#45: auto throughout with a system prompt that shows one call, keep 1 and "
+            "0.3; the Xeon, alone",
         },
     ),
     "constrained-mask": Study(
