@@ -84,7 +84,7 @@ def starts_a_call(text: str) -> bool:
 
 
 @torch.inference_mode()
-def first_token(model: Any, tokenizer: Any, system: str, question: str, openings: list[int]) -> dict:
+def step_start(model: Any, tokenizer: Any, system: str, question: str, openings: list[int]) -> dict:
     """Step 1's prompt prefilled once and continued greedily for :data:`GREEDY_TOKENS` tokens: the probability of
     the call openings' first tokens, and whether the greedy start opens a call (a marker may also be spelled in
     ordinary tokens, ``<`` ``tool`` ``_call`` ``>``, when the system prompt shows one as text: the lazy grammar
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None, model: Any = None, tokenizer: Any = None
     for name in args.prompts:
         began = time.perf_counter()
         rows = [
-            {"question": i, **first_token(model, tokenizer, PROMPTS[name], sample["question"], openings)}
+            {"question": i, **step_start(model, tokenizer, PROMPTS[name], sample["question"], openings)}
             for i, sample in enumerate(samples)
         ]
         report["prompts"][name] = {"text": PROMPTS[name], "records": rows, "seconds": time.perf_counter() - began}
