@@ -257,6 +257,11 @@ def strict_correct(run: dict) -> float:
     return 0.0 if CALL_AS_TEXT.search(run["answer"]) else run["correct"]
 
 
+def opening(system: str, question: str) -> list[ChatMessage]:
+    """Step 1's messages: the system prompt and the question (``first_call.py`` renders the same)."""
+    return [ChatMessage("system", [system]), ChatMessage("user", [question])]
+
+
 def run_agent(engine: Any, sample: dict, keep_rate: float, args: argparse.Namespace, first: dict | None = None) -> dict:
     """One question at one keep rate: the loop of model turns, tool calls and tool results.
 
@@ -265,7 +270,7 @@ def run_agent(engine: Any, sample: dict, keep_rate: float, args: argparse.Namesp
     the same turn: with ``--share-first-step`` it is generated once per question (the records say
     ``shared``) and filled in here, else into ``first`` for the next keep rate.
     """
-    messages = [ChatMessage("system", [args.system]), ChatMessage("user", [sample["question"]])]
+    messages = opening(args.system, sample["question"])
     generations: list[dict] = []
     searches: list[dict] = []
     run: dict[str, Any] = {"natural_call": None, "forced": False, "forced_failed": False, "closed_book_correct": None}

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from specprefill_rag.config import OutputFormat  # noqa: E402
 from specprefill_rag.decode.formats import lazy_tool_call_tag  # noqa: E402
 from specprefill_rag.models.loading import load_model  # noqa: E402
-from specprefill_rag.prompt.chat import ChatMessage, chat_layout  # noqa: E402
+from specprefill_rag.prompt.chat import chat_layout  # noqa: E402
 
 QWEN_DEFAULT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."  # Qwen2.5's own system prompt
 OPENINGS = ("<tool_call>", '{{"', '{"')  # how a call's first token starts (hermes family)
@@ -89,7 +89,7 @@ def step_start(model: Any, tokenizer: Any, system: str, question: str, openings:
     the call openings' first tokens, and whether the greedy start opens a call (a marker may also be spelled in
     ordinary tokens, ``<`` ``tool`` ``_call`` ``>``, when the system prompt shows one as text: the lazy grammar
     matches triggers as text, so that is a call too)."""
-    messages = [ChatMessage("system", [system]), ChatMessage("user", [question])]
+    messages = agentic.opening(system, question)
     ids = chat_layout(tokenizer, messages, tools=[agentic.SEARCH], tool_choice="auto").layout.input_ids[None]
     out = model.generate(
         ids,

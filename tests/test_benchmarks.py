@@ -1098,10 +1098,10 @@ def test_the_tool_query_study_changes_only_what_the_draft_reads_after_the_prompt
     assert tool_query.checkable(["1883"]) and not tool_query.checkable(["no"])  # "no" is inside "not", "known"
 
 
-def test_first_call_probe_reads_the_first_token_of_step_one_per_prompt(task_data, tmp_path):
+def test_first_call_probe_reads_the_start_of_step_one_per_prompt(task_data, tmp_path):
     """benchmarks/first_call.py on a tiny random Qwen-format model: one record per question and prompt, the call
-    openings' probability in [0, 1] and consistent with the most likely token, and the agreement with a stored
-    agentic run counted only for the prompt that run used."""
+    openings' first-token probability in [0, 1], a greedy start judged by the lazy grammar's triggers, and the
+    agreement with a stored agentic run counted only for the prompt that run used."""
     import json
 
     import agentic
