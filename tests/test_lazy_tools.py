@@ -301,8 +301,9 @@ def test_a_model_that_starts_a_tool_result_block_writes_something_else(qwen, mod
     with scripted(model, script):
         result = engine(model, qwen).chat(QUESTION, tools=list(TOOLS), max_new_tokens=len(script) + 4, seed=0)
     assert result.text.startswith("<tool_respons") and "<tool_response>" not in result.text
+    free_engine = engine(model, qwen, lazy_tool_grammar=False)
     with scripted(model, script):
-        free = engine(model, qwen, lazy_tool_grammar=False).chat(QUESTION, tools=list(TOOLS), max_new_tokens=len(script))
+        free = free_engine.chat(QUESTION, tools=list(TOOLS), max_new_tokens=len(script))
     assert free.text == "<tool_response>"  # without the grammar the text is the model's
 
 
