@@ -152,13 +152,14 @@ def test_the_templates_doubled_opening_makes_the_name_an_offered_tools(qwen, com
     [
         "<tool_response>\n\n</tool_response>",  # the real pair's empty result block in place of an answer
         "It is Paris.\n</tool_response>",
+        '<tool_response type="object">\n</tool_response type="object">',  # how the model wrote around the bracket
         'Ok. {"name": "browse", "arguments": {"topic": "rivers"}} <tool_response>',  # after a call too
     ],
 )
 def test_the_reply_cannot_write_the_templates_tool_result_markup(qwen, compiler, text):
     tokens = ids(qwen, text)
     written = write(compiler.constraint(LAZY), tokens)
-    assert written < len(tokens) and qwen.decode(tokens[:written]).endswith("tool_response")
+    assert written < len(tokens) and qwen.decode(tokens[:written]).endswith("tool_respons")
     prose = ids(qwen, "The tool_response tag wraps a result; <tool_ response> is spaced.")
     assert write(compiler.constraint(LAZY), prose) == len(prose)
 
@@ -203,7 +204,7 @@ def test_the_lazy_tag_triggers_on_the_marker_and_each_offered_tool_by_name():
     template = ['{{"name": "', '{{"name":"', '{{ "name": "']
     bare = [opening.format(name) for name in names for opening in openings]
     assert tag["triggers"] == ["<tool_call>", *template, *bare]
-    assert tag["excludes"] == ["<tool_response>", "</tool_response>"]
+    assert tag["excludes"] == ["<tool_response", "</tool_response"]
     assert all(any(t["begin"].startswith(trigger) for trigger in tag["triggers"]) for t in tag["tags"])
 
 
@@ -300,7 +301,7 @@ def test_a_model_that_starts_a_tool_result_block_writes_something_else(qwen, mod
     script = ids(qwen, "<tool_response>")
     with scripted(model, script):
         result = engine(model, qwen).chat(QUESTION, tools=list(TOOLS), max_new_tokens=len(script) + 4, seed=0)
-    assert result.text.startswith("<tool_respons") and "<tool_response>" not in result.text
+    assert result.text.startswith("<tool_respons") and "<tool_response" not in result.text
     free_engine = engine(model, qwen, lazy_tool_grammar=False)
     with scripted(model, script):
         free = free_engine.chat(QUESTION, tools=list(TOOLS), max_new_tokens=len(script))

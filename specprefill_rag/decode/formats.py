@@ -41,7 +41,7 @@ TOOL_MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
 # control-token mask cannot stop them; Mistral's are control tokens (hidden from every reply) and llama3 gives
 # results a role of their own, opened by control tokens.
 RESULT_MARKUP: dict[str, tuple[str, ...]] = {
-    "hermes": ("<tool_response>", "</tool_response>"),
+    "hermes": ("<tool_response", "</tool_response"),  # no closing bracket: `<tool_response type="...">` opens one too
     "llama3": (),
     "mistral": (),
 }

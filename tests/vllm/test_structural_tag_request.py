@@ -63,5 +63,5 @@ def test_vllm_keeps_the_tool_result_markup_out_of_an_auto_reply():
     grammar = vllm_grammar(OutputFormat("tool_call", tools=TOOLS, tool_format="hermes", lazy=True), tokenizer)
     matcher = xgr.GrammarMatcher(grammar)
     assert matcher.accept_string("The answer is UTC. <tool_respons")
-    assert not matcher.accept_string("e>")
+    assert not matcher.accept_string("e")
     assert xgr.GrammarMatcher(grammar).accept_string('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}')
