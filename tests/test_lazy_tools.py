@@ -147,24 +147,6 @@ def test_the_templates_doubled_opening_makes_the_name_an_offered_tools(qwen, com
 
 
 @needs_xgrammar
-@pytest.mark.parametrize(
-    "text",
-    [
-        "<tool_response>\n\n</tool_response>",  # the real pair's empty result block in place of an answer
-        "It is Paris.\n</tool_response>",
-        '<tool_response type="object">\n</tool_response type="object">',  # how the model wrote around the bracket
-        'Ok. {"name": "browse", "arguments": {"topic": "rivers"}} <tool_response>',  # after a call too
-    ],
-)
-def test_the_reply_cannot_write_the_templates_tool_result_markup(qwen, compiler, text):
-    tokens = ids(qwen, text)
-    written = write(compiler.constraint(LAZY), tokens)
-    assert written < len(tokens) and qwen.decode(tokens[:written]).endswith("tool_respons")
-    prose = ids(qwen, "The tool_response tag wraps a result; <tool_ response> is spaced.")
-    assert write(compiler.constraint(LAZY), prose) == len(prose)
-
-
-@needs_xgrammar
 def test_one_call_only_without_parallel_calls(qwen, compiler):
     single = OutputFormat("tool_call", tools=TOOLS, tool_format="hermes", parallel=False, lazy=True)
     constraint = compiler.constraint(single)
@@ -204,7 +186,6 @@ def test_the_lazy_tag_triggers_on_the_marker_and_each_offered_tool_by_name():
     template = ['{{"name": "', '{{"name":"', '{{ "name": "']
     bare = [opening.format(name) for name in names for opening in openings]
     assert tag["triggers"] == ["<tool_call>", *template, *bare]
-    assert tag["excludes"] == ["<tool_response", "</tool_response"]
     assert all(any(t["begin"].startswith(trigger) for trigger in tag["triggers"]) for t in tag["tags"])
 
 
@@ -294,18 +275,6 @@ def test_an_ordinary_answer_is_unchanged_by_the_lazy_grammar(qwen, model):
                 engine(model, qwen, lazy_tool_grammar=lazy).chat(QUESTION, tools=list(TOOLS), max_new_tokens=30, seed=0)
             )
     assert answers[0].text == answers[1].text and answers[0].tool_calls == ()
-
-
-@needs_xgrammar
-def test_a_model_that_starts_a_tool_result_block_writes_something_else(qwen, model):
-    script = ids(qwen, "<tool_response>")
-    with scripted(model, script):
-        result = engine(model, qwen).chat(QUESTION, tools=list(TOOLS), max_new_tokens=len(script) + 4, seed=0)
-    assert result.text.startswith("<tool_respons") and "<tool_response" not in result.text
-    free_engine = engine(model, qwen, lazy_tool_grammar=False)
-    with scripted(model, script):
-        free = free_engine.chat(QUESTION, tools=list(TOOLS), max_new_tokens=len(script))
-    assert free.text == "<tool_response>"  # without the grammar the text is the model's
 
 
 @needs_xgrammar

