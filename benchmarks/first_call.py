@@ -62,6 +62,14 @@ PROMPTS = {
         f"{agentic.SYSTEM} For example, to the question 'In which city is the Eiffel Tower?' your first reply is:\n"
         '<tool_call>\n{"name": "search", "arguments": {"query": "Eiffel Tower"}}\n</tool_call>'
     ),
+    # The call above, then what follows the result: the example call alone taught the main to answer in the
+    # template's result markup (docs/benchmarks/agentic.md).
+    "agentic-with-an-example-exchange": (
+        f"{agentic.SYSTEM} For example, to the question 'In which city is the Eiffel Tower?' your first reply is:\n"
+        '<tool_call>\n{"name": "search", "arguments": {"query": "Eiffel Tower"}}\n</tool_call>\n'
+        "and once the search results say that the Eiffel Tower stands in Paris, your reply is the answer alone:\n"
+        "Paris"
+    ),
     "agentic-with-an-example-question": (
         f"{agentic.SYSTEM} For example, to the question 'In which city is the Eiffel Tower?' your first reply is "
         "a search for 'Eiffel Tower'; once its results say 'Paris', your reply is 'Paris'."

@@ -112,6 +112,10 @@ STUDIES: dict[str, Study] = {
             "ran out of time; `first_call.py`), all 100 questions; the Xeon, alone (the agentic run paused)",
             "hotpotqa-auto-example-call": "#45: auto throughout with a system prompt that shows one call, keep 1 and "
             "0.3; the Xeon, alone",
+            "hotpotqa-auto-example-call-no-result-markup": "#45: the same with the template's tool-result tags "
+            "excluded from the answer by the lazy grammar (134e091, taken back out), 12 questions; the Xeon, alone",
+            "hotpotqa-auto-example-exchange": "#45: auto throughout with a system prompt that shows one call and the "
+            "answer after its result, keep 1 and 0.3, all 100 questions; the Xeon, alone",
         },
     ),
     "constrained-mask": Study(
@@ -295,6 +299,7 @@ STUDIES: dict[str, Study] = {
             "filter alone); the same 30 samples, own full baseline; a Xeon with AMX, beside a CI run (answers only)",
             "nq-filter30-specprefill": "the same on NQ",
             "hotpotqa-filter30-specprefill": "the same on HotpotQA",
+            "niah-4k-filter30-specprefill": "the same on NIAH 4k; the Xeon with AMX (2026-12-07), alone",
             "squad-sentences": '#45: SpecPrefill with chunks of whole sentences (`chunking="sentences"`) beside '
             "SpecPrefill's 32-token chunks, same draft scores, same 30 samples, own full baseline; a Xeon with AMX "
             "(2026-12-06), alone",
