@@ -300,6 +300,14 @@ STUDIES: dict[str, Study] = {
             "nq-filter30-specprefill": "the same on NQ",
             "hotpotqa-filter30-specprefill": "the same on HotpotQA",
             "niah-4k-filter30-specprefill": "the same on NIAH 4k; the Xeon with AMX (2026-12-07), alone",
+            "squad-filter20-specprefill": "the filter keeping 20%, then SpecPrefill, keep 0.1; the same 30 samples, "
+            "own full baseline; the Xeon with AMX (2026-12-07), alone",
+            "nq-filter20-specprefill": "the same on NQ",
+            "hotpotqa-filter20-specprefill": "the same on HotpotQA",
+            "squad-filter40-specprefill": "the filter keeping 40%, then SpecPrefill, keep 0.1; the same 30 samples, "
+            "own full baseline; the Xeon with AMX (2026-12-07), alone",
+            "nq-filter40-specprefill": "the same on NQ",
+            "hotpotqa-filter40-specprefill": "the same on HotpotQA",
             "squad-sentences": '#45: SpecPrefill with chunks of whole sentences (`chunking="sentences"`) beside '
             "SpecPrefill's 32-token chunks, same draft scores, same 30 samples, own full baseline; a Xeon with AMX "
             "(2026-12-06), alone",
