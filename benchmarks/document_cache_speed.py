@@ -15,9 +15,10 @@ full / cached, cold / cached (TTFT) and cached / cold (draft time), as medians w
 ``zipf``: ``--questions`` questions over a corpus of ``--corpus`` paragraphs; each question retrieves
 ``--retrieved`` distinct paragraphs drawn with Zipf weights (rank ``r`` weighs ``r ** -s``) and is asked
 about one of them. The document cache is sized to about a tenth of the corpus's draft KV and starts
-empty (no warm-up): documents enter on first use and the least recently used leave. Per question, the
-cached engine and a cold one (draft joint, no caches) answer the same prompt (one token); reported: the
-share of documents served from the cache, TTFT and draft time medians of both.
+empty (no warm-up): documents enter on first use (a full store admits one only if it was asked for more
+often lately than what it would push out; ``--admission lru``: always) and the least recently used leave.
+Per question, the cached engine and a cold one (draft joint, no caches) answer the same prompt (one token);
+reported: the share of documents served from the cache, TTFT and draft time medians of both.
 
 ``draft``: the draft alone (it also answers as the main model, one token; only draft times are read), per
 request over a new combination of corpus paragraphs: the cold joint draft, the cache seeing the documents
@@ -64,11 +65,12 @@ import tasks  # noqa: E402
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
 from specprefill_rag.config import SHARED_REPAIRS  # noqa: E402
 from specprefill_rag.draft import assembly  # noqa: E402
+from specprefill_rag.draft.document_cache import DocumentKVCache  # noqa: E402
 from specprefill_rag.draft.model import ModelDraft  # noqa: E402
 from specprefill_rag.draft.repair import DEFAULT_REPAIR, DocumentRepair  # noqa: E402
 from specprefill_rag.errors import InvalidRequestError  # noqa: E402
+from specprefill_rag.kvcache.admission import KeptEntries  # noqa: E402
 from specprefill_rag.models.loading import load_model  # noqa: E402
-from specprefill_rag.prompt.layout import document_runs, instructions_end  # noqa: E402
 
 RATIO = "{:.2f}"
 SYSTEM = "Answer the question using the documents. Answer with a short phrase."
@@ -233,6 +235,8 @@ def run_speed(args) -> None:
         settings.pop("repairs")
     if args.draft_layers:  # likewise
         settings["draft_layers"] = args.draft_layers
+    if args.admission != "lru":  # runs made before admission existed kept their entries least recently used first
+        settings["admission"] = args.admission
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
@@ -366,6 +370,8 @@ def run_zipf(args) -> None:
         settings["first_sight"] = args.first_sight
     if args.draft_layers:  # likewise
         settings["draft_layers"] = args.draft_layers
+    if args.admission != "lru":  # runs made before admission existed kept their entries least recently used first
+        settings["admission"] = args.admission
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
@@ -385,6 +391,8 @@ def run_zipf(args) -> None:
         **common,
     )
     cached.draft.repair = replace(repair_of(args.repair), first_sight=args.first_sight)  # type: ignore[attr-defined]
+    if args.admission == "lru":  # the store without frequency-based admission, as runs before it had
+        cached.draft.document_cache = DocumentKVCache(cache_mb * 2**20, admission=False)  # type: ignore[attr-defined]
     cold = SpecPrefillEngine.from_models(
         main_loaded.model, tokenizer, draft_loaded.model, document_cache_mb=0, **common
     )
@@ -398,7 +406,8 @@ def run_zipf(args) -> None:
             if kept:
                 report[mark] = kept
     if report["records"]:  # resumed: the store an uninterrupted run would hold now, drafted again
-        held = rebuild_store(cached, corpus, questions[: len(report["records"])], bytes_per_token, args.warm_popular)
+        done = len(report["records"])
+        held = rebuild_store(cached, corpus, questions[:done], report["records"], args.warm_popular)
         report.setdefault("resumes", []).append({"at": len(report["records"]), "store": "rebuilt", "held": held})
     elif args.warm_popular:
         report["warmed"] = warm_popular(cached, corpus, args.warm_popular)
@@ -441,36 +450,39 @@ def kv_bytes_per_token(model: Any, layers: int | None = None) -> int:
 
 
 def replay_store(
-    requests: list[list[tuple[int, int]]], budget: int, pinned: dict[int, int] | None = None
-) -> tuple[int, dict[int, int]]:
-    """A document store replayed on entry sizes alone, as :class:`DocumentKVCache` keeps it.
+    requests: list[list[tuple[int, int]]],
+    budget: int,
+    pinned: dict[int, int] | None = None,
+    admission: bool = True,
+) -> tuple[int, KeptEntries[int]]:
+    """A document store replayed on entry sizes alone, through the policy :class:`DocumentKVCache` keeps its
+    entries by (:class:`KeptEntries`: least recently used first out, with frequency-based admission unless
+    ``admission`` is False).
 
     Args:
-        requests: per request, its documents in prompt order as ``(document, entry bytes)``.
+        requests: per request, its documents in prompt order as ``(document, entry bytes)``; each is looked up,
+            and stored when missed.
         budget: the bytes the documents may hold (the store's bound less its prefix entry).
         pinned: documents held from the start and never evicted (their bytes count against ``budget``).
 
     Returns:
-        The lookups that hit, and the other documents held at the end with their bytes, least recently used first.
+        The lookups that hit, and the policy's state at the end (the other documents held, least recently used
+        first).
     """
     pinned = pinned or {}
-    pinned_bytes = sum(pinned.values())
-    held: dict[int, int] = {}
-    total, hits = pinned_bytes, 0
+    kept: KeptEntries[int] = KeptEntries(max(budget - sum(pinned.values()), 0), admission)
+    hits = 0
     for request in requests:
         for document, size in request:
-            if document in held:
-                held[document] = held.pop(document)  # most recently used
-            if document in pinned or document in held:
+            if document in pinned:
                 hits += 1
                 continue
-            if pinned_bytes + size > budget:
-                continue  # only pinned entries left to evict: the store keeps it out
-            held[document] = size
-            total += size
-            while total > budget:
-                total -= held.pop(next(iter(held)))
-    return hits, held
+            kept.looked_up(document)
+            if document in kept:
+                hits += 1
+            else:
+                kept.admit(document, size)
+    return hits, kept
 
 
 def warm_popular(engine: SpecPrefillEngine, corpus: list[dict], count: int) -> int:
@@ -480,38 +492,29 @@ def warm_popular(engine: SpecPrefillEngine, corpus: list[dict], count: int) -> i
 
 
 def rebuild_store(
-    engine: SpecPrefillEngine, corpus: list[dict], asked: list[dict], bytes_per_token: int, warmed: int = 0
+    engine: SpecPrefillEngine, corpus: list[dict], asked: list[dict], records: list[dict], warmed: int
 ) -> int:
-    """Draft again into ``engine``'s empty document store what it held after ``asked`` (questions from
-    :func:`zipf_questions`), so a resumed run goes on as an uninterrupted one would; returns the documents held.
-
-    The store's least-recently-used order is replayed on entry sizes alone (each request looks up the prefix,
-    then its documents in prompt order; a miss is stored, the oldest entries leave past the budget), then the
-    documents left are warmed oldest first. An entry is its document drafted alone after the prefix, the same
-    KV whichever request stored it, so the rebuilt store holds what the uninterrupted one did (checked).
+    """Bring ``engine``'s empty document store to what it held after ``asked`` (questions from
+    :func:`zipf_questions`; ``records``: their rows), so a resumed run goes on as an uninterrupted one would:
+    the ``warmed`` most popular paragraphs are warmed again, and every question asked again (one token), in
+    order, which repeats every lookup and store the store saw (its entries, their order and its admission
+    counts); each question must find as many documents held as it did (checked). Returns the documents held.
     """
-    store = engine.document_cache
-    ingested = [{"documents": list(reversed(range(warmed))), "about": 0}] if warmed else []
-    requests, prefix_bytes = [], 0
-    for question in ingested + asked:
+    warm_popular(engine, corpus, warmed)
+    for question, row in zip(asked, records):
         documents = [corpus[i]["text"] for i in question["documents"]]
-        layout = engine.layout(corpus[question["about"]]["question"], documents, SYSTEM)
-        spans = document_runs(layout.document_index).tolist()
-        prefix_bytes = instructions_end(layout.roles, spans[0][0]) * bytes_per_token
-        requests.append([(i, (end - start) * bytes_per_token) for i, (start, end) in zip(question["documents"], spans)])
-    _, held = replay_store(requests, store.max_bytes - prefix_bytes)
-    for index in held:
-        engine.warm_documents([corpus[index]["text"]], SYSTEM)
-    if len(store) != len(held) + 1 or store.nbytes != sum(held.values()) + prefix_bytes:
-        raise SystemExit(f"rebuilt store: {len(store)} entries, {store.nbytes} bytes; replayed {len(held) + 1}")
-    return len(held)
+        again = engine.generate(corpus[question["about"]]["question"], documents, SYSTEM, max_new_tokens=1)
+        if again.stats.draft_documents_cached != row["cached"]["draft_documents_cached"]:
+            raise SystemExit(f"rebuilt store: question {row['question']} found other documents held than it did")
+    return len(engine.document_cache) - 1
 
 
 def run_replay(args) -> None:
-    """Hit rates of the Zipf workload's store replayed on entry sizes (no model runs): least recently used, and
-    with the ``--pin`` most popular paragraphs pinned (held from the start, never evicted)."""
+    """Hit rates of the Zipf workload's store replayed on entry sizes (no model runs): least recently used first
+    out with and without frequency-based admission, each with the ``--pin`` most popular paragraphs pinned (held
+    from the start, never evicted)."""
     settings = {k: getattr(args, k) for k in ("draft", "corpus", "questions", "retrieved", "exponent", "seed")}
-    settings.update(cache_share=args.cache_share, pin=args.pin)
+    settings.update(cache_share=args.cache_share, pin=args.pin, admission=args.admissions)
     draft = load_model(args.draft, "cpu", args.dtype)
     corpus = squad_paragraphs(args.seed)[: args.corpus]
     sizes = [tokens * kv_bytes_per_token(draft.model) for tokens in document_tokens(draft.tokenizer, corpus)]
@@ -520,14 +523,15 @@ def run_replay(args) -> None:
     requests = [[(i, sizes[i]) for i in question["documents"]] for question in questions]
     asked = sum(len(request) for request in requests)
     rows = []
-    for count in args.pin:
+    for admission, count in itertools.product(args.admissions, args.pin):
         pinned: dict[int, int] = {}
         room = budget
         for index in range(count):  # the most popular first, while they fit
             if sizes[index] <= room:
                 pinned[index], room = sizes[index], room - sizes[index]
-        hits, _ = replay_store(requests, budget, pinned)
-        rows.append({"pin": count, "pinned": len(pinned), "hits": hits, "asked": asked, "hit_rate": hits / asked})
+        hits, _ = replay_store(requests, budget, pinned, admission == "frequency")
+        row = {"admission": admission, "pin": count, "pinned": len(pinned), "hits": hits, "asked": asked}
+        rows.append(row | {"hit_rate": hits / asked})
     report = {"settings": settings, "machine": [machine()], "records": rows}
     save(args.out, report, replay_table(report))
 
@@ -536,13 +540,18 @@ def replay_table(report: dict) -> str:
     lines = [
         f"Settings: `{json.dumps(report['settings'])}`",
         "",
-        "| pinned (most popular first) | documents asked | hits | hit rate |",
-        "|---|---|---|---|",
-        *(f"| {r['pinned']} | {r['asked']:,} | {r['hits']:,} | {r['hit_rate']:.3f} |" for r in report["records"]),
+        "| admission | pinned (most popular first) | documents asked | hits | hit rate |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {r.get('admission', 'lru')} | {r['pinned']} | {r['asked']:,} | {r['hits']:,} | {r['hit_rate']:.3f} |"
+            for r in report["records"]
+        ),
         "",
         "The store replayed on entry sizes (paragraphs tokenized alone, the draft's KV bytes per token), without "
-        "its prefix entry; pinned paragraphs are held from the start and never evicted, the rest least recently "
-        "used first out. No model runs: hit rates, not times.",
+        "its prefix entry, through the policy the store keeps its entries by: least recently used first out, and "
+        "with `frequency` admission a document enters a full store only if it was looked up more often lately "
+        "than each entry it would push out. Pinned paragraphs are held from the start and never evicted. No "
+        "model runs: hit rates, not times.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -816,6 +825,15 @@ def main(argv: list[str] | None = None) -> None:
         )
     studies.choices["replay"].add_argument(
         "--pin", type=int, nargs="+", default=[0, 10, 20, 30, 40, 50], help="most popular paragraphs pinned"
+    )
+    studies.choices["replay"].add_argument(
+        "--admissions", nargs="+", default=["lru", "frequency"], choices=["lru", "frequency"]
+    )
+    zipf.add_argument(
+        "--admission",
+        default="frequency",
+        choices=["frequency", "lru"],
+        help="the store's admission: frequency (the store's default) or lru (every document enters, as before it)",
     )
     zipf.add_argument(
         "--repair", default=DEFAULT_REPAIR.kind, type=repair_spec, help="the cached engine's repair (query:0.1...)"

@@ -218,8 +218,10 @@ STUDIES: dict[str, Study] = {
             "zipf-warmed": "the Zipf workload of `zipf` with the 50 most popular paragraphs warmed before the first "
             "question (`--warm-popular 50`); the Xeon with AMX, run alone",
             "replay": "the Zipf workload's store replayed on entry sizes, no model run (`replay`): hit rates under "
-            "least-recently-used eviction (0.448, as the measured run's 448 hits) and with the 10-50 most popular "
-            "paragraphs pinned",
+            "least-recently-used eviction (0.448, as the measured run's 448 hits), with frequency-based admission "
+            "(0.522, #44), and each with the 10-50 most popular paragraphs pinned",
+            "replay-400": "the same replay over 400 questions: least recently used 0.447, frequency-based admission "
+            "0.558, the 50 most popular pinned 0.605",
             "speed-repairs": "the same at 4k, keep 0.1, blend against naive (no repair); a test suite at nice 10 "
             "shared the cores for the first two minutes (warm-up and part of request 1), then was paused",
             "zipf": "500 SQuAD paragraphs, Zipf retrieval, cache a tenth of the corpus, no warm-up; all 100 questions "

@@ -886,9 +886,9 @@ def test_a_repairs_entry_names_a_repair_and_blend_takes_a_share():
 
 @pytest.mark.parametrize(("warmed", "layers"), [(0, None), (5, None), (0, 1)])
 def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_model, tokenizer, warmed, layers):
-    """The store is replayed on sizes and warmed again (after the run's own warm-up of the most popular paragraphs,
-    if any); it must equal, entry for entry and in LRU order, the store that answering the same questions left,
-    with documents evicted on the way; with a truncated draft (``layers``) its entries are sized by its layers."""
+    """The questions already answered are asked again (after the run's own warm-up of the most popular
+    paragraphs, if any): the store must equal, entry for entry and in LRU order, the store that answering them
+    left, with documents evicted and kept out on the way, and its admission counts with it."""
     import document_cache_speed as study
 
     from specprefill_rag import SpecPrefillEngine
@@ -906,18 +906,23 @@ def test_a_resumed_zipf_run_rebuilds_the_store_an_uninterrupted_run_holds(tiny_m
     store = engine.document_cache
     store.clear()
     assert study.warm_popular(engine, corpus, warmed) == warmed
-    for question in asked:
+    records = []
+    for number, question in enumerate(asked):
         documents = [corpus[i]["text"] for i in question["documents"]]
-        engine.generate(corpus[question["about"]]["question"], documents, study.SYSTEM, max_new_tokens=1)
-    uninterrupted = [(key, entry.nbytes) for key, entry in store._entries.items()]
+        result = engine.generate(corpus[question["about"]]["question"], documents, study.SYSTEM, max_new_tokens=1)
+        records.append({"question": number, "cached": study.record(result)})
+    uninterrupted = [(key, store._entries[key].nbytes) for key in store._kept.keys()]
+    counts = [store._kept.sketch.estimate(key) for key, _ in uninterrupted]
     seen = set(range(warmed)) | {i for q in asked for i in q["documents"]}
     store.clear()
-    held = study.rebuild_store(engine, corpus, asked, study.kv_bytes_per_token(tiny_model, layers), warmed)
-    rebuilt = [(key, entry.nbytes) for key, entry in store._entries.items()]
+    held = study.rebuild_store(engine, corpus, asked, records, warmed)
     assert len(seen) + 1 > len(uninterrupted) and held == len(uninterrupted) - 1  # some were evicted
-    assert dict(rebuilt) == dict(uninterrupted)
-    documents_in_order = [key for key, _ in uninterrupted if key.document != b"prefix"]
-    assert [key for key, _ in rebuilt if key.document != b"prefix"] == documents_in_order
+    assert [(key, store._entries[key].nbytes) for key in store._kept.keys()] == uninterrupted
+    assert [store._kept.sketch.estimate(key) for key, _ in uninterrupted] == counts
+    records[-1]["cached"]["draft_documents_cached"] += 1
+    store.clear()
+    with pytest.raises(SystemExit, match="found other documents held"):
+        study.rebuild_store(engine, corpus, asked, records, warmed)
     store.clear()
 
 
@@ -925,12 +930,14 @@ def test_the_store_replay_evicts_the_least_recently_used_and_never_a_pinned_docu
     from document_cache_speed import replay_store
 
     requests = [[(1, 4), (2, 4)], [(1, 4), (3, 4)], [(1, 4), (2, 4)]]
-    hits, held = replay_store(requests, budget=10)
-    assert hits == 2 and list(held) == [1, 2]  # 1 hits twice; 2 leaves for 3 (1 was just used), 3 for 2
-    hits, held = replay_store(requests, budget=10, pinned={2: 4})
-    assert hits == 3 and list(held) == [1]  # 2 always hits; 1 and 3 take turns in the room the pin leaves
+    hits, held = replay_store(requests, budget=10, admission=False)
+    assert hits == 2 and held.keys() == [1, 2]  # 1 hits twice; 2 leaves for 3 (1 was just used), 3 for 2
+    hits, held = replay_store(requests, budget=10, pinned={2: 4}, admission=False)
+    assert hits == 3 and held.keys() == [1]  # 2 always hits; 1 and 3 take turns in the room the pin leaves
     hits, held = replay_store([[(5, 8)]], budget=10, pinned={2: 4})
-    assert hits == 0 and held == {}  # no room beside the pinned entry: kept out, as the store does
+    assert hits == 0 and len(held) == 0  # no room beside the pinned entry: kept out, as the store does
+    hits, held = replay_store(requests, budget=10)
+    assert hits == 3 and held.keys() == [1, 2]  # 3, asked for once, does not push 2 (as often) out: 2 hits again
 
 
 class KeywordEmbedder:

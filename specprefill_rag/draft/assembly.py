@@ -47,7 +47,7 @@ import torch
 
 from ..errors import InvalidRequestError
 from ..kvcache.prefix_cache import DraftIdentity, KVLayers
-from .document_cache import DocumentKey, DocumentStore
+from .document_cache import PREFIX_ENTRY, DocumentKey, DocumentStore
 from .hooks import StopForward, attention_dispatch, stop_after_layers
 from .repair import (
     NAIVE,
@@ -60,8 +60,6 @@ from .repair import (
     recompute_count,
 )
 from .rotation import rotary_inv_freq, rotate_keys
-
-PREFIX_ENTRY = b"prefix"  # the store's third key part for a prefix's own KV
 
 
 @dataclass(frozen=True)

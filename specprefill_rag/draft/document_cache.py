@@ -8,7 +8,9 @@ from them (:mod:`.assembly`, keys rotated by :mod:`.rotation`, repaired by :mod:
 Entries are keyed (:class:`DocumentKey`) by the draft (:class:`~.prefix_cache.DraftIdentity`), a namespace (the
 tenant whose request drafted them: a lookup in one namespace never finds another's), a digest of the prefix's
 ids and the document's ids (verified on a hit), bounded in bytes (one budget for every namespace), least
-recently used first out, thread-safe, and freed with their model. :class:`DocumentStore` is the interface a
+recently used first out, with frequency-based admission (a new document enters a full cache only if it was
+looked up more often lately than each entry it would push out: :mod:`..kvcache.admission`), thread-safe, and
+freed with their model. :class:`DocumentStore` is the interface a
 shared store could implement in place of the in-memory :class:`DocumentKVCache`.
 """
 
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ..kvcache.admission import KeptEntries
 from ..kvcache.prefix_cache import DraftIdentity, KVLayers, _storage_bytes
+
+PREFIX_ENTRY = b"prefix"  # a key's ``document`` part for a prefix's own KV
 
 
 class DocumentKey(NamedTuple):
@@ -32,7 +36,7 @@ class DocumentKey(NamedTuple):
         draft: the draft that encoded it.
         namespace: the tenant whose request drafted it (None: the namespace of an engine used by one application).
         prefix: digest of the prefix's ids (what the document was encoded after).
-        document: digest of the document's ids, or ``b"prefix"`` for the prefix's own KV.
+        document: digest of the document's ids, or :data:`PREFIX_ENTRY` for the prefix's own KV.
     """
 
     draft: DraftIdentity
@@ -52,12 +56,15 @@ class DocumentStore(Protocol):
     """Where per-document draft KV lives (in memory here; a shared store could implement this).
 
     Attributes:
-        nbytes: bytes it holds.
         max_bytes: bytes it holds at most.
     """
 
-    nbytes: int
     max_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds."""
+        ...
 
     def __len__(self) -> int:
         """Entries it holds (documents, and the prefixes they were encoded after)."""
@@ -92,24 +99,31 @@ class _Entry:
 
 
 class DocumentKVCache:
-    """Per-document draft KV, least recently used first out past ``max_bytes``."""
+    """Per-document draft KV within ``max_bytes``: least recently used first out, and with ``admission`` (the
+    default) a new document enters a full cache only if it was looked up more often lately than what it would
+    push out (:class:`~..kvcache.admission.KeptEntries`); a prefix's entry always enters.
+    """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, admission: bool = True) -> None:
         self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[DocumentKey, _Entry] = OrderedDict()
+        self._kept: KeptEntries[DocumentKey] = KeptEntries(max_bytes, admission)
+        self._entries: dict[DocumentKey, _Entry] = {}
         self._watched: set[int] = set()
         self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._kept.nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def lookup(self, key: DocumentKey, token_ids: torch.Tensor) -> KVLayers | None:
         with self._lock:
+            self._kept.looked_up(key)
             entry = self._entries.get(key)
             if entry is None or not torch.equal(entry.token_ids, token_ids.cpu()):
                 return None
-            self._entries.move_to_end(key)
             return entry.layers
 
     def store(
@@ -121,15 +135,14 @@ class DocumentKVCache:
             return
         with self._lock:
             if key in self._entries:
-                self._entries.move_to_end(key)
+                self._kept.admit(key, entry.nbytes)  # held: only the most recently used now
                 return
-            if not evict and self.nbytes + entry.nbytes > self.max_bytes:
+            dropped = self._kept.admit(key, entry.nbytes, evict, always=key.document == PREFIX_ENTRY)
+            if dropped is None:
                 return
+            for victim in dropped:
+                del self._entries[victim]
             self._entries[key] = entry
-            self.nbytes += entry.nbytes
-            while self.nbytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self.nbytes -= dropped.nbytes
             if key[0].model_id not in self._watched:
                 self._watched.add(key[0].model_id)
                 weakref.finalize(model, self._forget_model, key[0].model_id)
@@ -145,12 +158,13 @@ class DocumentKVCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self.nbytes = 0
+            self._kept.clear()
 
     def _forget_model(self, model_id: int) -> None:
         with self._lock:
             for key in [k for k in self._entries if k[0].model_id == model_id]:
-                self.nbytes -= self._entries.pop(key).nbytes
+                del self._entries[key]
+                self._kept.remove(key)
             self._watched.discard(model_id)
 
 
