@@ -215,6 +215,12 @@ STUDIES: dict[str, Study] = {
             "alone",
             "zipf-in-context": 'the Zipf workload of `zipf` with `document_first_sight="in_context"` (#44); the '
             "Xeon with AMX, run alone",
+            "zipf-admission": "the same with the cache's frequency-based admission (#44): hit rate 0.52, cold / "
+            "cached 1.15 per question; the Xeon with AMX, run alone",
+            "zipf-in-context-lru": "`zipf-in-context` again (`--admission lru`), run right after `zipf-admission` "
+            "for a side-by-side: the same 452 hits, cold / cached 1.10; the Xeon with AMX, run alone",
+            "draft-first-sight-4k": "first sight (alone, in context) against the cold draft at 4k, 8 requests, "
+            "blend (#44); the Xeon with AMX, `make docs` ran for about 15 s during request 4 or 5",
             "zipf-warmed": "the Zipf workload of `zipf` with the 50 most popular paragraphs warmed before the first "
             "question (`--warm-popular 50`); the Xeon with AMX, run alone",
             "replay": "the Zipf workload's store replayed on entry sizes, no model run (`replay`): hit rates under "
