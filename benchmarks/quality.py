@@ -14,7 +14,9 @@ Methods (all share one prompt layout and one main model):
   specprefill-documents  the same draft from the per-document draft cache (issue #28): each document encoded
                    alone after the prompt's prefix first, then the prompt scored with every document a hit
                    (blend repair); specprefill-documents-naive: the same without repair;
-                   specprefill-documents-blend05: blend recomputing 5% of the document tokens (not 15%)
+                   specprefill-documents-blend05: blend recomputing 5% of the document tokens (not 15%);
+                   specprefill-documents-in-context: each document first drafted in another prompt (the same
+                   documents in reverse order) with document_first_sight="in_context", then a hit (issue #44)
   specprefill-layers<N>  the same draft run to its first N layers (``draft_layers``, issue #44): queries are its
                    last 16 prompt tokens, as self's, since it cannot decode look-ahead tokens
   specprefill-documents-query[<NN>]  the cache with the query-aware repair (issue #44: the tokens the
@@ -73,8 +75,10 @@ from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.decode.detokenize import IncrementalText
+from specprefill_rag.draft.assembly import DocumentSpans
+from specprefill_rag.draft.document_cache import DocumentKVCache
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft.paths import draft_scoring, score_layout, warm_layout
+from specprefill_rag.draft.paths import document_spans, draft_score, draft_scoring, score_layout, warm_layout
 from specprefill_rag.draft.repair import NAIVE, DocumentRepair
 from specprefill_rag.models.loading import shared_model
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout
@@ -223,6 +227,45 @@ def document_cache_draft(
     return importance
 
 
+def reversed_documents(token_ids: torch.Tensor, documents: DocumentSpans) -> tuple[torch.Tensor, DocumentSpans]:
+    """Another prompt over the same documents: ``[L]`` ``token_ids`` with its documents in reverse order and
+    everything else (prefix, the labels and turn markers between documents, the tail) in place; the ``[L]`` ids
+    and where its documents now are."""
+    spans, prefix_length = documents.checked(token_ids.numel())
+    bounds = spans.tolist()
+    gap_starts = [prefix_length, *(end for _, end in bounds[:-1])]
+    gaps = [token_ids[start:document_start] for start, (document_start, _) in zip(gap_starts, bounds)]
+    texts = [token_ids[start:end] for start, end in reversed(bounds)]
+    pieces, moved, position = [token_ids[:prefix_length]], [], prefix_length
+    for gap, text in zip(gaps, texts):
+        position += gap.numel()
+        moved.append((position, position + text.numel()))
+        position += text.numel()
+        pieces += [gap, text]
+    return torch.cat([*pieces, token_ids[bounds[-1][1] :]]), DocumentSpans(torch.tensor(moved), prefix_length)
+
+
+def in_context_document_draft(engine: SpecPrefillEngine) -> Callable[[PromptLayout], torch.Tensor]:
+    """Importance from the per-document draft cache with ``document_first_sight="in_context"`` (issue #44), on
+    a store of its own: the layout's documents are first drafted in another prompt, the same documents in
+    reverse order (:func:`reversed_documents`), so each is stored from that prompt's pass, having seen the
+    documents that follow it in the layout and not those before it; then the layout is scored with every
+    document a hit, with the engine's repair. A document a sample shares with an earlier one (NIAH's essays)
+    is held as that earlier prompt stored it."""
+    repair = replace(engine.draft.repair, first_sight="in_context")
+    draft = replace(engine.draft, document_cache=DocumentKVCache(2**32), repair=repair)
+    scoring = replace(engine.draft_scoring, draft=draft)
+
+    def importance(layout: PromptLayout) -> torch.Tensor:
+        prepared = scoring.prepare(layout)
+        spans = document_spans(prepared)
+        if spans is not None:
+            draft_score(scoring.draft, *reversed_documents(prepared.token_ids, spans))
+        return score_layout(scoring, layout, prepared, documents=True).importance
+
+    return importance
+
+
 def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[str, Callable]:
     """The methods named in ``args.methods``; each call takes (sample, layout, keep_rate)."""
     model = engine.main.model
@@ -237,6 +280,7 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
         "specprefill-documents": lambda: document_cache_draft(engine),
         "specprefill-documents-naive": lambda: document_cache_draft(engine, NAIVE),
         "specprefill-documents-blend05": lambda: document_cache_draft(engine, BLEND_5),
+        "specprefill-documents-in-context": lambda: in_context_document_draft(engine),
         **{
             name: (lambda name=name: document_cache_draft(engine, query_repair(name)))
             for name in args.methods
@@ -756,6 +800,7 @@ OPTIONAL_METHODS = [  # run only when named
     "specprefill-documents",
     "specprefill-documents-naive",
     "specprefill-documents-blend05",
+    "specprefill-documents-in-context",
     "specprefill-documents-query",
     EMBEDDINGS_FILTER,
 ]

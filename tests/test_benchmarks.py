@@ -756,6 +756,58 @@ def test_a_quality_method_names_the_query_repair_and_its_share(tiny_model, tiny_
     assert seen == [quality.DocumentRepair("query", share=0.1)]
 
 
+def test_reversed_documents_moves_only_the_documents():
+    import quality
+
+    from specprefill_rag.draft.assembly import DocumentSpans
+
+    ids = torch.arange(100, 130)
+    spans = DocumentSpans(torch.tensor([[5, 9], [11, 18], [20, 22]]), prefix_length=3)
+    moved, where = quality.reversed_documents(ids, spans)
+    assert moved.numel() == ids.numel() and where.prefix_length == 3
+    texts = [ids[start:end].tolist() for start, end in spans.spans.tolist()]
+    assert [moved[start:end].tolist() for start, end in where.spans.tolist()] == texts[::-1]
+    assert where.spans.tolist() == [[5, 7], [9, 16], [18, 22]]  # the gaps (3-5, 9-11, 18-20) stay as long
+    assert moved[:5].tolist() == ids[:5].tolist() and moved[22:].tolist() == ids[22:].tolist()
+    assert moved[7:9].tolist() == ids[9:11].tolist() and moved[16:18].tolist() == ids[18:20].tolist()
+
+
+def test_the_in_context_quality_method_stores_documents_from_another_prompt(tiny_model, tokenizer, monkeypatch):
+    """``--methods specprefill-documents-in-context``: the documents are stored from the reversed prompt's
+    pass (first sight in context), then the layout is scored with every document a hit, on the method's own
+    store (the engine's stays empty)."""
+    import argparse
+
+    import quality
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.draft import assembly, paths
+    from specprefill_rag.testing import random_documents
+
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_model, min_prompt_tokens=0, look_ahead=2)
+    name = "specprefill-documents-in-context"
+    args = argparse.Namespace(
+        methods=[name], self_layers=[], self_windows=[], extra_drafts=[], seed=0, auto_floors=[0.1], auto_ceilings=[0.5]
+    )
+    scored, original = [], paths.draft_score
+
+    def recorded(*args):
+        scored.append(original(*args))
+        return scored[-1]
+
+    monkeypatch.setattr(quality, "draft_score", recorded)
+    monkeypatch.setattr(paths, "draft_score", recorded)  # what score_layout calls
+    in_context, assemble = [], assembly._assembled_in_context
+    monkeypatch.setattr(assembly, "_assembled_in_context", lambda *a: in_context.append(1) or assemble(*a))
+    methods = quality.make_methods(engine, args)
+    layout = engine.layout("When?", random_documents(3, 40, seed=1))
+    prefill = methods[name]({}, layout, 0.3)
+    assert 0 < prefill.kept.numel() < len(layout)
+    # the reversed prompt: every document a first sight; then the layout: every document a hit
+    assert [score.documents_cached for score in scored] == [0, 3] and len(in_context) == 2
+    assert engine.document_cache is not None and len(engine.document_cache) == 0
+
+
 def test_a_quality_method_runs_the_draft_to_its_first_layers(tiny_model, tokenizer):
     """``--methods specprefill-layers<N>`` scores as ``draft_layers=N`` builds the draft: its first N layers."""
     import argparse
