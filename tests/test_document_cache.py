@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from specprefill_rag import engine as engine_module
@@ -589,3 +590,28 @@ def test_the_blend_probe_stops_once_its_last_layer_has_its_keys(tokenizer):
     for (keys, values), layer in zip(probed, full.layers[:2]):
         torch.testing.assert_close(keys, layer.keys)
         torch.testing.assert_close(values, layer.values)
+
+
+@pytest.mark.parametrize("fresh_share", [0.05, 0.5, 1.0])
+def test_grouped_masked_attention_equals_one_mask(fresh_share):
+    """The fresh forward's attention (keys in position order, queries in groups that each read only the keys up
+    to their latest position) equals SDPA with one ``[F, C + F]`` mask, grouped-query heads included."""
+    from specprefill_rag.draft.assembly import _masked_attention
+
+    generator = torch.Generator().manual_seed(7)
+    length = 90
+    fresh = torch.nonzero(torch.rand(length, generator=generator) < fresh_share).flatten()
+    fresh = torch.cat([fresh, torch.tensor([length - 1])]).unique()  # the last token is always fresh
+    kept = torch.tensor([p for p in range(length) if p not in set(fresh.tolist())], dtype=torch.long)
+    key_positions = torch.cat([kept, fresh])  # cache slot order: cached keys, then the fresh ones
+    query = torch.randn(1, 4, fresh.numel(), 8, generator=generator)
+    key, value = (torch.randn(1, 2, length, 8, generator=generator) for _ in range(2))
+    module = nn.Module()
+    module.num_key_value_groups = 2
+    grouped, _ = _masked_attention(key_positions, fresh)(module, query, key, value, None, scaling=0.3)
+    mask = key_positions[None, :] <= fresh[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), attn_mask=mask, scale=0.3
+    ).transpose(1, 2)
+    assert grouped.shape == expected.shape == (1, fresh.numel(), 4, 8)
+    torch.testing.assert_close(grouped, expected)

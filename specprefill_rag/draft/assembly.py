@@ -236,16 +236,52 @@ def held_documents(
     )
 
 
+QUERY_GROUPS = 8  # groups of fresh queries, each reading only the keys up to its last position
+
+
 def _masked_attention(key_positions: torch.Tensor, query_positions: torch.Tensor) -> Any:
     """An SDPA attention whose ``[F]`` queries at ``query_positions`` see the keys at ``key_positions``
     ``[C + F]`` (cache slot order) up to their own position; transformers' mask is ignored.
-    """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    mask = (key_positions[None, :] <= query_positions[:, None])[None, None]  # [1, 1, F, C + F]
+    The keys are put in position order and the queries cut into up to :data:`QUERY_GROUPS` groups, each
+    attending only to the keys at or before its latest position, through an additive mask: where fresh tokens
+    are spread over the prompt, this skips about ``(G - 1) / 2G`` of the ``F x (C + F)`` scores one mask would
+    compute, and SDPA on CPU runs faster with a float mask than with a bool one.
+    """
+    order = torch.argsort(key_positions)
+    by_position = key_positions[order]
+    groups = []
+    for queries in torch.tensor_split(
+        torch.arange(query_positions.numel()), min(QUERY_GROUPS, query_positions.numel())
+    ):
+        seen = query_positions[queries]
+        visible = int(torch.searchsorted(by_position, seen.max(), right=True))
+        groups.append((int(queries[0]), int(queries[-1]) + 1, visible, by_position[None, :visible] <= seen[:, None]))
+    masks: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def additive(dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        if (dtype, device) not in masks:
+            masks[(dtype, device)] = [
+                torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask.to(device), float("-inf"))
+                for *_, mask in groups
+            ]
+        return masks[(dtype, device)]
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        return sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, **kwargs)
+        index = order.to(key.device)
+        key, value = key[:, :, index], value[:, :, index]
+        outputs = [
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start:end],
+                key[:, :, :visible],
+                value[:, :, :visible],
+                attn_mask=mask,
+                scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+            for (start, end, visible, _), mask in zip(groups, additive(query.dtype, query.device))
+        ]
+        return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
     return attention
 
