@@ -1,7 +1,7 @@
 """The per-document draft cache against joint scoring, paired, from benchmarks/quality.py runs (issue #28).
 
 Reads runs made with ``--methods specprefill specprefill-documents [specprefill-documents-naive]
-[specprefill-documents-query<NN>]`` and writes one table: per task, keep rate and repair (blend, or naive and
+[specprefill-documents-query<NN>] [specprefill-documents-in-context]`` and writes one table: per task, keep rate and repair (blend, or naive and
 query where the run has them), the main model's correctness
 (``contains``) with joint scoring and with the cache, the paired difference (cache - joint) with its 95%
 bootstrap interval over samples, retention against the full prefill, whether the answer string survived in
@@ -29,6 +29,7 @@ CACHED = {
     "specprefill-documents": "blend",
     "specprefill-documents-naive": "naive",
     "specprefill-documents-blend05": "blend 5%",
+    "specprefill-documents-in-context": "blend, first sight in context",
 }
 
 
