@@ -1,9 +1,9 @@
 """The per-document draft cache against joint scoring, paired, from benchmarks/quality.py runs (issue #28).
 
 Reads runs made with ``--methods specprefill specprefill-documents [specprefill-documents-naive]
-[specprefill-documents-query<NN>] [specprefill-documents-in-context]`` and writes one table: per task, keep rate and repair (blend, or naive and
-query where the run has them), the main model's correctness
-(``contains``) with joint scoring and with the cache, the paired difference (cache - joint) with its 95%
+[specprefill-documents-query<NN>] [specprefill-documents-in-context]`` and writes one table: per task, keep
+rate and repair (blend, or naive, query and first sight in context where the run has them), the main model's
+correctness (``contains``) with joint scoring and with the cache, the paired difference (cache - joint) with its 95%
 bootstrap interval over samples, retention against the full prefill, whether the answer string survived in
 the kept tokens, and the Jaccard overlap of the two methods' kept document tokens (for samples whose records
 hold them). Given several runs it adds pooled rows: every run's paired samples together, per keep rate and

@@ -235,8 +235,6 @@ def run_speed(args) -> None:
         settings.pop("repairs")
     if args.draft_layers:  # likewise
         settings["draft_layers"] = args.draft_layers
-    if args.admission != "lru":  # runs made before admission existed kept their entries least recently used first
-        settings["admission"] = args.admission
     report = load(args.out, settings, args.resume)
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)

@@ -186,6 +186,14 @@ STUDIES: dict[str, Study] = {
             "niah-4k": "a needle among 5 essay documents (~4k tokens), blend and no repair; samples 0-14 in float32 on "
             "a 2-core AMD EPYC without AVX512, 15-29 in bfloat16 on a 2-core Intel Xeon with AMX (each sample's arms "
             "in one process)",
+            "hotpotqa-in-context": "#44: joint scoring, blend (documents drafted alone) and first sight in context "
+            "(documents stored from the same documents reversed, `specprefill-documents-in-context`), keep 0.1 and "
+            "0.3; a 2-core Intel Xeon with AMX, bfloat16, beside a CI run for its first 20 samples",
+            "squad-in-context": "the same arms on SQuAD; the Xeon with AMX, bfloat16",
+            "nq-in-context": "the same arms on NQ; the Xeon with AMX, bfloat16",
+            "hotpotqa-grouped-attention": "blend again on the 30 HotpotQA samples of `hotpotqa-in-context` after the "
+            "fresh forward's attention was grouped (#44): the same 30 answers at both keeps, kept runs identical "
+            "in 27 and 29 of 30; the Xeon with AMX, bfloat16",
         },
     ),
     "document-cache-speed": Study(
@@ -217,6 +225,11 @@ STUDIES: dict[str, Study] = {
             "Xeon with AMX, run alone",
             "zipf-admission": "the same with the cache's frequency-based admission (#44): hit rate 0.52, cold / "
             "cached 1.15 per question; the Xeon with AMX, run alone",
+            "fresh-forward": "the fresh forward with grouped queries against one mask over every key "
+            "(`benchmarks/fresh_forward.py`), 1.6k and 4.2k tokens, 5 alternating repeats; the Xeon with AMX, run "
+            "alone",
+            "speed-grouped": "warm 4k requests, keep 0.1, blend, 3 requests, after the fresh forward's attention was "
+            "grouped (#44); the Xeon with AMX, run alone",
             "zipf-in-context-lru": "`zipf-in-context` again (`--admission lru`), run right after `zipf-admission` "
             "for a side-by-side: the same 452 hits, cold / cached 1.10; the Xeon with AMX, run alone",
             "draft-first-sight-4k": "first sight (alone, in context) against the cold draft at 4k, 8 requests, "
