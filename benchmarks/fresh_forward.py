@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read at import: a model that is not installed fails, never downloads
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from document_cache_speed import machine  # noqa: E402
+from document_cache_speed import machine, save, spread  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from specprefill_rag.draft import assembly  # noqa: E402
@@ -100,10 +99,8 @@ def table(report: dict) -> str:
     for r in report["records"]:
         one, grouped, ratios = r["seconds"]["one_mask"], r["seconds"]["grouped"], r["grouped_over_one_mask"]
         lines.append(
-            f"| {r['prompt_tokens']:,} | {r['fresh_tokens']:,} | {statistics.median(one):.3f} ({min(one):.3f}-"
-            f"{max(one):.3f}) | {statistics.median(grouped):.3f} ({min(grouped):.3f}-{max(grouped):.3f}) | "
-            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
-            f"{r['largest_relative_difference']:.4f} |"
+            f"| {r['prompt_tokens']:,} | {r['fresh_tokens']:,} | {spread(one, '{:.3f}')} | {spread(grouped, '{:.3f}')} "
+            f"| {spread(ratios, '{:.2f}')} | {r['largest_relative_difference']:.4f} |"
         )
     lines += [
         "",
@@ -129,9 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {"settings": settings | {"settings": SETTINGS}, "machine": [machine()], "records": []}
     for length, share in SETTINGS:
         report["records"].append(run_setting(model, length, share, args.repeats, args.seed))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-        args.out.with_suffix(".md").write_text(table(report))
+        save(args.out, report, table(report))
         print(json.dumps(report["records"][-1]["grouped_over_one_mask"]), flush=True)
 
 
