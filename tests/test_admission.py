@@ -1,5 +1,6 @@
 """What a byte-bounded cache keeps: least recently used first out, with TinyLFU admission (issue #44)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -28,6 +29,25 @@ def test_the_sketch_never_counts_fewer_lookups_and_halves():
     assert wide.estimate("never") == 0
     wide.halve()
     assert wide.estimate("popular") == 7 and wide.estimate("once") == 0
+
+
+def test_the_sketch_rows_collide_independently():
+    """Two keys sharing a slot in one row almost never share one in another: the rows are what keep a count-min
+    sketch from over-counting. Keys shaped like a ``DocumentKey`` (nested tuples), of ints so their hashes do not
+    depend on the process's hash seed; hashing ``(row, key)`` put 152 of 343 such pairs in the same slot of every
+    row."""
+    sketch = FrequencySketch()
+    keys = [((1, 2), None, i, i * 31) for i in range(4000)]
+    slots = [sketch._slots(key) for key in keys]
+    by_first_row: dict[int, list[int]] = {}
+    for index, row_slots in enumerate(slots):
+        by_first_row.setdefault(row_slots[0], []).append(index)
+    pairs = [(a, b) for same in by_first_row.values() for i, a in enumerate(same) for b in same[i + 1 :]]
+    assert len(pairs) > 100  # about 4000^2 / 2 / 16384 = 488 expected: the first row does collide
+    again = [(a, b) for a, b in pairs if any(slots[a][row] == slots[b][row] for row in (1, 2, 3))]
+    assert len(again) <= 2  # independent rows: about 488 x 3 / 16384 = 0.09 expected
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        FrequencySketch(depth=9)
 
 
 def test_without_admission_the_least_recently_used_leave():

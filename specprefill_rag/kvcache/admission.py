@@ -21,6 +21,27 @@ SAMPLE_PER_ENTRY = 10  # lookups between two halvings, per entry held (TinyLFU's
 MIN_SAMPLE = 160  # ... and at least this many, so a nearly empty cache does not forget at every lookup
 K = TypeVar("K", bound=Hashable)
 _HALF = bytes(count >> 1 for count in range(256))  # a translation table: each counter byte to its half
+_MASK64 = 2**64 - 1
+# Odd 64-bit multipliers, one per row (up to 8 rows): SHA-512's initial hash values (the fractional parts of the
+# square roots of the first eight primes), the first forced odd.
+_ROW_MULTIPLIERS = (
+    0x6A09E667F3BCC909,
+    0xBB67AE8584CAA73B,
+    0x3C6EF372FE94F82B,
+    0xA54FF53A5F1D36F1,
+    0x510E527FADE682D1,
+    0x9B05688C2B3E6C1F,
+    0x1F83D9ABFB41BD6B,
+    0x5BE0CD19137E2179,
+)
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser: every bit of the 64-bit ``value`` reaches every bit of the result (Python's
+    hash of a small int is the int itself)."""
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
 
 
 class FrequencySketch:
@@ -32,11 +53,19 @@ class FrequencySketch:
     """
 
     def __init__(self, width: int = 2**14, depth: int = 4, limit: int = 15) -> None:
+        if not 1 <= depth <= len(_ROW_MULTIPLIERS):
+            raise ValueError(f"a sketch has 1 to {len(_ROW_MULTIPLIERS)} rows, not {depth}")
         self.width, self.limit = width, limit
         self.rows = [bytearray(width) for _ in range(depth)]
 
     def _slots(self, key: Hashable) -> list[int]:
-        return [hash((row, key)) % self.width for row in range(len(self.rows))]
+        """One slot per row, each from the key's mixed hash times the row's own odd multiplier (multiply-shift
+        hashing, scaled to ``width``): rows collide independently. Hashing ``(row, key)`` instead, as before, let
+        Python's tuple hash put two keys that share a slot in one row in the same slot of most other rows (49 of 92
+        pairs over 2,000 keys), so the sketch over-counted as if it had one row.
+        """
+        mixed = _mix64(hash(key) & _MASK64)
+        return [(((mixed * multiplier) & _MASK64) * self.width) >> 64 for multiplier in _ROW_MULTIPLIERS[: len(self.rows)]]
 
     def add(self, key: Hashable) -> None:
         """Count one lookup of ``key``."""
