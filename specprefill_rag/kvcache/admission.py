@@ -38,7 +38,8 @@ _ROW_MULTIPLIERS = (
 
 def _mix64(value: int) -> int:
     """SplitMix64's finaliser: every bit of the 64-bit ``value`` reaches every bit of the result (Python's
-    hash of a small int is the int itself)."""
+    hash of a small int is the int itself).
+    """
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
     return value ^ (value >> 31)
@@ -65,7 +66,8 @@ class FrequencySketch:
         pairs over 2,000 keys), so the sketch over-counted as if it had one row.
         """
         mixed = _mix64(hash(key) & _MASK64)
-        return [(((mixed * multiplier) & _MASK64) * self.width) >> 64 for multiplier in _ROW_MULTIPLIERS[: len(self.rows)]]
+        multipliers = _ROW_MULTIPLIERS[: len(self.rows)]
+        return [(((mixed * multiplier) & _MASK64) * self.width) >> 64 for multiplier in multipliers]
 
     def add(self, key: Hashable) -> None:
         """Count one lookup of ``key``."""
