@@ -231,8 +231,10 @@ STUDIES: dict[str, Study] = {
             "speed-grouped": "warm 4k requests, keep 0.1, blend, 3 requests, after the fresh forward's attention was "
             "grouped (#44); the Xeon with AMX, run alone",
             "zipf-admission-grouped": "`zipf-admission` again after the fresh forward's attention was grouped "
-            "(#44): cold / cached 1.22, 532 hits (521 before: not the same across processes, see the page); the "
-            "Xeon with AMX, run alone, in a slower hour (cold TTFT 3.45 s)",
+            "(#44): cold / cached 1.22, 532 hits (521 before: the sketch's rows collided together, see the page); "
+            "the Xeon with AMX, run alone, in a slower hour (cold TTFT 3.45 s)",
+            "zipf-admission-rows": "`zipf-admission` again after the frequency sketch's rows were made independent "
+            "(#44): 529 hits, cold / cached 1.21; the Xeon with AMX, run alone (cold TTFT 3.56 s)",
             "zipf-in-context-lru": "`zipf-in-context` again (`--admission lru`), run right after `zipf-admission` "
             "for a side-by-side: the same 452 hits, cold / cached 1.10; the Xeon with AMX, run alone",
             "draft-first-sight-4k": "first sight (alone, in context) against the cold draft at 4k, 8 requests, "
