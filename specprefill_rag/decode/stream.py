@@ -116,7 +116,9 @@ class Decoding:
         stopped = self.text.stopped or len(self.tokens) < self.params.max_new_tokens
         stats = self._stats(first_token_at, finished_at)
         tail, calls = self.calls.finish(self.text.finish())
-        reason: FinishReason = "tool_calls" if self.calls.calls else "stop" if stopped else "length"
+        reason: FinishReason = "stop" if stopped else "length"
+        if self.calls.calls and (stopped or not self.calls.invalid):  # cut inside a call: "length", as OpenAI's
+            reason = "tool_calls"
         text = self.calls.content if self.calls.parsing else self.text.emitted
         every = tuple(self.logprobs.every) if self.logprobs is not None else None
         result = GenerationResult(
