@@ -233,6 +233,8 @@ STUDIES: dict[str, Study] = {
             "zipf-admission-grouped": "`zipf-admission` again after the fresh forward's attention was grouped "
             "(#44): cold / cached 1.22, 532 hits (521 before: the sketch's rows collided together, see the page); "
             "the Xeon with AMX, run alone, in a slower hour (cold TTFT 3.45 s)",
+            "first-sight-order": "first sight in context against the cold draft at 4k, arms in rotated order, on new "
+            "and used engines (`benchmarks/first_sight_order.py`, #44); the Xeon with AMX, run alone",
             "zipf-admission-rows": "`zipf-admission` again after the frequency sketch's rows were made independent "
             "(#44): 529 hits, cold / cached 1.21; the Xeon with AMX, run alone (cold TTFT 3.56 s)",
             "zipf-in-context-lru": "`zipf-in-context` again (`--admission lru`), run right after `zipf-admission` "

@@ -10,7 +10,7 @@ Tasks (benchmarks/tasks.py, data read in place from ../shared/data):
 Methods (all share one prompt layout and one main model):
   specprefill      draft = SmolLM2-135M (the paper's algorithm), look-ahead 8, 32-token chunks (the paper's;
                    the engine's default chunking is now ``sentences``: ``specprefill-sentences``)
-  specprefill-la1  the same draft, look-ahead 1
+  specprefill-la<N>  the same draft, look-ahead N (1 to 99; the engine's default is 8)
   specprefill-documents  the same draft from the per-document draft cache (issue #28): each document encoded
                    alone after the prompt's prefix first, then the prompt scored with every document a hit
                    (blend repair); specprefill-documents-naive: the same without repair;
@@ -91,6 +91,15 @@ QUERY_METHOD = re.compile(r"specprefill-documents-query(\d{2})?")
 
 
 LAYERS_METHOD = re.compile(r"specprefill-layers([1-9][0-9]*)")  # the draft's first N layers (draft_layers=N)
+LOOK_AHEAD_METHOD = re.compile(r"specprefill-la([1-9][0-9]?)")  # the engine's draft with look-ahead N
+
+
+def look_ahead_draft(engine: SpecPrefillEngine, look_ahead: int) -> Callable[[PromptLayout], torch.Tensor]:
+    """Importance from the engine's draft model with ``look_ahead`` queries (the last prompt token and
+    ``look_ahead - 1`` decoded tokens, stopping at its end-of-sequence tokens); direct or mapped, as the engine's
+    path."""
+    draft = replace(engine.draft, look_ahead=look_ahead, prefix_cache=None, document_cache=None)
+    return replace(engine.draft_scoring, draft=draft, look_ahead=look_ahead).importance
 
 
 def layers_draft(engine: SpecPrefillEngine, layers: int) -> Callable[[PromptLayout], torch.Tensor]:
@@ -273,10 +282,13 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
     def token_scorer(draft) -> Callable[[PromptLayout], torch.Tensor]:
         return lambda layout: draft.score(layout.input_ids)
 
-    one_step = ModelDraft(engine.draft.model, look_ahead=1, pool_kernel=13)
     drafts = {
         "specprefill": lambda: engine.draft_scoring.importance,  # direct or mapped, as the engine chose
-        "specprefill-la1": lambda: replace(engine.draft_scoring, draft=one_step, look_ahead=1).importance,
+        **{
+            name: (lambda name=name: look_ahead_draft(engine, int(LOOK_AHEAD_METHOD.fullmatch(name)[1])))  # type: ignore[index]
+            for name in {"specprefill-la1", *(method.removesuffix(SENTENCES) for method in args.methods)}
+            if LOOK_AHEAD_METHOD.fullmatch(name)
+        },
         "specprefill-documents": lambda: document_cache_draft(engine),
         "specprefill-documents-naive": lambda: document_cache_draft(engine, NAIVE),
         "specprefill-documents-blend05": lambda: document_cache_draft(engine, BLEND_5),
@@ -866,14 +878,15 @@ def main() -> None:
         - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     )
     unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
-    patterns = (QUERY_METHOD, LAYERS_METHOD, FILTERED_METHOD)
+    patterns = (QUERY_METHOD, LAYERS_METHOD, LOOK_AHEAD_METHOD, FILTERED_METHOD)
     unknown = {name for name in unknown if not any(pattern.fullmatch(name) for pattern in patterns)}
     if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
         options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")
     if unknown:
         options.error(
             f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS + OPTIONAL_METHODS}, "
-            "specprefill-documents-query<NN>, specprefill-layers<N>, embeddings-filter<NN>-specprefill "
+            "specprefill-documents-query<NN>, specprefill-layers<N>, specprefill-la<N>, "
+            "embeddings-filter<NN>-specprefill "
             "or self-<n> with --self-layers, and <draft method>-sentences"
         )
     out = args.out or ROOT / "benchmarks" / "results" / "quality" / args.task

@@ -839,6 +839,44 @@ def test_a_quality_method_runs_the_draft_to_its_first_layers(tiny_model, tokeniz
     assert not quality.LAYERS_METHOD.fullmatch("specprefill-layers0")
 
 
+def test_a_look_ahead_method_keeps_what_an_engine_with_that_look_ahead_keeps(tokenizer, tiny_model):
+    """``--methods specprefill-la<N>`` (and its ``-sentences`` form): the engine's draft with look-ahead N, as an
+    engine built with ``look_ahead=N`` scores; la1 is always offered."""
+    import argparse
+
+    import quality
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.testing import build_model, random_documents
+
+    draft = build_model(tokenizer, layers=2, seed=3, initializer_range=0.2)
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft, min_prompt_tokens=0)  # look-ahead 8
+    args = argparse.Namespace(
+        methods=["specprefill-la3-sentences"],
+        self_layers=[],
+        self_windows=[],
+        extra_drafts=[],
+        seed=0,
+        auto_floors=[0.1],
+        auto_ceilings=[0.5],
+    )
+    layout = engine.layout("When?", random_documents(2, 40, seed=1))
+    methods = quality.make_methods(engine, args)
+    assert "specprefill-la3-sentences" in methods and "specprefill-la8" not in methods
+    built = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft, min_prompt_tokens=0, look_ahead=3)
+    importance = built.draft_scoring.importance(layout)
+    assert not torch.equal(importance, engine.draft_scoring.importance(layout))  # look-ahead 3 scores otherwise
+    kept = methods["specprefill-la3-sentences"]({}, layout, 0.3).kept
+    starts = layout.sentence_starts()
+    expected = quality.select_kept(
+        importance, layout.document_index, keep_rate=0.3, chunk_size=32, sentence_start=starts
+    )
+    assert kept.tolist() == expected.tolist()
+    assert quality.LOOK_AHEAD_METHOD.fullmatch("specprefill-la1") and not quality.LOOK_AHEAD_METHOD.fullmatch(
+        "specprefill-la0"
+    )
+
+
 def test_a_draft_method_with_the_sentences_suffix_keeps_what_the_engine_keeps_by_sentences(tokenizer, tiny_model):
     """``--methods specprefill-sentences`` and ``self-sentences``: the draft's own importance, chunks of whole
     sentences, as an engine with ``chunking="sentences"`` selects them."""
@@ -1216,3 +1254,31 @@ def test_the_fresh_forward_study_times_both_attentions_on_the_same_kv(tiny_model
     assert record["largest_relative_difference"] < 1e-5
     assert assembly._masked_attention is fresh_forward.GROUPED
     assert "| 60 |" in fresh_forward.table({"settings": {}, "machine": [], "records": [record]})
+
+
+def test_the_first_sight_order_study_runs_every_arm_and_reads_them_against_both_colds(tiny_model, tokenizer):
+    """``first_sight_order.py``: each arm answers the prompt (in context: every document a miss, none served from
+    a store, on a new engine or a used one), and the table reads each arm against both cold arms."""
+    import first_sight_order as study
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.testing import random_documents
+
+    settings = {"keep": 0.5}
+    cold = SpecPrefillEngine.from_models(
+        tiny_model, tokenizer, tiny_model, document_cache_mb=0, min_prompt_tokens=0, draft_cache_mb=0, keep_rate=0.5
+    )
+    documents = random_documents(3, 80)
+    arms = study.arms(tiny_model, tokenizer, cold, settings, number=0)
+    assert tuple(arms) == study.ARMS
+    row = {name: arm(documents, "When did the bridge open?") for name, arm in arms.items()}
+    assert all(record["compressed"] and record["draft_ms"] > 0 for record in row.values())
+    assert row["in_context-new"]["draft_documents_cached"] == row["in_context-used"]["draft_documents_cached"] == 0
+    assert len({record["prompt_tokens"] for record in row.values()}) == 1
+    timed = {name: row[name] | {"draft_ms": ms} for name, ms in zip(study.ARMS, (1000.0, 800.0, 1100.0, 1200.0))}
+    table = study.table({"settings": settings, "machine": [], "records": [timed]})
+    lines = {
+        line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ") and "---" not in line
+    }
+    assert lines["in_context-new"].endswith("| 1.10 (1.10-1.10) | 1.38 (1.38-1.38) |")
+    assert lines["cold-new"].endswith("| 0.80 (0.80-0.80) | 1.00 (1.00-1.00) |")
