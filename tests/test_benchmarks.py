@@ -1282,3 +1282,33 @@ def test_the_first_sight_order_study_runs_every_arm_and_reads_them_against_both_
     }
     assert lines["in_context-new"].endswith("| 1.10 (1.10-1.10) | 1.38 (1.38-1.38) |")
     assert lines["cold-new"].endswith("| 0.80 (0.80-0.80) | 1.00 (1.00-1.00) |")
+
+
+def test_the_look_ahead_study_builds_an_engine_per_arm_and_reads_each_against_the_longest(tiny_model, tokenizer):
+    """``look_ahead_speed.py``: each look-ahead its cold and cached engine (the cached ones with their own store),
+    and the table reads each arm against full prefill, the cold draft and the same arm at the longest look-ahead."""
+    import look_ahead_speed as study
+
+    from specprefill_rag.testing import random_documents
+
+    arms = study.engines(tiny_model, tokenizer, tiny_model, 0.5, [8, 4])
+    assert list(arms) == ["full", "cold-la8", "cached-la8", "cold-la4", "cached-la4"]
+    assert [arms[name].draft.look_ahead for name in ("cold-la8", "cached-la4")] == [8, 4]
+    assert arms["cached-la8"].draft.document_cache is not arms["cached-la4"].draft.document_cache
+    assert arms["cold-la4"].draft.document_cache is None
+    documents = random_documents(3, 80)
+    arms["cached-la4"].warm_documents(documents)
+    warm = arms["cached-la4"].generate("When?", documents, max_new_tokens=1)
+    assert warm.stats.draft_documents_cached == 3
+
+    def arm(ttft_ms, draft_ms):
+        return {"ttft_ms": ttft_ms, "draft_ms": draft_ms, "draft_documents_cached": 10}
+
+    row = {"documents": 10, "full": arm(10000.0, 0.0), "cold-la8": arm(5000.0, 4000.0)}
+    row |= {"cached-la8": arm(4000.0, 2000.0), "cold-la4": arm(4000.0, 3200.0), "cached-la4": arm(2500.0, 1200.0)}
+    table = study.table({"settings": {"look_aheads": [8, 4]}, "machine": [], "records": [row]})
+    lines = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| c")}
+    assert lines["cached-la4"].endswith(
+        "| 4.00 (4.00-4.00) | 1,200 (1,200-1,200) | 0.30 (0.30-0.30) | 0.62 (0.62-0.62) | 1.00 (1.00-1.00) |"
+    )
+    assert lines["cold-la4"].endswith("| 0.80 (0.80-0.80) | 0.80 (0.80-0.80) | 1.00 (1.00-1.00) |")

@@ -1,0 +1,137 @@
+"""What the draft's look-ahead costs, cold and warm, at 4k tokens on the real pair (issue #44).
+
+The look-ahead decodes ``look_ahead - 1`` draft tokens after the prompt, each a pass that reads all of the
+draft's weights: on a CPU the largest fixed cost of a warm draft, which no cache removes. Per request (a new
+combination of SQuAD paragraphs, about ``--length`` document tokens) this runs, in an order rotated from request
+to request, full prefill and, for each ``--look-aheads`` value N, a cold SpecPrefill request (``cold-la<N>``) and
+a warm one with every document served from the per-document draft cache (``cached-la<N>``, blend), each arm
+its own engine over the same models. Answers at each look-ahead: ``quality.py --methods specprefill
+specprefill-la<N>``.
+
+    python benchmarks/look_ahead_speed.py --out benchmarks/results/document-cache-speed/look-ahead
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read at import: a model that is not installed fails, never downloads
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from document_cache_speed import (  # noqa: E402
+    RATIO,
+    SYSTEM,
+    draw,
+    load,
+    machine,
+    record,
+    save,
+    spread,
+    squad_paragraphs,
+    table_head,
+)
+
+from specprefill_rag import SpecPrefillEngine  # noqa: E402
+from specprefill_rag.models.loading import load_model  # noqa: E402
+
+
+def engines(main: Any, tokenizer: Any, draft: Any, keep: float, look_aheads: list[int]) -> dict[str, SpecPrefillEngine]:
+    """``full``, and per look-ahead N ``cold-la<N>`` and ``cached-la<N>`` (its own document store: stores are
+    shared per device and size); the draft prefix cache off everywhere."""
+    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0)
+    built = {"full": SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=1.0, **common)}
+    for size, look_ahead in enumerate(look_aheads):
+        arm = dict(keep_rate=keep, look_ahead=look_ahead, **common)
+        built[f"cold-la{look_ahead}"] = SpecPrefillEngine.from_models(
+            main, tokenizer, draft, document_cache_mb=0, **arm
+        )
+        built[f"cached-la{look_ahead}"] = SpecPrefillEngine.from_models(
+            main, tokenizer, draft, document_cache_mb=4096 - size, draft_document_cache=True, **arm
+        )
+    return built
+
+
+def main() -> None:
+    options = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    options.add_argument("--main", default="qwen2.5-coder-1.5b")
+    options.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    options.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    options.add_argument("--length", type=int, default=4000, help="document tokens per prompt")
+    options.add_argument("--keep", type=float, default=0.1)
+    options.add_argument("--look-aheads", type=int, nargs="+", default=[8, 4])
+    options.add_argument("--requests", type=int, default=6)
+    options.add_argument("--corpus", type=int, default=80, help="paragraphs warmed into each cached arm's store")
+    options.add_argument("--seed", type=int, default=0)
+    options.add_argument("--out", type=Path, required=True)
+    options.add_argument("--resume", action="store_true")
+    args = options.parse_args()
+    names = ("main", "draft", "dtype", "length", "keep", "look_aheads", "requests", "corpus", "seed")
+    report = load(args.out, {k: getattr(args, k) for k in names}, args.resume)
+    report["machine"].append(machine())
+    main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
+    tokenizer = main_loaded.tokenizer
+    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    corpus = squad_paragraphs(args.seed)[: args.corpus]
+    arms = engines(main_loaded.model, tokenizer, draft_loaded.model, args.keep, args.look_aheads)
+    for name, engine in arms.items():
+        if name.startswith("cached"):
+            engine.warm_documents([p["text"] for p in corpus], SYSTEM)
+    rng = random.Random(args.seed)
+    for number in range(args.requests):
+        documents, target = draw(corpus, args.length, count, rng)
+        if number < len(report["records"]):
+            continue
+        order = list(arms)[number % len(arms) :] + list(arms)[: number % len(arms)]
+        row: dict[str, Any] = {"request": number, "order": order, "documents": len(documents)}
+        for name in order:
+            row[name] = record(arms[name].generate(target["question"], documents, SYSTEM, max_new_tokens=1))
+        report["records"].append(row)
+        save(args.out, report, table(report))
+        print(json.dumps({"request": number} | {name: round(row[name]["ttft_ms"]) for name in order}), flush=True)
+
+
+def table(report: dict) -> str:
+    settings, records = report["settings"], report["records"]
+    longest = max(settings["look_aheads"])
+    lines = table_head(
+        "The draft's look-ahead, cold and warm (every document from the per-document draft cache, blend).",
+        f"Settings: `{json.dumps(settings)}`",
+        report,
+        f"arm, n, TTFT ms, full / arm, draft ms, draft / cold draft at look-ahead {longest}, "
+        f"TTFT / the same arm at look-ahead {longest}, documents cached",
+    )
+    for look_ahead in settings["look_aheads"]:
+        for kind in ("cold", "cached"):
+            arm, reference = f"{kind}-la{look_ahead}", f"{kind}-la{longest}"
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        arm,
+                        str(len(records)),
+                        spread([r[arm]["ttft_ms"] for r in records]),
+                        spread([r["full"]["ttft_ms"] / r[arm]["ttft_ms"] for r in records], RATIO),
+                        spread([r[arm]["draft_ms"] for r in records]),
+                        spread([r[arm]["draft_ms"] / r[f"cold-la{longest}"]["draft_ms"] for r in records], RATIO),
+                        spread([r[arm]["ttft_ms"] / r[reference]["ttft_ms"] for r in records], RATIO),
+                        spread([r[arm]["draft_documents_cached"] / r["documents"] for r in records], RATIO),
+                    ]
+                )
+                + " |"
+            )
+    lines.append("")
+    lines.append(
+        f"Cells: median (min-max) over requests; ratios per request (arms side by side). TTFT full: "
+        f"{spread([r['full']['ttft_ms'] for r in records])} ms. Each arm its own engine; order rotated per request."
+    )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
