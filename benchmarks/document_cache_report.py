@@ -1,7 +1,8 @@
 """The per-document draft cache against joint scoring, paired, from benchmarks/quality.py runs (issue #28).
 
 Reads runs made with ``--methods specprefill specprefill-documents [specprefill-documents-naive]
-[specprefill-documents-query<NN>] [specprefill-documents-in-context]`` and writes one table: per task, keep
+[specprefill-documents-query<NN>] [specprefill-documents-in-context]`` (or ``specprefill specprefill-la<N>``:
+joint scoring at another look-ahead, read as one more variant) and writes one table: per task, keep
 rate and repair (blend, or naive, query and first sight in context where the run has them), the main model's
 correctness (``contains``) with joint scoring and with the cache, the paired difference (cache - joint) with its 95%
 bootstrap interval over samples, retention against the full prefill, whether the answer string survived in
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality import QUERY_METHOD, bootstrap_interval, query_repair  # noqa: E402
+from quality import LOOK_AHEAD_METHOD, QUERY_METHOD, bootstrap_interval, query_repair  # noqa: E402
 
 JOINT = "specprefill"
 CACHED = {
@@ -34,9 +35,12 @@ CACHED = {
 
 
 def repair_label(method: str) -> str | None:
-    """The repair a cache method's rows are labelled with (None: not a cache method)."""
+    """The repair a cache method's rows are labelled with, or the look-ahead of a ``specprefill-la<N>`` method
+    (joint scoring with another look-ahead, no cache); None: neither."""
     if QUERY_METHOD.fullmatch(method):
         return f"query {query_repair(method).share:.0%}"
+    if look_ahead := LOOK_AHEAD_METHOD.fullmatch(method):
+        return f"no cache, look-ahead {look_ahead[1]}"
     return CACHED.get(method)
 
 
@@ -127,8 +131,8 @@ def main() -> None:
     parser.add_argument("runs", type=Path, nargs="+")
     args = parser.parse_args()
     print(
-        "| task | keep | repair | n | full correct | joint correct | cache correct | cache - joint (95% CI) | "
-        "retention joint / cache | answer kept joint / cache | Jaccard of kept tokens |"
+        "| task | keep | repair (or look-ahead) | n | full correct | joint correct | cache correct | "
+        "cache - joint (95% CI) | retention joint / cache | answer kept joint / cache | Jaccard of kept tokens |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for path in args.runs:

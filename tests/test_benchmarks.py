@@ -723,10 +723,12 @@ def test_document_cache_report_labels_query_repairs_by_their_share(tmp_path):
     records = [record(s, "full", 1) for s in range(2)] + [record(s, "specprefill", 1) for s in range(2)]
     records += [record(s, "specprefill-documents-query10", s) for s in range(2)]
     records += [record(s, "specprefill-documents-query", 1) for s in range(2)]
+    records += [record(s, "specprefill-la4", 1 - s) for s in range(2)]  # joint scoring at look-ahead 4, no cache
     run = tmp_path / "task.json"
     run.write_text(json.dumps({"settings": {"keep_rates": [0.1]}, "records": records}))
-    labels = [[cell.strip() for cell in row.strip("|").split("|")][2] for row in rows_of(run)]
-    assert labels == ["query 15%", "query 10%"]
+    rows = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows_of(run)]
+    assert [row[2] for row in rows] == ["query 15%", "query 10%", "no cache, look-ahead 4"]
+    assert rows[2][6] == "0.50"  # its own correctness, against joint's 1.00
 
 
 def test_a_quality_method_names_the_query_repair_and_its_share(tiny_model, tiny_draft, tokenizer, monkeypatch):
