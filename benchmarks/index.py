@@ -233,6 +233,9 @@ STUDIES: dict[str, Study] = {
             "zipf-admission-grouped": "`zipf-admission` again after the fresh forward's attention was grouped "
             "(#44): cold / cached 1.22, 532 hits (521 before: the sketch's rows collided together, see the page); "
             "the Xeon with AMX, run alone, in a slower hour (cold TTFT 3.45 s)",
+            "look-ahead": "cold and warm 4k requests at look-ahead 8 and 4, side by side, 6 requests "
+            "(`benchmarks/look_ahead_speed.py`, #44); the Xeon with AMX, run alone, in a slow hour (full prefill "
+            "14.5 s against 11.5 s in `speed-grouped`)",
             "first-sight-order": "first sight in context against the cold draft at 4k, arms in rotated order, on new "
             "and used engines (`benchmarks/first_sight_order.py`, #44); the Xeon with AMX, run alone",
             "zipf-admission-rows": "`zipf-admission` again after the frequency sketch's rows were made independent "
@@ -299,6 +302,11 @@ STUDIES: dict[str, Study] = {
             "with blend and with the query repair at 10%; 30 samples; the Xeon with AMX, bfloat16, run alone",
             "squad-layers-query": "the same methods on SQuAD, 30 samples",
             "nq-layers-query": "the same methods on NQ, 30 samples",
+            "hotpotqa-look-ahead": "#44: joint scoring at look-ahead 8 (the default) against 4, 30 samples; the Xeon "
+            "with AMX, bfloat16, run alone (a short test run at nice 10 beside it); the look-ahead 8 answers equal "
+            "`hotpotqa-in-context`'s on all 60",
+            "squad-look-ahead": "the same on SQuAD, 30 samples",
+            "nq-look-ahead": "the same on NQ, 30 samples",
         },
     ),
     "pair-quality": Study(
