@@ -53,13 +53,12 @@ class Held(NamedTuple):
 
 
 class DocumentStore(Protocol):
-    """Where per-document draft KV lives (in memory here; a shared store could implement this).
+    """Where per-document draft KV lives (in memory here; a shared store could implement this)."""
 
-    Attributes:
-        max_bytes: bytes it holds at most.
-    """
-
-    max_bytes: int
+    @property
+    def max_bytes(self) -> int:
+        """Bytes it holds at most."""
+        ...
 
     @property
     def nbytes(self) -> int:
@@ -105,11 +104,14 @@ class DocumentKVCache:
     """
 
     def __init__(self, max_bytes: int, admission: bool = True) -> None:
-        self.max_bytes = max_bytes
         self._kept: KeptEntries[DocumentKey] = KeptEntries(max_bytes, admission)
         self._entries: dict[DocumentKey, _Entry] = {}
         self._watched: set[int] = set()
         self._lock = threading.Lock()
+
+    @property
+    def max_bytes(self) -> int:
+        return self._kept.max_bytes
 
     @property
     def nbytes(self) -> int:
