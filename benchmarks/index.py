@@ -307,6 +307,7 @@ STUDIES: dict[str, Study] = {
             "`hotpotqa-in-context`'s on all 60",
             "squad-look-ahead": "the same on SQuAD, 30 samples",
             "nq-look-ahead": "the same on NQ, 30 samples",
+            "niah-4k-look-ahead": "the same on NIAH 4k, 30 samples; beside two clean-clone CI runs (answers only)",
         },
     ),
     "pair-quality": Study(
