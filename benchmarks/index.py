@@ -472,7 +472,11 @@ STUDIES: dict[str, Study] = {
         SMOLLM2_QUALITY,
         "2-core AMD EPYC, several studies sharing the cores, one torch thread each; no timings",
         "shared",
-        runs={"niah": "NIAH 1.5k"},
+        runs={
+            "niah": "NIAH 1.5k",
+            "niah-4k-look-ahead": "#44: NIAH 4k, 30 samples, joint scoring at look-ahead 8, 4 and 1; the Xeon with "
+            "AMX, beside a clean-clone CI run for its first 7 samples (answers only)",
+        },
     ),
     "smollm2-self-tuning": Study(
         "depth and query window of the `self` draft with SmolLM2-135M (SQuAD, `--seed 1`, 16 samples, log-probs)",
