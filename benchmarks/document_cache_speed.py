@@ -49,7 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -214,6 +214,11 @@ def speed_engines(
     return engines
 
 
+def token_counter(tokenizer: Any) -> Callable[[str], int]:
+    """A text's token count under ``tokenizer`` (no special tokens)."""
+    return lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
 def draw(corpus: list[dict], tokens: int, count_tokens, rng: random.Random) -> tuple[list[str], dict]:
     """Paragraphs of ``corpus`` in a random combination and order, about ``tokens`` document tokens, and the one
     the question is about."""
@@ -239,7 +244,7 @@ def run_speed(args) -> None:
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
     tokenizer = main_loaded.tokenizer
-    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    count = token_counter(tokenizer)
     corpus = squad_paragraphs(args.seed)[: args.corpus]
     corpus_tokens = sum(count(p["text"]) for p in corpus)
     cache_mb = 4096
@@ -649,7 +654,7 @@ def run_draft(args) -> None:
     report["machine"].append(machine())
     loaded = load_model(args.draft, "cpu", args.dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
-    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    count = token_counter(tokenizer)
     corpus = squad_paragraphs(args.seed)[:200]
     common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
     cold = SpecPrefillEngine.from_models(model, tokenizer, model, document_cache_mb=0, **common)

@@ -42,6 +42,7 @@ from document_cache_speed import (  # noqa: E402
     spread,
     squad_paragraphs,
     table_head,
+    token_counter,
 )
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
@@ -99,7 +100,7 @@ def main() -> None:
     report["machine"].append(machine())
     loaded = load_model(args.draft, "cpu", args.dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
-    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    count = token_counter(tokenizer)
     corpus = squad_paragraphs(args.seed)[:200]
     cold = SpecPrefillEngine.from_models(
         model,

@@ -35,6 +35,7 @@ from document_cache_speed import (  # noqa: E402
     spread,
     squad_paragraphs,
     table_head,
+    token_counter,
 )
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
@@ -76,7 +77,7 @@ def main() -> None:
     report["machine"].append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
     tokenizer = main_loaded.tokenizer
-    count = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    count = token_counter(tokenizer)
     corpus = squad_paragraphs(args.seed)[: args.corpus]
     arms = engines(main_loaded.model, tokenizer, draft_loaded.model, args.keep, args.look_aheads)
     for name, engine in arms.items():
