@@ -74,6 +74,8 @@ from specprefill_rag.models.loading import load_model  # noqa: E402
 
 RATIO = "{:.2f}"
 SYSTEM = "Answer the question using the documents. Answer with a short phrase."
+# Engine settings of every arm: every prompt compressed, and no exact prefix cache in the draft or the main model
+UNCACHED = {"min_prompt_tokens": 0, "draft_cache_mb": 0, "main_cache_mb": 0}
 FIELDS = (
     "ttft_ms",
     "draft_ms",
@@ -126,10 +128,20 @@ def machine() -> dict:
     }
 
 
+def table_row(cells: list[str]) -> str:
+    """One Markdown table row of ``cells``."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def rotated(names: list[str], number: int) -> list[str]:
+    """``names`` in the order request ``number`` runs them: rotated by one per request, so no arm always goes first."""
+    return names[number % len(names) :] + names[: number % len(names)]
+
+
 def table_head(title: str, settings: str, report: dict, columns: str) -> list[str]:
     """A run's table up to its rows: the title, settings and machine lines, and the ``", "``-separated columns."""
     names = columns.split(", ")
-    header = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    header = [table_row(names), "|" + "---|" * len(names)]
     return [title, settings, f"Machine: `{json.dumps(report['machine'])}`", "", *header]
 
 
@@ -191,12 +203,11 @@ def speed_engines(
     default (``blend``) get arms ``cached-<repair>@k``, the repair set on the engine's draft object (no engine
     setting chooses it); each of ``draft_layers`` (None: the whole draft) its own cached arms (the cold arm
     stays the whole draft's, SpecPrefill's default)."""
-    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0)
-    engines = {"full": SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=1.0, **common)}
+    engines = {"full": SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=1.0, **UNCACHED)}
     sizes = iter(range(cache_mb, 0, -1))
     for keep in keeps:
         engines[f"cold@{keep:g}"] = SpecPrefillEngine.from_models(
-            main, tokenizer, draft, keep_rate=keep, document_cache_mb=0, **common
+            main, tokenizer, draft, keep_rate=keep, document_cache_mb=0, **UNCACHED
         )
         for layers, repair in itertools.product(draft_layers or [None], repairs):
             name = cached_arm(keep, repair, layers)
@@ -208,7 +219,7 @@ def speed_engines(
                 document_cache_mb=next(sizes),
                 draft_document_cache=True,
                 **({} if layers is None else {"draft_layers": layers}),
-                **common,
+                **UNCACHED,
             )
             engines[name].draft.repair = repair_of(repair)  # type: ignore[attr-defined]
     return engines
@@ -267,8 +278,7 @@ def run_speed(args) -> None:
             number += 1
             if (length, repeat) in done:
                 continue
-            names = list(engines)
-            order = names[number % len(names) :] + names[: number % len(names)]
+            order = rotated(list(engines), number)
             row: dict[str, Any] = {"length": length, "repeat": repeat, "order": order, "documents": len(documents)}
             for name in order:
                 result = engines[name].generate(target["question"], documents, SYSTEM, max_new_tokens=1)
@@ -300,8 +310,7 @@ def speed_table(report: dict) -> str:
             cold = f"cold@{keep:g}"
             cached = cached_arm(keep, repair, layers)
             lines.append(
-                "| "
-                + " | ".join(
+                table_row(
                     [
                         f"{length:,}",
                         spread([r["full"]["prompt_tokens"] for r in rows]),
@@ -320,7 +329,6 @@ def speed_table(report: dict) -> str:
                         spread([r[cached]["draft_documents_cached"] / r["documents"] for r in rows], RATIO),
                     ]
                 )
-                + " |"
             )
     lines.append("")
     lines.append(
@@ -383,7 +391,7 @@ def run_zipf(args) -> None:
     corpus_tokens = sum(document_tokens(tokenizer, corpus))
     bytes_per_token = kv_bytes_per_token(draft_loaded.model, args.draft_layers)  # the store holds what it runs
     cache_mb = max(1, round(args.cache_share * corpus_tokens * bytes_per_token / 2**20))
-    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
+    common = dict(UNCACHED, keep_rate=args.keep)
     cached = SpecPrefillEngine.from_models(
         main_loaded.model,
         tokenizer,
@@ -571,8 +579,7 @@ def zipf_table(report: dict) -> str:
         "| questions | documents asked | distinct documents | served from the cache | hit rate | TTFT cached ms | "
         "TTFT cold ms | cold / cached TTFT | draft ms cached | draft ms cold |",
         "|---|---|---|---|---|---|---|---|---|---|",
-        "| "
-        + " | ".join(
+        table_row(
             [
                 str(len(records)),
                 str(asked),
@@ -585,8 +592,7 @@ def zipf_table(report: dict) -> str:
                 spread([r["cached"]["draft_ms"] for r in records]),
                 spread([r["cold"]["draft_ms"] for r in records]),
             ]
-        )
-        + " |",
+        ),
         "",
         "Cells: median (min-max) over questions; the cold/cached ratio is per question (both engines answer the "
         "same prompt, alternating which goes first), then summarised. The hit rate counts documents served from "
@@ -656,7 +662,7 @@ def run_draft(args) -> None:
     model, tokenizer = loaded.model, loaded.tokenizer
     count = token_counter(tokenizer)
     corpus = squad_paragraphs(args.seed)[:200]
-    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=args.keep)
+    common = dict(UNCACHED, keep_rate=args.keep)
     cold = SpecPrefillEngine.from_models(model, tokenizer, model, document_cache_mb=0, **common)
     shorter = {
         f"cold-layers{n}": SpecPrefillEngine.from_models(

@@ -34,14 +34,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from document_cache_speed import (  # noqa: E402
     RATIO,
     SYSTEM,
+    UNCACHED,
     draw,
     load,
     machine,
     record,
+    rotated,
     save,
     spread,
     squad_paragraphs,
     table_head,
+    table_row,
     token_counter,
 )
 
@@ -54,7 +57,7 @@ ARMS = ("cold", "cold-new", "in_context-new", "in_context-used")
 
 def arms(model: Any, tokenizer: Any, cold: SpecPrefillEngine, settings: dict, number: int) -> dict[str, Callable]:
     """Each arm of request ``number``: a function of (documents, question) to its record."""
-    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0, keep_rate=settings["keep"])
+    common = dict(UNCACHED, keep_rate=settings["keep"])
 
     def run(engine: SpecPrefillEngine, documents: list[str], question: str) -> dict:
         return record(engine.generate(question, documents, SYSTEM, max_new_tokens=1))
@@ -102,22 +105,13 @@ def main() -> None:
     model, tokenizer = loaded.model, loaded.tokenizer
     count = token_counter(tokenizer)
     corpus = squad_paragraphs(args.seed)[:200]
-    cold = SpecPrefillEngine.from_models(
-        model,
-        tokenizer,
-        model,
-        document_cache_mb=0,
-        min_prompt_tokens=0,
-        draft_cache_mb=0,
-        main_cache_mb=0,
-        keep_rate=args.keep,
-    )
+    cold = SpecPrefillEngine.from_models(model, tokenizer, model, document_cache_mb=0, keep_rate=args.keep, **UNCACHED)
     rng = random.Random(args.seed)
     for number in range(args.requests):
         documents, target = draw(corpus, args.length, count, rng)
         if number < len(report["records"]):
             continue
-        order = list(ARMS[number % len(ARMS) :] + ARMS[: number % len(ARMS)])
+        order = rotated(list(ARMS), number)
         functions = arms(model, tokenizer, cold, settings, number)
         row: dict[str, Any] = {"request": number, "order": order}
         for name in order:
@@ -137,8 +131,7 @@ def table(report: dict) -> str:
     )
     for arm in ARMS:
         lines.append(
-            "| "
-            + " | ".join(
+            table_row(
                 [
                     arm,
                     str(len(records)),
@@ -148,7 +141,6 @@ def table(report: dict) -> str:
                     spread([r[arm]["draft_ms"] / r["cold-new"]["draft_ms"] for r in records], RATIO),
                 ]
             )
-            + " |"
         )
     lines.append("")
     lines.append(

@@ -27,14 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from document_cache_speed import (  # noqa: E402
     RATIO,
     SYSTEM,
+    UNCACHED,
     draw,
     load,
     machine,
     record,
+    rotated,
     save,
     spread,
     squad_paragraphs,
     table_head,
+    table_row,
     token_counter,
 )
 
@@ -45,10 +48,9 @@ from specprefill_rag.models.loading import load_model  # noqa: E402
 def engines(main: Any, tokenizer: Any, draft: Any, keep: float, look_aheads: list[int]) -> dict[str, SpecPrefillEngine]:
     """``full``, and per look-ahead N ``cold-la<N>`` and ``cached-la<N>`` (its own document store: stores are
     shared per device and size); the draft prefix cache off everywhere."""
-    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0)
-    built = {"full": SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=1.0, **common)}
+    built = {"full": SpecPrefillEngine.from_models(main, tokenizer, draft, keep_rate=1.0, **UNCACHED)}
     for size, look_ahead in enumerate(look_aheads):
-        arm = dict(keep_rate=keep, look_ahead=look_ahead, **common)
+        arm = dict(UNCACHED, keep_rate=keep, look_ahead=look_ahead)
         built[f"cold-la{look_ahead}"] = SpecPrefillEngine.from_models(
             main, tokenizer, draft, document_cache_mb=0, **arm
         )
@@ -88,7 +90,7 @@ def main() -> None:
         documents, target = draw(corpus, args.length, count, rng)
         if number < len(report["records"]):
             continue
-        order = list(arms)[number % len(arms) :] + list(arms)[: number % len(arms)]
+        order = rotated(list(arms), number)
         row: dict[str, Any] = {"request": number, "order": order, "documents": len(documents)}
         for name in order:
             row[name] = record(arms[name].generate(target["question"], documents, SYSTEM, max_new_tokens=1))
@@ -111,8 +113,7 @@ def table(report: dict) -> str:
         for kind in ("cold", "cached"):
             arm, reference = f"{kind}-la{look_ahead}", f"{kind}-la{longest}"
             lines.append(
-                "| "
-                + " | ".join(
+                table_row(
                     [
                         arm,
                         str(len(records)),
@@ -124,7 +125,6 @@ def table(report: dict) -> str:
                         spread([r[arm]["draft_documents_cached"] / r["documents"] for r in records], RATIO),
                     ]
                 )
-                + " |"
             )
     lines.append("")
     lines.append(
