@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -171,8 +172,6 @@ def test_peak_memory_counts_each_run_after_the_heap_is_trimmed():
 
 def test_ttft_shape_path_runs_without_a_tokenizer(monkeypatch):
     """The GPU study's code path (random-weight shapes, random ids, backend only), on CPU at a tiny size."""
-    import argparse
-
     import ttft
 
     tiny = dict(
@@ -193,6 +192,19 @@ def test_ttft_shape_path_runs_without_a_tokenizer(monkeypatch):
     assert row["prompt_tokens"] == 1024 and 96 < row["kept_tokens"] < 1024
     median = {name: timing["median"] for name, timing in row["timings_ms"].items()}
     assert row["bound"] == pytest.approx(1 / (row["kept_share"] + median["draft_scoring"] / median["main_full"]))
+
+
+def method_args(*methods: str):
+    """``quality.make_methods``'s arguments for ``methods``, every other option at its default."""
+    return argparse.Namespace(
+        methods=list(methods),
+        self_layers=[],
+        self_windows=[],
+        extra_drafts=[],
+        seed=0,
+        auto_floors=[0.1],
+        auto_ceilings=[0.5],
+    )
 
 
 def _run(samples: list[int], method: str, keep_rate: float, seed: int = 0) -> dict:
@@ -334,8 +346,6 @@ def test_held_out_pairs_auto_with_the_fixed_rate_per_sample():
 def test_ttft_lengths_bound_counts_the_tokens_kept_whole(monkeypatch, tiny_model, tiny_draft, tokenizer):
     """The bound divides by what the main model prefills: documents at keep_rate plus the instructions, question
     and template kept whole, so the share exceeds keep_rate; the paper's keep-rate bound is reported beside it."""
-    import argparse
-
     import ttft_lengths
     from sentence_filter import SentenceFilter
 
@@ -437,7 +447,6 @@ def test_headline_reads_each_study_and_the_ttft_row_of_its_keep_rate():
 
 def test_resume_compares_only_the_settings_that_shape_the_methods_run(tmp_path):
     """A run saved before the auto options existed resumes when auto is not among its methods, and not otherwise."""
-    import argparse
     import json
 
     from quality import AUTO, resumed_report
@@ -509,7 +518,6 @@ def test_merge_refuses_runs_of_another_sampler():
 
 def test_merge_keeps_the_settings_of_one_study_split_over_runs(tmp_path):
     """Samples 0-1 in one process and 2-3 in another: the merged study resumes like one run."""
-    import argparse
     import json
 
     from merge import MergeError, merge
@@ -733,7 +741,6 @@ def test_document_cache_report_labels_query_repairs_by_their_share(tmp_path):
 
 def test_a_quality_method_names_the_query_repair_and_its_share(tiny_model, tiny_draft, tokenizer, monkeypatch):
     """``--methods specprefill-documents-query10`` scores from the document cache with the query repair at 10%."""
-    import argparse
 
     import quality
 
@@ -748,9 +755,7 @@ def test_a_quality_method_names_the_query_repair_and_its_share(tiny_model, tiny_
     monkeypatch.setattr(assembly, "_recomputed", lambda *a: seen.append(a[-1]) or original(*a))
     engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, min_prompt_tokens=0, look_ahead=2)
     name = "specprefill-documents-query10"
-    args = argparse.Namespace(
-        methods=[name], self_layers=[], self_windows=[], extra_drafts=[], seed=0, auto_floors=[0.1], auto_ceilings=[0.5]
-    )
+    args = method_args(name)
     methods = quality.make_methods(engine, args)
     layout = engine.layout("When?", random_documents(2, 40, seed=1))
     prefill = methods[name]({}, layout, 0.3)
@@ -778,7 +783,6 @@ def test_the_in_context_quality_method_stores_documents_from_another_prompt(tiny
     """``--methods specprefill-documents-in-context``: the documents are stored from the reversed prompt's
     pass (first sight in context), then the layout is scored with every document a hit, on the method's own
     store (the engine's stays empty)."""
-    import argparse
 
     import quality
 
@@ -788,9 +792,7 @@ def test_the_in_context_quality_method_stores_documents_from_another_prompt(tiny
 
     engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_model, min_prompt_tokens=0, look_ahead=2)
     name = "specprefill-documents-in-context"
-    args = argparse.Namespace(
-        methods=[name], self_layers=[], self_windows=[], extra_drafts=[], seed=0, auto_floors=[0.1], auto_ceilings=[0.5]
-    )
+    args = method_args(name)
     scored, original = [], paths.draft_score
 
     def recorded(*args):
@@ -814,7 +816,6 @@ def test_the_in_context_quality_method_stores_documents_from_another_prompt(tiny
 
 def test_a_quality_method_runs_the_draft_to_its_first_layers(tiny_model, tokenizer):
     """``--methods specprefill-layers<N>`` scores as ``draft_layers=N`` builds the draft: its first N layers."""
-    import argparse
 
     import quality
 
@@ -823,15 +824,7 @@ def test_a_quality_method_runs_the_draft_to_its_first_layers(tiny_model, tokeniz
 
     deep = build_model(tokenizer, layers=3, seed=2, initializer_range=0.2)
     engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, deep, min_prompt_tokens=0, look_ahead=2)
-    args = argparse.Namespace(
-        methods=["specprefill-layers2"],
-        self_layers=[],
-        self_windows=[],
-        extra_drafts=[],
-        seed=0,
-        auto_floors=[0.1],
-        auto_ceilings=[0.5],
-    )
+    args = method_args("specprefill-layers2")
     layout = engine.layout("When?", random_documents(2, 40, seed=1))
     kept = quality.make_methods(engine, args)["specprefill-layers2"]({}, layout, 0.3).kept
     built = SpecPrefillEngine.from_models(tiny_model, tokenizer, deep, min_prompt_tokens=0, draft_layers=2)
@@ -844,7 +837,6 @@ def test_a_quality_method_runs_the_draft_to_its_first_layers(tiny_model, tokeniz
 def test_a_look_ahead_method_keeps_what_an_engine_with_that_look_ahead_keeps(tokenizer, tiny_model):
     """``--methods specprefill-la<N>`` (and its ``-sentences`` form): the engine's draft with look-ahead N, as an
     engine built with ``look_ahead=N`` scores; la1 is always offered."""
-    import argparse
 
     import quality
 
@@ -853,15 +845,7 @@ def test_a_look_ahead_method_keeps_what_an_engine_with_that_look_ahead_keeps(tok
 
     draft = build_model(tokenizer, layers=2, seed=3, initializer_range=0.2)
     engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft, min_prompt_tokens=0)  # look-ahead 8
-    args = argparse.Namespace(
-        methods=["specprefill-la3-sentences"],
-        self_layers=[],
-        self_windows=[],
-        extra_drafts=[],
-        seed=0,
-        auto_floors=[0.1],
-        auto_ceilings=[0.5],
-    )
+    args = method_args("specprefill-la3-sentences")
     layout = engine.layout("When?", random_documents(2, 40, seed=1))
     methods = quality.make_methods(engine, args)
     assert "specprefill-la3-sentences" in methods and "specprefill-la8" not in methods
@@ -882,7 +866,6 @@ def test_a_look_ahead_method_keeps_what_an_engine_with_that_look_ahead_keeps(tok
 def test_a_draft_method_with_the_sentences_suffix_keeps_what_the_engine_keeps_by_sentences(tokenizer, tiny_model):
     """``--methods specprefill-sentences`` and ``self-sentences``: the draft's own importance, chunks of whole
     sentences, as an engine with ``chunking="sentences"`` selects them."""
-    import argparse
 
     import quality
 
@@ -890,8 +873,7 @@ def test_a_draft_method_with_the_sentences_suffix_keeps_what_the_engine_keeps_by
     from specprefill_rag.testing import build_model
 
     draft = build_model(tokenizer, layers=1, seed=3)
-    args = argparse.Namespace(methods=["specprefill-sentences", "self-sentences"], self_layers=[], self_windows=[],
-                              extra_drafts=[], seed=0, auto_floors=[0.1], auto_ceilings=[0.5])  # fmt: skip
+    args = method_args("specprefill-sentences", "self-sentences")
     documents = [" ".join(f"Fact {d}.{i} is in document {d}." for i in range(12)) for d in range(2)]
     engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft, min_prompt_tokens=0, look_ahead=2)
     layout = engine.layout("When?", documents)
@@ -1103,7 +1085,6 @@ def test_specprefill_after_the_filter_keeps_the_keep_rate_of_the_original_docume
 def test_a_quality_method_runs_specprefill_on_what_the_filter_kept(tiny_model, tiny_draft, tokenizer, monkeypatch):
     """``embeddings-filter50-specprefill``: the prompt is laid out with the filter's sentences (50% of the
     documents' tokens) and the draft's selection on it keeps twice the keep rate of what is left."""
-    import argparse
 
     import quality
     import sentence_filter
@@ -1113,9 +1094,7 @@ def test_a_quality_method_runs_specprefill_on_what_the_filter_kept(tiny_model, t
     monkeypatch.setattr(sentence_filter, "load_minilm", KeywordEmbedder)
     engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, min_prompt_tokens=0, look_ahead=2)
     name = "embeddings-filter50-specprefill"
-    args = argparse.Namespace(
-        methods=[name], self_layers=[], self_windows=[], extra_drafts=[], seed=0, auto_floors=[0.1], auto_ceilings=[0.5]
-    )
+    args = method_args(name)
     text = (Path(__file__).parent.parent / "examples" / "documents" / "brooklyn_bridge.txt").read_text()
     sample = {"question": "When was the bridge over the river opened?", "documents": [text[:600], text[600:1200]]}
     layout = quality.sample_layout(engine, sample)
