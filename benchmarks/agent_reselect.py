@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agentic import SEARCH, SYSTEM, load_questions, query_of, search  # noqa: E402
+from document_cache_speed import UNCACHED, machine  # noqa: E402
 from quality import bootstrap_interval, scores  # noqa: E402
 
 from specprefill_rag import SpecPrefillEngine  # noqa: E402
@@ -180,14 +180,11 @@ def main() -> None:
     report = json.loads(path.read_text()) if path.exists() else {"settings": settings, "records": []}
     if report["settings"] != settings:
         raise SystemExit(f"{path} was run with other settings: {report['settings']}")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    report.setdefault("machine", []).append({"cpu": cpu, "cores": os.cpu_count(), "uptime": uptime})
+    report.setdefault("machine", []).append(machine())
     main_loaded, draft_loaded = load_model(args.main, "cpu", args.dtype), load_model(args.draft, "cpu", args.dtype)
-    common = dict(min_prompt_tokens=0, draft_cache_mb=0, main_cache_mb=0)
     engines = {
         name: SpecPrefillEngine.from_models(
-            main_loaded.model, main_loaded.tokenizer, draft_loaded.model, reselect=name == "reselect", **common
+            main_loaded.model, main_loaded.tokenizer, draft_loaded.model, reselect=name == "reselect", **UNCACHED
         )
         for name in ("frozen", "reselect")
     }
