@@ -2,7 +2,8 @@
 
 Reads runs made with ``--methods specprefill specprefill-documents [specprefill-documents-naive]
 [specprefill-documents-query<NN>] [specprefill-documents-in-context]`` (or ``specprefill specprefill-la<N>``:
-joint scoring at another look-ahead, read as one more variant) and writes one table: per task, keep
+joint scoring at another look-ahead, or ``specprefill-layers<N>``: the draft's first N layers scoring with the
+last prompt tokens as queries, each read as one more variant) and writes one table: per task, keep
 rate and repair (blend, or naive, query and first sight in context where the run has them), the main model's
 correctness (``contains``) with joint scoring and with the cache, the paired difference (cache - joint) with its 95%
 bootstrap interval over samples, retention against the full prefill, whether the answer string survived in
@@ -23,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality import LOOK_AHEAD_METHOD, QUERY_METHOD, bootstrap_interval, query_repair  # noqa: E402
+from quality import LAYERS_METHOD, LOOK_AHEAD_METHOD, QUERY_METHOD, bootstrap_interval, query_repair  # noqa: E402
 
 JOINT = "specprefill"
 CACHED = {
@@ -36,11 +37,14 @@ CACHED = {
 
 def repair_label(method: str) -> str | None:
     """The repair a cache method's rows are labelled with, or the look-ahead of a ``specprefill-la<N>`` method
-    (joint scoring with another look-ahead, no cache); None: neither."""
+    (joint scoring with another look-ahead, no cache), or the depth of a ``specprefill-layers<N>`` one (the draft's
+    first N layers, the last prompt tokens as queries, no cache); None: none of these."""
     if QUERY_METHOD.fullmatch(method):
         return f"query {query_repair(method).share:.0%}"
     if look_ahead := LOOK_AHEAD_METHOD.fullmatch(method):
         return f"no cache, look-ahead {look_ahead[1]}"
+    if layers := LAYERS_METHOD.fullmatch(method):
+        return f"no cache, first {layers[1]} layers, prompt-window queries"
     return CACHED.get(method)
 
 

@@ -732,10 +732,16 @@ def test_document_cache_report_labels_query_repairs_by_their_share(tmp_path):
     records += [record(s, "specprefill-documents-query10", s) for s in range(2)]
     records += [record(s, "specprefill-documents-query", 1) for s in range(2)]
     records += [record(s, "specprefill-la4", 1 - s) for s in range(2)]  # joint scoring at look-ahead 4, no cache
+    records += [record(s, "specprefill-layers24", 1) for s in range(2)]  # the draft's 24 layers, window queries
     run = tmp_path / "task.json"
     run.write_text(json.dumps({"settings": {"keep_rates": [0.1]}, "records": records}))
     rows = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows_of(run)]
-    assert [row[2] for row in rows] == ["query 15%", "query 10%", "no cache, look-ahead 4"]
+    assert [row[2] for row in rows] == [
+        "query 15%",
+        "query 10%",
+        "no cache, look-ahead 4",
+        "no cache, first 24 layers, prompt-window queries",
+    ]
     assert rows[2][6] == "0.50"  # its own correctness, against joint's 1.00
 
 
@@ -1272,9 +1278,11 @@ def test_the_look_ahead_study_builds_an_engine_per_arm_and_reads_each_against_th
 
     from specprefill_rag.testing import random_documents
 
-    arms = study.engines(tiny_model, tokenizer, tiny_model, 0.5, [8, 4])
-    assert list(arms) == ["full", "cold-la8", "cached-la8", "cold-la4", "cached-la4"]
+    arms = study.engines(tiny_model, tokenizer, tiny_model, 0.5, [8, 4], [2])
+    assert list(arms) == ["full", "cold-la8", "cached-la8", "cold-la4", "cached-la4", "cold-layers2", "cached-layers2"]
     assert [arms[name].draft.look_ahead for name in ("cold-la8", "cached-la4")] == [8, 4]
+    assert [arms[name].draft.n_layers for name in ("cold-layers2", "cached-layers2")] == [2, 2]  # window queries
+    assert arms["cached-layers2"].draft.document_cache is not arms["cached-la4"].draft.document_cache
     assert arms["cached-la8"].draft.document_cache is not arms["cached-la4"].draft.document_cache
     assert arms["cold-la4"].draft.document_cache is None
     documents = random_documents(3, 80)
@@ -1287,9 +1295,13 @@ def test_the_look_ahead_study_builds_an_engine_per_arm_and_reads_each_against_th
 
     row = {"documents": 10, "full": arm(10000.0, 0.0), "cold-la8": arm(5000.0, 4000.0)}
     row |= {"cached-la8": arm(4000.0, 2000.0), "cold-la4": arm(4000.0, 3200.0), "cached-la4": arm(2500.0, 1200.0)}
-    table = study.table({"settings": {"look_aheads": [8, 4]}, "machine": [], "records": [row]})
+    row |= {"cold-layers2": arm(4500.0, 3600.0), "cached-layers2": arm(2000.0, 800.0)}
+    table = study.table({"settings": {"look_aheads": [8, 4], "draft_layers": [2]}, "machine": [], "records": [row]})
     lines = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| c")}
     assert lines["cached-la4"].endswith(
         "| 4.00 (4.00-4.00) | 1,200 (1,200-1,200) | 0.30 (0.30-0.30) | 0.62 (0.62-0.62) | 1.00 (1.00-1.00) |"
     )
     assert lines["cold-la4"].endswith("| 0.80 (0.80-0.80) | 0.80 (0.80-0.80) | 1.00 (1.00-1.00) |")
+    assert lines["cached-layers2"].endswith(
+        "| 5.00 (5.00-5.00) | 800 (800-800) | 0.20 (0.20-0.20) | 0.50 (0.50-0.50) | 1.00 (1.00-1.00) |"
+    )
