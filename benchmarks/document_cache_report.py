@@ -24,7 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality import LAYERS_METHOD, LOOK_AHEAD_METHOD, QUERY_METHOD, bootstrap_interval, query_repair  # noqa: E402
+from quality import (
+    LAYERS_DOCUMENTS_METHOD,
+    LAYERS_METHOD,
+    LOOK_AHEAD_METHOD,
+    QUERY_METHOD,
+    bootstrap_interval,
+    query_repair,
+)  # noqa: E402
 
 JOINT = "specprefill"
 CACHED = {
@@ -45,6 +52,8 @@ def repair_label(method: str) -> str | None:
         return f"no cache, look-ahead {look_ahead[1]}"
     if layers := LAYERS_METHOD.fullmatch(method):
         return f"no cache, first {layers[1]} layers, prompt-window queries"
+    if layers := LAYERS_DOCUMENTS_METHOD.fullmatch(method):
+        return f"{'naive' if layers[2] else 'blend'}, first {layers[1]} layers, prompt-window queries"
     return CACHED.get(method)
 
 

@@ -18,7 +18,9 @@ Methods (all share one prompt layout and one main model):
                    specprefill-documents-in-context: each document first drafted in another prompt (the same
                    documents in reverse order) with document_first_sight="in_context", then a hit (issue #44)
   specprefill-layers<N>  the same draft run to its first N layers (``draft_layers``, issue #44): queries are its
-                   last 16 prompt tokens, as self's, since it cannot decode look-ahead tokens
+                   last 16 prompt tokens, as self's, since it cannot decode look-ahead tokens (N its depth: the
+                   whole draft without a look-ahead); specprefill-layers<N>-documents[-naive]: that draft from the
+                   per-document draft cache, as specprefill-documents[-naive]
   specprefill-documents-query[<NN>]  the cache with the query-aware repair (issue #44: the tokens the
                    question attends to most recomputed in context), NN% of the document tokens (default 15)
   specprefill-auto the same draft's importance, budget chosen per sample by keep_rate="auto"
@@ -78,8 +80,16 @@ from specprefill_rag.decode.detokenize import IncrementalText
 from specprefill_rag.draft.assembly import DocumentSpans
 from specprefill_rag.draft.document_cache import DocumentKVCache
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
-from specprefill_rag.draft.paths import document_spans, draft_score, draft_scoring, score_layout, warm_layout
-from specprefill_rag.draft.repair import NAIVE, DocumentRepair
+from specprefill_rag.draft.paths import (
+    DirectScoring,
+    MappedScoring,
+    document_spans,
+    draft_score,
+    draft_scoring,
+    score_layout,
+    warm_layout,
+)
+from specprefill_rag.draft.repair import DEFAULT_REPAIR, NAIVE, DocumentRepair
 from specprefill_rag.models.loading import shared_model
 from specprefill_rag.prompt.chat import ChatMessage, chat_layout
 from specprefill_rag.prompt.layout import PromptLayout
@@ -91,6 +101,8 @@ QUERY_METHOD = re.compile(r"specprefill-documents-query(\d{2})?")
 
 
 LAYERS_METHOD = re.compile(r"specprefill-layers([1-9][0-9]*)")  # the draft's first N layers (draft_layers=N)
+# the same draft from the per-document draft cache, blend (or naive) repair
+LAYERS_DOCUMENTS_METHOD = re.compile(r"specprefill-layers([1-9][0-9]*)-documents(-naive)?")
 LOOK_AHEAD_METHOD = re.compile(r"specprefill-la([1-9][0-9]?)")  # the engine's draft with look-ahead N
 
 
@@ -107,6 +119,20 @@ def layers_draft(engine: SpecPrefillEngine, layers: int) -> Callable[[PromptLayo
     queries its last ``self_draft_window`` (16) prompt tokens; direct or mapped, as the engine's path."""
     draft = LayerPrefixDraft(engine.draft.model, layers, 13, SpecPrefillConfig().self_draft_window)
     return replace(engine.draft_scoring, draft=draft, look_ahead=1).importance
+
+
+def layers_document_draft(engine: SpecPrefillEngine, method: str) -> Callable[[PromptLayout], torch.Tensor]:
+    """``specprefill-layers<N>-documents[-naive]``: :func:`layers_draft`'s draft scoring from the per-document draft
+    cache (the engine's store) with blend repair (``-naive``: none), each document a hit, as
+    :func:`document_cache_draft` scores."""
+    match = LAYERS_DOCUMENTS_METHOD.fullmatch(method)
+    if match is None:
+        raise ValueError(f"{method!r} is not specprefill-layers<N>-documents or specprefill-layers<N>-documents-naive")
+    repair = NAIVE if match[2] else DEFAULT_REPAIR
+    window = SpecPrefillConfig().self_draft_window
+    store = engine.draft.document_cache
+    draft = LayerPrefixDraft(engine.draft.model, int(match[1]), 13, window, document_cache=store, repair=repair)
+    return cached_importance(replace(engine.draft_scoring, draft=draft, look_ahead=1))
 
 
 def query_repair(method: str) -> DocumentRepair:
@@ -228,6 +254,12 @@ def document_cache_draft(
     scoring = engine.draft_scoring
     if repair is not None:
         scoring = replace(scoring, draft=replace(engine.draft, repair=repair))
+    return cached_importance(scoring)
+
+
+def cached_importance(scoring: DirectScoring | MappedScoring) -> Callable[[PromptLayout], torch.Tensor]:
+    """Importance from ``scoring``'s draft with every document of the layout a hit of its per-document cache: the
+    documents are encoded into it first, each alone after the prompt's prefix (as a corpus warmed at ingestion)."""
 
     def importance(layout: PromptLayout) -> torch.Tensor:
         warm_layout(scoring, layout)
@@ -297,6 +329,11 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
             name: (lambda name=name: document_cache_draft(engine, query_repair(name)))
             for name in args.methods
             if QUERY_METHOD.fullmatch(name)
+        },
+        **{
+            name: (lambda name=name: layers_document_draft(engine, name))
+            for name in args.methods
+            if LAYERS_DOCUMENTS_METHOD.fullmatch(name)
         },
         **{
             name: (lambda name=name: layers_draft(engine, int(LAYERS_METHOD.fullmatch(name)[1])))  # type: ignore[index]
@@ -878,14 +915,14 @@ def main() -> None:
         - {self_name(n, w) for n in args.self_layers for w in args.self_windows}
     )
     unknown -= {f"specprefill-{spec}" for spec in args.extra_drafts} | {AUTO}
-    patterns = (QUERY_METHOD, LAYERS_METHOD, LOOK_AHEAD_METHOD, FILTERED_METHOD)
+    patterns = (QUERY_METHOD, LAYERS_METHOD, LAYERS_DOCUMENTS_METHOD, LOOK_AHEAD_METHOD, FILTERED_METHOD)
     unknown = {name for name in unknown if not any(pattern.fullmatch(name) for pattern in patterns)}
     if args.match_auto and (AUTO not in args.methods or len(auto_methods(args)) * len(args.auto_shares) != 1):
         options.error("--match-auto needs specprefill-auto among --methods with one share, floor and ceiling")
     if unknown:
         options.error(
             f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS + OPTIONAL_METHODS}, "
-            "specprefill-documents-query<NN>, specprefill-layers<N>, specprefill-la<N>, "
+            "specprefill-documents-query<NN>, specprefill-layers<N>[-documents[-naive]], specprefill-la<N>, "
             "embeddings-filter<NN>-specprefill "
             "or self-<n> with --self-layers, and <draft method>-sentences"
         )

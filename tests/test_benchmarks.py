@@ -733,6 +733,7 @@ def test_document_cache_report_labels_query_repairs_by_their_share(tmp_path):
     records += [record(s, "specprefill-documents-query", 1) for s in range(2)]
     records += [record(s, "specprefill-la4", 1 - s) for s in range(2)]  # joint scoring at look-ahead 4, no cache
     records += [record(s, "specprefill-layers24", 1) for s in range(2)]  # the draft's 24 layers, window queries
+    records += [record(s, "specprefill-layers24-documents-naive", 1) for s in range(2)]  # the same, cached
     run = tmp_path / "task.json"
     run.write_text(json.dumps({"settings": {"keep_rates": [0.1]}, "records": records}))
     rows = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows_of(run)]
@@ -741,6 +742,7 @@ def test_document_cache_report_labels_query_repairs_by_their_share(tmp_path):
         "query 10%",
         "no cache, look-ahead 4",
         "no cache, first 24 layers, prompt-window queries",
+        "naive, first 24 layers, prompt-window queries",
     ]
     assert rows[2][6] == "0.50"  # its own correctness, against joint's 1.00
 
@@ -767,6 +769,32 @@ def test_a_quality_method_names_the_query_repair_and_its_share(tiny_model, tiny_
     prefill = methods[name]({}, layout, 0.3)
     assert 0 < prefill.kept.numel() < len(layout)
     assert seen == [quality.DocumentRepair("query", share=0.1)]
+
+
+def test_a_quality_method_scores_a_layer_draft_from_the_document_cache(tiny_model, tiny_draft, tokenizer, monkeypatch):
+    """``--methods specprefill-layers<N>-documents[-naive]``: the draft's first N layers (window queries) scored
+    from the per-document cache, every document a hit, with blend repair or none."""
+    import quality
+
+    from specprefill_rag import SpecPrefillEngine
+    from specprefill_rag.draft import assembly
+    from specprefill_rag.testing import random_documents
+
+    with pytest.raises(ValueError, match="layers<N>-documents"):
+        quality.layers_document_draft(None, "specprefill-layers2")  # type: ignore[arg-type]
+    seen, original = [], assembly.assemble_prompt_kv
+    monkeypatch.setattr(
+        "specprefill_rag.draft.model.assemble_prompt_kv", lambda *a, **k: seen.append(a[5]) or original(*a, **k)
+    )
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, min_prompt_tokens=0)
+    names = ["specprefill-layers1-documents", "specprefill-layers1-documents-naive"]
+    methods = quality.make_methods(engine, method_args(*names))
+    layout = engine.layout("When?", random_documents(2, 40, seed=1))
+    for name in names:
+        prefill = methods[name]({}, layout, 0.3)
+        assert 0 < prefill.kept.numel() < len(layout)
+    assert [repair.kind for repair in seen] == ["blend", "naive"]
+    assert len(engine.draft.document_cache) == 3  # the prefix and both documents, encoded by the 1 layer run
 
 
 def test_reversed_documents_moves_only_the_documents():
