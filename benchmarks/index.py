@@ -308,6 +308,12 @@ STUDIES: dict[str, Study] = {
             "squad-look-ahead": "the same on SQuAD, 30 samples",
             "nq-look-ahead": "the same on NQ, 30 samples",
             "niah-4k-look-ahead": "the same on NIAH 4k, 30 samples; beside two clean-clone CI runs (answers only)",
+            "hotpotqa-window": "#44: the whole 0.5B scoring with its last 16 prompt tokens (`draft_layers=24`, no "
+            "look-ahead) against the look-ahead, 30 samples; the Xeon with AMX, bfloat16, run alone; the look-ahead "
+            "answers equal `hotpotqa-look-ahead`'s on all 60",
+            "squad-window": "the same on SQuAD, 30 samples (look-ahead answers equal `squad-look-ahead`'s)",
+            "nq-window": "the same on NQ, 30 samples (look-ahead answers equal `nq-look-ahead`'s)",
+            "niah-4k-window": "the same on NIAH 4k, 30 samples (look-ahead answers equal `niah-4k-look-ahead`'s)",
         },
     ),
     "pair-quality": Study(
@@ -476,6 +482,8 @@ STUDIES: dict[str, Study] = {
             "niah": "NIAH 1.5k",
             "niah-4k-look-ahead": "#44: NIAH 4k, 30 samples, joint scoring at look-ahead 8, 4 and 1; the Xeon with "
             "AMX, beside a clean-clone CI run for its first 7 samples (answers only)",
+            "niah-4k-window": "#44: NIAH 4k, 30 samples, the whole draft scoring with its last 16 prompt tokens "
+            "(`specprefill-layers30`, no look-ahead) against the look-ahead; the Xeon with AMX, run alone",
         },
     ),
     "smollm2-self-tuning": Study(
