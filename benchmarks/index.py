@@ -240,6 +240,16 @@ STUDIES: dict[str, Study] = {
             "and used engines (`benchmarks/first_sight_order.py`, #44); the Xeon with AMX, run alone",
             "zipf-admission-rows": "`zipf-admission` again after the frequency sketch's rows were made independent "
             "(#44): 529 hits, cold / cached 1.21; the Xeon with AMX, run alone (cold TTFT 3.56 s)",
+            "look-ahead-window": "#44: cold and warm 4k requests at look-ahead 8 and 4 and without a look-ahead (the "
+            "whole draft scoring with its last 16 prompt tokens, `--draft-layers 24`), 8 requests side by side; the "
+            "Xeon with AMX, run alone (full prefill 11.8 s)",
+            "look-ahead-window-1600": "the same at 1.6k tokens, look-ahead 8 and the window only, 8 requests: the "
+            "window's own saving at the Zipf workload's prompt size; the Xeon with AMX, run alone",
+            "speed-window": "#44: warm 4k requests, keep 0.1, blend and naive, with the look-ahead and without "
+            "(`--draft-layers 24`), 6 requests; the Xeon with AMX, run alone, a slower hour (full prefill 13.7 s)",
+            "zipf-window": "#44: `zipf-admission-rows` with the cached engine scoring without a look-ahead "
+            "(`--draft-layers 24`; the cold engine keeps the default look-ahead): 522 hits, cold / cached 1.48; the "
+            "Xeon with AMX, run alone",
             "zipf-in-context-lru": "`zipf-in-context` again (`--admission lru`), run right after `zipf-admission` "
             "for a side-by-side: the same 452 hits, cold / cached 1.10; the Xeon with AMX, run alone",
             "draft-first-sight-4k": "first sight (alone, in context) against the cold draft at 4k, 8 requests, "
