@@ -324,6 +324,10 @@ STUDIES: dict[str, Study] = {
             "squad-window": "the same on SQuAD, 30 samples (look-ahead answers equal `squad-look-ahead`'s)",
             "nq-window": "the same on NQ, 30 samples (look-ahead answers equal `nq-look-ahead`'s)",
             "niah-4k-window": "the same on NIAH 4k, 30 samples (look-ahead answers equal `niah-4k-look-ahead`'s)",
+            "hotpotqa-window-cache": "#44: the window draft (`draft_layers=24`) from the per-document cache, blend and "
+            "naive, against joint scoring with the look-ahead, 30 samples; the Xeon with AMX, bfloat16, stopped while "
+            "a clean-clone CI ran (answers only)",
+            "squad-window-cache": "the same on SQuAD, 30 samples",
         },
     ),
     "pair-quality": Study(
