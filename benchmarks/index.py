@@ -328,6 +328,7 @@ STUDIES: dict[str, Study] = {
             "naive, against joint scoring with the look-ahead, 30 samples; the Xeon with AMX, bfloat16, stopped while "
             "a clean-clone CI ran (answers only)",
             "squad-window-cache": "the same on SQuAD, 30 samples",
+            "nq-window-cache": "the same on NQ, 30 samples (look-ahead answers equal `nq-look-ahead`'s)",
         },
     ),
     "pair-quality": Study(
