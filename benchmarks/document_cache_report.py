@@ -24,14 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality import (
+from quality import (  # noqa: E402
     LAYERS_DOCUMENTS_METHOD,
     LAYERS_METHOD,
     LOOK_AHEAD_METHOD,
     QUERY_METHOD,
     bootstrap_interval,
     query_repair,
-)  # noqa: E402
+)
 
 JOINT = "specprefill"
 CACHED = {

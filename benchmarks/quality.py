@@ -78,7 +78,7 @@ from specprefill_rag.backends.hf import eos_token_ids
 from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
 from specprefill_rag.decode.detokenize import IncrementalText
 from specprefill_rag.draft.assembly import DocumentSpans
-from specprefill_rag.draft.document_cache import DocumentKVCache
+from specprefill_rag.draft.document_cache import DocumentKVCache, DocumentStore
 from specprefill_rag.draft.model import LayerPrefixDraft, ModelDraft
 from specprefill_rag.draft.paths import (
     DirectScoring,
@@ -114,25 +114,31 @@ def look_ahead_draft(engine: SpecPrefillEngine, look_ahead: int) -> Callable[[Pr
     return replace(engine.draft_scoring, draft=draft, look_ahead=look_ahead).importance
 
 
+def layers_scoring(
+    engine: SpecPrefillEngine, layers: int, store: DocumentStore | None = None, repair: DocumentRepair = DEFAULT_REPAIR
+) -> DirectScoring | MappedScoring:
+    """The engine's draft model run to its first ``layers`` layers, as ``draft_layers`` builds it: queries its last
+    ``self_draft_window`` (16) prompt tokens; direct or mapped, as the engine's path; ``store``: its per-document
+    draft cache, repaired by ``repair``."""
+    window = SpecPrefillConfig().self_draft_window
+    draft = LayerPrefixDraft(engine.draft.model, layers, 13, window, document_cache=store, repair=repair)
+    return replace(engine.draft_scoring, draft=draft, look_ahead=1)
+
+
 def layers_draft(engine: SpecPrefillEngine, layers: int) -> Callable[[PromptLayout], torch.Tensor]:
-    """Importance from the engine's draft model run to its first ``layers`` layers, as ``draft_layers`` builds it:
-    queries its last ``self_draft_window`` (16) prompt tokens; direct or mapped, as the engine's path."""
-    draft = LayerPrefixDraft(engine.draft.model, layers, 13, SpecPrefillConfig().self_draft_window)
-    return replace(engine.draft_scoring, draft=draft, look_ahead=1).importance
+    """Importance from :func:`layers_scoring`'s draft, scored jointly."""
+    return layers_scoring(engine, layers).importance
 
 
 def layers_document_draft(engine: SpecPrefillEngine, method: str) -> Callable[[PromptLayout], torch.Tensor]:
-    """``specprefill-layers<N>-documents[-naive]``: :func:`layers_draft`'s draft scoring from the per-document draft
-    cache (the engine's store) with blend repair (``-naive``: none), each document a hit, as
-    :func:`document_cache_draft` scores."""
+    """``specprefill-layers<N>-documents[-naive]``: :func:`layers_scoring`'s draft from the per-document draft cache
+    (the engine's store) with blend repair (``-naive``: none), each document a hit, as :func:`document_cache_draft`
+    scores."""
     match = LAYERS_DOCUMENTS_METHOD.fullmatch(method)
     if match is None:
         raise ValueError(f"{method!r} is not specprefill-layers<N>-documents or specprefill-layers<N>-documents-naive")
     repair = NAIVE if match[2] else DEFAULT_REPAIR
-    window = SpecPrefillConfig().self_draft_window
-    store = engine.draft.document_cache
-    draft = LayerPrefixDraft(engine.draft.model, int(match[1]), 13, window, document_cache=store, repair=repair)
-    return cached_importance(replace(engine.draft_scoring, draft=draft, look_ahead=1))
+    return cached_importance(layers_scoring(engine, int(match[1]), engine.draft.document_cache, repair))
 
 
 def query_repair(method: str) -> DocumentRepair:
