@@ -160,20 +160,49 @@ def test_concurrent_scoring_equals_sequential(engine, sharp_draft):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.fixture
+def passes(sharp_draft):
+    """How many forward passes of the draft model run (each call's top-level forward)."""
+    calls = []
+    handle = sharp_draft.register_forward_pre_hook(lambda *_: calls.append(1))
+    yield calls
+    handle.remove()
+
+
+@pytest.mark.parametrize("layers", [1, 2], ids=["first-layer", "whole"])
 @pytest.mark.parametrize("window", [1, 4])
-def test_a_layer_prefix_draft_caches_its_layers(engine, sharp_draft, window):
-    """``self:<n>``: the first layers of the main model, their KV cached per document; one document is exact."""
+def test_a_layer_prefix_draft_caches_its_layers(engine, sharp_draft, passes, window, layers):
+    """``self:<n>`` and ``draft_layers``: the first (or all) layers of a model, their KV cached per document; one
+    document is exact, and a warm request with no repair is one pass: the query window runs in the assembly's fresh
+    forward."""
     layout = layout_of(engine, random_documents(1, 70, seed=7))
     spans = document_runs(layout.document_index)
     store = DocumentKVCache(2**24)
-    cached = LayerPrefixDraft(sharp_draft, 1, 13, window, document_cache=store)
-    joint = LayerPrefixDraft(sharp_draft, 1, 13, window).score_prompt(layout.input_ids)
+    cached = LayerPrefixDraft(sharp_draft, layers, 13, window, document_cache=store, repair=NAIVE)
+    joint = LayerPrefixDraft(sharp_draft, layers, 13, window).score_prompt(layout.input_ids)
     for _ in range(2):
+        passes.clear()
         scored = cached.score_prompt(layout.input_ids, DocumentSpans(spans))
         torch.testing.assert_close(scored.importance, joint.importance, atol=1e-5, rtol=1e-4)
-    assert scored.documents_cached == 1
+    assert scored.documents_cached == 1 and len(passes) == 1
     (key, entry), *_ = store._entries.items()
-    assert key[0].layers == 1 and len(entry.layers) == 1  # only the layers the draft runs
+    assert key[0].layers == layers and len(entry.layers) == layers  # only the layers the draft runs
+
+
+@pytest.mark.parametrize("first_sight", ["alone", "in_context"])
+def test_a_layer_prefix_draft_recomputing_every_token_scores_as_joint(engine, sharp_draft, first_sight):
+    """Two documents drafted in the other order, then moved: with every document token recomputed in context, the
+    window scored in the same pass sees the joint KV."""
+    documents = random_documents(2, 60, seed=8)
+    layout = layout_of(engine, documents)
+    whole = DocumentRepair("blend", share=1.0, first_sight=first_sight)
+    draft = LayerPrefixDraft(sharp_draft, 2, 13, 4, document_cache=DocumentKVCache(2**24), repair=whole)
+    reversed_layout = layout_of(engine, documents[::-1])
+    draft.warm(reversed_layout.input_ids, DocumentSpans(document_runs(reversed_layout.document_index)))
+    scored = draft.score_prompt(layout.input_ids, DocumentSpans(document_runs(layout.document_index)))
+    joint = LayerPrefixDraft(sharp_draft, 2, 13, 4).score_prompt(layout.input_ids).importance
+    assert scored.documents_cached == 2
+    torch.testing.assert_close(scored.importance, joint, atol=1e-5, rtol=1e-4)
 
 
 def test_two_documents_moved_stay_close_to_joint_with_blend(engine, sharp_draft):

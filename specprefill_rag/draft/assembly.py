@@ -40,6 +40,7 @@ it in the prompt that drafted it, as chunk KV stored by CacheBlend-style caches 
 from __future__ import annotations
 
 import hashlib
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +49,7 @@ import torch
 from ..errors import InvalidRequestError
 from ..kvcache.prefix_cache import DraftIdentity, KVLayers
 from .document_cache import PREFIX_ENTRY, DocumentKey, DocumentStore
-from .hooks import StopForward, attention_dispatch, stop_after_layers
+from .hooks import QueryObserver, StopForward, attention_dispatch, stop_after_layers
 from .repair import (
     NAIVE,
     DocumentRepair,
@@ -239,9 +240,12 @@ def held_documents(
 QUERY_GROUPS = 8  # groups of fresh queries, each reading only the keys up to its last position
 
 
-def _masked_attention(key_positions: torch.Tensor, query_positions: torch.Tensor) -> Any:
+def _masked_attention(
+    key_positions: torch.Tensor, query_positions: torch.Tensor, observe: QueryObserver | None = None
+) -> Any:
     """An SDPA attention whose ``[F]`` queries at ``query_positions`` see the keys at ``key_positions``
-    ``[C + F]`` (cache slot order) up to their own position; transformers' mask is ignored.
+    ``[C + F]`` (cache slot order) up to their own position; transformers' mask is ignored. ``observe`` (if
+    given) sees each layer's queries and its keys in position order.
 
     The keys are put in position order and the queries cut into up to :data:`QUERY_GROUPS` groups, each
     attending only to the keys at or before its latest position, through an additive mask: where fresh tokens
@@ -270,6 +274,8 @@ def _masked_attention(key_positions: torch.Tensor, query_positions: torch.Tensor
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         index = order.to(key.device)
         key, value = key[:, :, index], value[:, :, index]
+        if observe is not None:
+            observe(query, key, scaling)
         outputs = [
             torch.nn.functional.scaled_dot_product_attention(
                 query[:, :, start:end],
@@ -282,6 +288,17 @@ def _masked_attention(key_positions: torch.Tensor, query_positions: torch.Tensor
             for (start, end, visible, _), mask in zip(groups, additive(query.dtype, query.device))
         ]
         return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def _observed(observe: QueryObserver) -> Any:
+    """transformers' SDPA attention, ``observe`` seeing each layer's queries and keys (a plain causal prefill)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        observe(query, key, scaling)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
     return attention
 
@@ -320,12 +337,18 @@ def assemble_prompt_kv(
     repair: DocumentRepair = NAIVE,
     until: int | None = None,
     namespace: str | None = None,
+    observe: QueryObserver | None = None,
 ) -> AssembledKV:
     """The draft KV of ``input_ids[:until]`` (``[L]`` prompt; default ``until = L - 1``) with the ``documents``
     taken from ``store``'s entries in ``namespace`` (stored there when missing), each encoded after the
-    documents' prefix (see the module). Documents reaching past
-    ``until`` are computed fresh. Raises :class:`InvalidRequestError` for bad spans, ``DraftScoringError`` for
-    a draft whose keys cannot be moved.
+    documents' prefix (see the module). Documents reaching past ``until`` are computed fresh.
+
+    ``observe``: the tokens from ``until`` on (the queries a layer-prefix draft scores) are computed in the same
+    fresh forward, after the others, and ``observe`` sees each layer's fresh queries (those tokens the last rows)
+    with all ``L`` keys in position order; the KV then holds all ``L`` tokens, and no second pass is needed.
+
+    Raises :class:`InvalidRequestError` for bad spans, ``DraftScoringError`` for a draft whose keys cannot be
+    moved.
     """
     length = input_ids.numel()
     until = length - 1 if until is None else until
@@ -334,15 +357,18 @@ def assemble_prompt_kv(
     served = spans[spans[:, 1] <= until]
     if prefix_length > until:
         raise InvalidRequestError(f"the prefix ({prefix_length} tokens) reaches past the assembled {until} tokens")
+    covered = until if observe is None else length  # the prompt tokens the returned KV holds
     if repair.first_sight == "in_context":
-        return _assembled_in_context(model, draft, input_ids, prefix_length, served, until, store, repair, namespace)
+        return _assembled_in_context(
+            model, draft, input_ids, prefix_length, served, covered, store, repair, namespace, observe
+        )
     prefix, encoded = encode_documents(model, draft, input_ids, prefix_length, served, store, namespace)
-    full, cached = _placed(prefix, served, [layers for layers, _ in encoded], until, inv_freq)
+    full, cached = _placed(prefix, served, [layers for layers, _ in encoded], covered, inv_freq)
     recomputed = _recomputed(model, draft.layers, input_ids, served, full, cached, repair)
     cached[recomputed] = False
     hits = [hit for _, hit in encoded]
     hit_tokens = sum(int(cached[start:end].sum()) for (start, end), hit in zip(served.tolist(), hits) if hit)
-    past = _with_fresh(model, draft.layers, input_ids, full, cached)
+    past = _with_fresh(model, draft.layers, input_ids, full, cached, observe)
     return AssembledKV(past, hit_tokens, sum(hits), recomputed)
 
 
@@ -356,11 +382,12 @@ def _assembled_in_context(
     store: DocumentStore,
     repair: DocumentRepair,
     namespace: str | None,
+    observe: QueryObserver | None,
 ) -> AssembledKV:
     """:func:`assemble_prompt_kv` with ``first_sight="in_context"`` (see the module): the ``[S, 2]`` ``spans``'
     documents the store holds are placed and repaired, the others computed in the one fresh forward and then
     stored, as the prefix is when the store lacks it (the prompt's first ``until`` tokens then go through one
-    joint pass).
+    joint pass, which ``observe`` sees).
     """
     inv_freq = rotary_inv_freq(model)
     digest = _digest(input_ids[:prefix_length])
@@ -369,7 +396,8 @@ def _assembled_in_context(
     prefix = store.lookup(prefix_key, input_ids[:prefix_length].cpu())
     if prefix is None:
         past = _new_cache(model)
-        _forward(model, draft.layers, input_ids[:until], torch.arange(until, device=input_ids.device), past)
+        with nullcontext() if observe is None else attention_dispatch(model, _observed(observe)):
+            _forward(model, draft.layers, input_ids[:until], torch.arange(until, device=input_ids.device), past)
         full = [(layer.keys, layer.values) for layer in past.layers[: draft.layers]]
         _store_seen(model, store, full, prefix_key, input_ids, prefix_length, list(zip(keys, spans.tolist())), inv_freq)
         return AssembledKV(past, 0, 0)
@@ -386,7 +414,7 @@ def _assembled_in_context(
     recomputed = _recomputed(model, draft.layers, input_ids, hit_spans, full, cached, repair, unseen)
     cached[recomputed] = False
     hit_tokens = sum(int(cached[start:end].sum()) for start, end in hit_spans.tolist())
-    past = _with_fresh(model, draft.layers, input_ids, full, cached)
+    past = _with_fresh(model, draft.layers, input_ids, full, cached, observe)
     _store_seen(model, store, full, None, input_ids, prefix_length, missed, inv_freq)
     return AssembledKV(past, hit_tokens, len(hits), recomputed)
 
@@ -449,17 +477,19 @@ def _with_fresh(
     input_ids: torch.Tensor,
     full: list[tuple[torch.Tensor, torch.Tensor]],
     cached: torch.Tensor,
+    observe: QueryObserver | None = None,
 ) -> Any:
     """A ``DynamicCache`` of ``full`` (per layer ``[1, H_kv, until, d]``), the positions not ``cached`` (``[until]``
     bool) computed in context by one forward pass: their cache slots follow the cached ones while it runs, an
     explicit mask shows each of them the keys before its position, and their KV is then written into ``full``.
+    ``observe`` sees each layer's queries of that pass.
     """
     past = _new_cache(model)
     kept = torch.nonzero(cached).flatten().to(input_ids.device)
     fresh = torch.nonzero(~cached).flatten().to(input_ids.device)
     _start_from(past, tuple((keys[:, :, kept], values[:, :, kept]) for keys, values in full))
     if fresh.numel():
-        with attention_dispatch(model, _masked_attention(torch.cat([kept, fresh]), fresh)):
+        with attention_dispatch(model, _masked_attention(torch.cat([kept, fresh]), fresh, observe)):
             _forward(model, layers, input_ids[fresh], fresh, past)
         for layer, (keys, values) in zip(past.layers[:layers], full):
             keys[:, :, fresh] = layer.keys[:, :, kept.numel() :]

@@ -12,7 +12,7 @@ After prefix-cached keys, :func:`attention_after_cached_keys` masks the remainin
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -95,31 +95,46 @@ def attention_dispatch(model: nn.Module, attention: Any) -> Iterator[str]:
         del ALL_MASK_ATTENTION_FUNCTIONS[name]
 
 
+QueryObserver = Callable[[torch.Tensor, torch.Tensor, float | None], None]
+"""Sees one layer's post-RoPE queries ``[1, H, q, d]`` and keys ``[1, H_kv, k, d]`` (position order) with the
+softmax scale (None: ``d ** -0.5``)."""
+
+
+def query_observer(accumulator: ImportanceAccumulator, pool_kernel: int, query_window: int = 1) -> QueryObserver:
+    """Fold each layer's scored queries into ``accumulator``: the last query row (``query_window`` = 1: the last
+    prompt token at prefill, the new token at each look-ahead step), or the last ``W`` rows, the prompt's last
+    ``W`` tokens, one accumulator step each; always over the first ``accumulator.prompt_length`` keys.
+    """
+    prompt_length = accumulator.prompt_length
+
+    def observe(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        keys = key[0, :, :prompt_length]
+        if query_window == 1:
+            accumulator.add(query_importance(query[0, :, -1], keys, scale, pool_kernel))
+        else:  # [H, W, d], row w seeing keys up to position L - W + w
+            accumulator.add_window(query_importance(query[0, :, -query_window:], keys, scale, pool_kernel))
+
+    return observe
+
+
 @contextmanager
 def capture_attention(
     model: nn.Module, accumulator: ImportanceAccumulator, pool_kernel: int, query_window: int = 1
 ) -> Iterator[str]:
-    """Score every attention call of ``model`` (batch 1) into ``accumulator``, for the ``with`` body only.
-
-    ``query_window`` = 1: the last query row of each call (the paper). ``W > 1``: the last ``W``
-    prompt tokens of the prefill call, one accumulator step each.
-    Yields the private attention-implementation name in use (tests check it is gone afterwards).
+    """Score every attention call of ``model`` (batch 1) into ``accumulator`` (:func:`query_observer`), for the
+    ``with`` body only. Yields the private attention-implementation name in use (tests check it is gone afterwards).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    prompt_length = accumulator.prompt_length
+    observe = query_observer(accumulator, pool_kernel, query_window)
 
     def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
         if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
             output = attention_after_cached_keys(module, query, key, value, scaling, **kwargs)
         else:
             output = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        if query_window == 1:
-            accumulator.add(query_importance(query[0, :, -1], key[0, :, :prompt_length], scale, pool_kernel))
-        else:
-            window = query[0, :, -query_window:]  # [H, W, d], the prompt's last W tokens
-            accumulator.add_window(query_importance(window, key[0, :, :prompt_length], scale, pool_kernel))
+        observe(query, key, scaling)
         return output
 
     with attention_dispatch(model, scoring_sdpa) as name:

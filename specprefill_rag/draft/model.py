@@ -33,6 +33,7 @@ from .hooks import (
     StopForward,
     capture_attention,
     decoder_layers,
+    query_observer,
     stop_after_layers,
 )
 from .importance import DraftScore, ImportanceAccumulator
@@ -204,25 +205,17 @@ class LayerPrefixDraft:
         window = min(self.query_window, input_ids.numel())
         accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
         if documents is not None and self.document_cache is not None and documents.spans.numel():
-            draft = DraftIdentity.of(self.model, self.n_layers)
-            until = input_ids.numel() - window
-            assembled = assemble_prompt_kv(
-                self.model, draft, input_ids, documents, self.document_cache, self.repair, until, namespace
-            )
-            reuse = PrefixReuse(assembled.past)
-            cache, start = assembled.past, until
-        else:
-            assembled = None
-            reuse = PrefixReuse.begin(
-                self.prefix_cache,
-                self.model,
-                self.n_layers,
-                input_ids,
-                input_ids.numel() - window,
-                needs_past=False,
-                namespace=namespace,
-            )
-            cache, start = reuse.past, reuse.cached_tokens
+            return self._score_with_documents(input_ids, documents, self.document_cache, accumulator, namespace)
+        reuse = PrefixReuse.begin(
+            self.prefix_cache,
+            self.model,
+            self.n_layers,
+            input_ids,
+            input_ids.numel() - window,
+            needs_past=False,
+            namespace=namespace,
+        )
+        cache, start = reuse.past, reuse.cached_tokens
         capture = capture_attention(self.model, accumulator, self.pool_kernel, window)
         with capture, stop_after_layers(self.model, self.n_layers):
             try:
@@ -231,10 +224,28 @@ class LayerPrefixDraft:
             except StopForward:
                 pass
         importance = accumulator.result()
-        if assembled is not None:
-            return DraftScore(importance, 0, assembled.cached_tokens, assembled.documents_cached)
         reuse.remember(input_ids)
         return DraftScore(importance, start)
+
+    def _score_with_documents(
+        self,
+        input_ids: torch.Tensor,
+        documents: DocumentSpans,
+        store: DocumentStore,
+        accumulator: ImportanceAccumulator,
+        namespace: str | None,
+    ) -> DraftScore:
+        """Score the query window inside the assembly's fresh forward (it runs the window after the tokens the
+        store did not supply), so the window costs no pass of its own; never stored in the (exact) prefix cache.
+        """
+        draft = DraftIdentity.of(self.model, self.n_layers)
+        window = accumulator.scores.shape[0]
+        observe = query_observer(accumulator, self.pool_kernel, window)
+        until = input_ids.numel() - window
+        assembled = assemble_prompt_kv(
+            self.model, draft, input_ids, documents, store, self.repair, until, namespace, observe
+        )
+        return DraftScore(accumulator.result(), 0, assembled.cached_tokens, assembled.documents_cached)
 
     def warm(self, input_ids: torch.Tensor, documents: DocumentSpans, namespace: str | None = None) -> int:
         """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (its first ``n_layers``
