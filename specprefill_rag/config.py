@@ -74,6 +74,9 @@ DocumentRepairKind = Literal["naive", "epic", "blend", "query"]
 DEFAULT_BLEND_SHARE = 0.15  # CacheBlend's share; docs/guide/document-cache.md measures 0.05 against it
 SHARED_REPAIRS = ("blend", "query")  # the repairs that recompute a share of the cached document tokens
 DocumentFirstSight = Literal["alone", "in_context"]
+DraftQueries = Literal["look_ahead", "window"]
+"""What a draft scores with: its look-ahead (the last prompt token and decoded draft tokens) or a window of the
+prompt's last tokens (:mod:`specprefill_rag.draft.model`)."""
 """How the per-document draft cache encodes a document it does not hold yet (:mod:`specprefill_rag.draft.assembly`)."""
 # Sampling temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them overflows float32 (1e-45 gives
 # inf and then NaN probabilities), and below 0.01 sampling is greedy in all but name. vLLM raises such values to
@@ -190,6 +193,22 @@ def check_draft_layers(settings: CompressionSettings, draft: str | None, draft_l
             f"a draft of its first {draft_layers} layers has no output to decode look-ahead tokens from (it scores "
             "with its last self_draft_window prompt tokens); leave look_ahead unset or set it to 1, or leave "
             "draft_layers unset"
+        )
+
+
+def check_draft_queries(settings: CompressionSettings, draft_queries: str, window_only: bool) -> None:
+    """``ValueError`` for ``draft_queries="window"`` with ``look_ahead`` set above 1 (a window decodes nothing), and
+    for ``draft_queries="look_ahead"`` set for a draft that cannot decode (``window_only``: 'self', draft_layers).
+    """
+    if draft_queries == "window" and "look_ahead" in settings.model_fields_set and settings.look_ahead != 1:
+        raise ValueError(
+            "draft_queries='window' scores with the prompt's last self_draft_window tokens and decodes nothing; "
+            "leave look_ahead unset or set it to 1, or set draft_queries='look_ahead'"
+        )
+    if draft_queries == "look_ahead" and window_only and "draft_queries" in settings.model_fields_set:
+        raise ValueError(
+            "a 'self' draft or a draft of its first draft_layers layers has no output to decode look-ahead tokens "
+            "from; leave draft_queries unset or set it to 'window', or name a whole draft model"
         )
 
 
@@ -504,8 +523,15 @@ class EngineSettings(CompressionSettings, GrammarLimits):
         strict=True,
         ge=1,
         le=512,
-        description="Queries of a 'self' draft, which cannot decode look-ahead tokens: the last this-many prompt "
-        "tokens.",
+        description="Queries of a draft that scores with a window ('self', draft_layers, draft_queries='window'): "
+        "the last this-many prompt tokens.",
+    )
+    draft_queries: DraftQueries = Field(
+        "look_ahead",
+        description="What a separate draft model scores with: 'look_ahead' (the last prompt token and look_ahead-1 "
+        "decoded draft tokens, the paper's) or 'window' (the last self_draft_window prompt tokens, the question "
+        "and the template's tail: no decoding, so a warm request from the document cache is one draft pass; docs: "
+        "Drafts). 'self' drafts and draft_layers always use the window.",
     )
     draft_layers: int | None = Field(
         None,
@@ -556,6 +582,12 @@ class EngineSettings(CompressionSettings, GrammarLimits):
     @model_validator(mode="after")
     def _truncated_draft(self) -> Self:
         check_draft_layers(self, self.draft, self.draft_layers)
+        return self
+
+    @model_validator(mode="after")
+    def _window_queries(self) -> Self:
+        window_only = self.draft_layers is not None or (self.draft is not None and is_self_spec(self.draft))
+        check_draft_queries(self, self.draft_queries, window_only)
         return self
 
     @model_validator(mode="after")
@@ -667,9 +699,16 @@ class SpecPrefillConfig(EngineSettings):
         return None
 
     @property
+    def scores_with_window(self) -> bool:
+        """True where the draft's queries are the prompt's last ``self_draft_window`` tokens: 'self' drafts,
+        ``draft_layers`` and ``draft_queries='window'``.
+        """
+        return self.is_self_draft or self.draft_layers is not None or self.draft_queries == "window"
+
+    @property
     def effective_look_ahead(self) -> int:
-        """Look-ahead actually used: always 1 for a 'self:<n>' draft and a draft of its first ``draft_layers``."""
-        return 1 if self.is_self_draft or self.draft_layers is not None else self.look_ahead
+        """Look-ahead actually used: 1 (nothing decoded) for a draft that scores with a window."""
+        return 1 if self.scores_with_window else self.look_ahead
 
 
 MAX_PENALTY = 2.0  # OpenAI's bound of the presence and frequency penalties, either sign

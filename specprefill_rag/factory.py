@@ -181,8 +181,8 @@ def _self_scoring(config: SpecPrefillConfig, main: LoadedModel) -> tuple[DirectS
 
 
 def _model_draft(config: SpecPrefillConfig, draft: LoadedModel) -> ModelDraft | LayerPrefixDraft:
-    """A separate draft model (whole with its look-ahead, or its first ``draft_layers``), its caches on its device
-    and the document repair.
+    """A separate draft model (whole with its look-ahead or its query window, or its first ``draft_layers``), its
+    caches on its device and the document repair.
     """
     return separate_draft(
         draft.model,
@@ -194,6 +194,7 @@ def _model_draft(config: SpecPrefillConfig, draft: LoadedModel) -> ModelDraft | 
         DocumentRepair.of(config),
         config.draft_layers,
         config.self_draft_window,
+        config.draft_queries,
     )
 
 

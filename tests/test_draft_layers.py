@@ -61,6 +61,21 @@ def test_without_the_setting_the_draft_runs_whole_and_decodes(tokenizer, big_mai
     assert isinstance(engine.draft, ModelDraft) and engine.draft.look_ahead == 3
 
 
+def test_window_queries_run_the_whole_draft_without_a_look_ahead(tokenizer, big_main, deep_draft):
+    """``draft_queries="window"``: every layer, the last self_draft_window prompt tokens as queries, nothing decoded;
+    the auto floor counts no look-ahead steps."""
+    engine = SpecPrefillEngine.from_models(big_main, tokenizer, deep_draft, draft_queries="window", min_prompt_tokens=0)
+    assert isinstance(engine.draft, LayerPrefixDraft) and engine.draft.n_layers == 4
+    assert engine.draft.query_window == 16 and engine.draft_scoring.look_ahead == 1
+    layout = layout_of(engine)
+    reference = LayerPrefixDraft(deep_draft, 4, 13, 16).score(layout.input_ids)
+    assert engine.draft_scoring.importance(layout).tolist() == pytest.approx(reference.tolist(), abs=1e-6)
+    decoding = ModelDraft(deep_draft, 8, 13, frozenset()).score(layout.input_ids)
+    assert (reference - decoding).abs().max() > 1e-3  # the look-ahead's queries would have scored otherwise
+    auto = SpecPrefillEngine.from_models(big_main, tokenizer, deep_draft, draft_queries="window")
+    assert auto.min_prompt_tokens == pays_from(parameter_count(deep_draft) / parameter_count(big_main), 1)
+
+
 def test_the_cost_counts_the_layers_the_draft_runs(tokenizer, big_main, deep_draft, two_layer_copy):
     assert draft_parameter_count(deep_draft, 2) == parameter_count(two_layer_copy)
     assert draft_parameter_count(deep_draft) == draft_parameter_count(deep_draft, 4) == parameter_count(deep_draft)
@@ -85,6 +100,13 @@ def test_more_layers_than_the_draft_has_are_refused(tokenizer, big_main, deep_dr
         ({"draft": "self:2", "draft_layers": 2}, "name the main model's layers as 'self:<n>'"),
         ({"draft": "smollm2-135m", "draft_layers": 2, "look_ahead": 8}, "no output to decode look-ahead tokens"),
         ({"draft": "smollm2-135m", "draft_layers": 0}, "greater than or equal to 1"),
+        (
+            {"draft": "smollm2-135m", "draft_queries": "window", "look_ahead": 4},
+            "decodes nothing; leave look_ahead unset or set it to 1",
+        ),
+        ({"draft": "self:2", "draft_queries": "look_ahead"}, "leave draft_queries unset or set it to 'window'"),
+        ({"draft": "smollm2-135m", "draft_layers": 2, "draft_queries": "look_ahead"}, "name a whole draft model"),
+        ({"draft": "smollm2-135m", "draft_queries": "last"}, "draft_queries\n.*'look_ahead' or 'window'"),
     ],
 )
 def test_settings_that_cannot_hold_are_refused(settings, message):

@@ -1,6 +1,7 @@
-"""Drafts that score a prompt: a separate small model (:class:`ModelDraft`, the paper's) or the first
-layers of a model (:class:`LayerPrefixDraft`: the main model's own for ``draft="self"``, or a separate draft's
-with ``draft_layers``; :func:`separate_draft` picks).
+"""Drafts that score a prompt: a separate small model with its look-ahead (:class:`ModelDraft`, the paper's) or
+the first layers of a model, all of them included, scoring with a window of the prompt's last tokens
+(:class:`LayerPrefixDraft`: the main model's own for ``draft="self"``, or a separate draft's with ``draft_layers``
+or ``draft_queries="window"``; :func:`separate_draft` picks).
 
 A draft cut after ``n`` layers has no output to decode look-ahead tokens from (its last hidden state never
 reaches the LM head, and a head read off layer ``n``, a logit lens, is what small models are worst at); so it
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..config import DraftQueries
 from ..errors import DraftScoringError, InvalidRequestError
 from ..kvcache.prefix_cache import DraftIdentity, PrefixKVCache, PrefixReuse
 from .assembly import DocumentSpans, assemble_prompt_kv, encode_documents, held_documents
@@ -172,10 +174,12 @@ class ModelDraft:
 
 @dataclass
 class LayerPrefixDraft:
-    """``self:<n>``: the first ``n_layers`` of the main model itself, weights shared.
+    """The first ``n_layers`` of a model, all of them included: the main model's own for ``self:<n>`` (weights
+    shared; for users without a smaller sibling model), a separate draft's for ``draft_layers`` and
+    ``draft_queries="window"``.
 
-    For users without a smaller sibling model. The forward pass stops after layer ``n_layers``, so no
-    look-ahead token can be decoded; the queries are instead the last ``query_window`` prompt tokens
+    The forward pass stops after layer ``n_layers`` (or decodes nothing when it runs them all), so no
+    look-ahead token is decoded; the queries are instead the last ``query_window`` prompt tokens
     (the question and the template around it), each seeing the prompt up to itself. With a
     ``prefix_cache``, at most ``L - query_window`` leading tokens are reused, so every query is computed.
     """
@@ -279,14 +283,18 @@ def separate_draft(
     repair: DocumentRepair,
     layers: int | None = None,
     query_window: int = 16,
+    queries: DraftQueries = "look_ahead",
 ) -> ModelDraft | LayerPrefixDraft:
-    """A separate draft model: whole (``layers`` None: queries the last prompt token and ``look_ahead - 1``
-    decoded tokens), or its first ``layers`` layers (queries its last ``query_window`` prompt tokens; see the
-    module). Raises :class:`InvalidRequestError` for more layers than the model has.
+    """A separate draft model: whole with its look-ahead (``layers`` None, ``queries="look_ahead"``: the last prompt
+    token and ``look_ahead - 1`` decoded tokens), or whole or its first ``layers`` layers scoring with its last
+    ``query_window`` prompt tokens (see the module). Raises :class:`InvalidRequestError` for more layers than the
+    model has.
     """
-    if layers is None:
+    if layers is None and queries == "look_ahead":
         return ModelDraft(model, look_ahead, pool_kernel, eos_token_ids, prefix_cache, document_cache, repair)
     available = len(decoder_layers(model))
+    if layers is None:
+        layers = available
     if not 1 <= layers <= available:
         raise InvalidRequestError(
             f"draft_layers={layers} asks for more layers than the draft model has ({available}); pass at most "
