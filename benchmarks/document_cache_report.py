@@ -53,7 +53,7 @@ def repair_label(method: str) -> str | None:
     if layers := LAYERS_METHOD.fullmatch(method):
         return f"no cache, first {layers[1]} layers, prompt-window queries"
     if layers := LAYERS_DOCUMENTS_METHOD.fullmatch(method):
-        return f"{'naive' if layers[2] else 'blend'}, first {layers[1]} layers, prompt-window queries"
+        return f"{layers[2] or 'blend'}, first {layers[1]} layers, prompt-window queries"
     return CACHED.get(method)
 
 

@@ -19,7 +19,7 @@ Methods (all share one prompt layout and one main model):
                    documents in reverse order) with document_first_sight="in_context", then a hit (issue #44)
   specprefill-layers<N>  the same draft run to its first N layers (``draft_layers``, issue #44): queries are its
                    last 16 prompt tokens, as self's, since it cannot decode look-ahead tokens (N its depth: the
-                   whole draft without a look-ahead); specprefill-layers<N>-documents[-naive]: that draft from the
+                   whole draft without a look-ahead); specprefill-layers<N>-documents[-naive|-epic]: that draft from the
                    per-document draft cache, as specprefill-documents[-naive]
   specprefill-documents-query[<NN>]  the cache with the query-aware repair (issue #44: the tokens the
                    question attends to most recomputed in context), NN% of the document tokens (default 15)
@@ -101,8 +101,8 @@ QUERY_METHOD = re.compile(r"specprefill-documents-query(\d{2})?")
 
 
 LAYERS_METHOD = re.compile(r"specprefill-layers([1-9][0-9]*)")  # the draft's first N layers (draft_layers=N)
-# the same draft from the per-document draft cache, blend (or naive) repair
-LAYERS_DOCUMENTS_METHOD = re.compile(r"specprefill-layers([1-9][0-9]*)-documents(-naive)?")
+# the same draft from the per-document draft cache, blend (or naive, or EPIC's first tokens) repair
+LAYERS_DOCUMENTS_METHOD = re.compile(r"specprefill-layers([1-9][0-9]*)-documents(?:-(naive|epic))?")
 LOOK_AHEAD_METHOD = re.compile(r"specprefill-la([1-9][0-9]?)")  # the engine's draft with look-ahead N
 
 
@@ -131,13 +131,13 @@ def layers_draft(engine: SpecPrefillEngine, layers: int) -> Callable[[PromptLayo
 
 
 def layers_document_draft(engine: SpecPrefillEngine, method: str) -> Callable[[PromptLayout], torch.Tensor]:
-    """``specprefill-layers<N>-documents[-naive]``: :func:`layers_scoring`'s draft from the per-document draft cache
-    (the engine's store) with blend repair (``-naive``: none), each document a hit, as :func:`document_cache_draft`
-    scores."""
+    """``specprefill-layers<N>-documents[-naive|-epic]``: :func:`layers_scoring`'s draft from the per-document draft
+    cache (the engine's store) with blend repair (``-naive``: none; ``-epic``: each document's first tokens), each
+    document a hit, as :func:`document_cache_draft` scores."""
     match = LAYERS_DOCUMENTS_METHOD.fullmatch(method)
     if match is None:
-        raise ValueError(f"{method!r} is not specprefill-layers<N>-documents or specprefill-layers<N>-documents-naive")
-    repair = NAIVE if match[2] else DEFAULT_REPAIR
+        raise ValueError(f"{method!r} is not specprefill-layers<N>-documents[-naive|-epic]")
+    repair = DocumentRepair(match[2]) if match[2] else DEFAULT_REPAIR
     return cached_importance(layers_scoring(engine, int(match[1]), engine.draft.document_cache, repair))
 
 
@@ -928,7 +928,7 @@ def main() -> None:
     if unknown:
         options.error(
             f"unknown methods {sorted(unknown)}; choose from {ALL_METHODS + OPTIONAL_METHODS}, "
-            "specprefill-documents-query<NN>, specprefill-layers<N>[-documents[-naive]], specprefill-la<N>, "
+            "specprefill-documents-query<NN>, specprefill-layers<N>[-documents[-naive|-epic]], specprefill-la<N>, "
             "embeddings-filter<NN>-specprefill "
             "or self-<n> with --self-layers, and <draft method>-sentences"
         )

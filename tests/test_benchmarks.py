@@ -734,6 +734,7 @@ def test_document_cache_report_labels_query_repairs_by_their_share(tmp_path):
     records += [record(s, "specprefill-la4", 1 - s) for s in range(2)]  # joint scoring at look-ahead 4, no cache
     records += [record(s, "specprefill-layers24", 1) for s in range(2)]  # the draft's 24 layers, window queries
     records += [record(s, "specprefill-layers24-documents-naive", 1) for s in range(2)]  # the same, cached
+    records += [record(s, "specprefill-layers24-documents-epic", 1) for s in range(2)]  # EPIC's first tokens
     run = tmp_path / "task.json"
     run.write_text(json.dumps({"settings": {"keep_rates": [0.1]}, "records": records}))
     rows = [[cell.strip() for cell in row.strip("|").split("|")] for row in rows_of(run)]
@@ -742,6 +743,7 @@ def test_document_cache_report_labels_query_repairs_by_their_share(tmp_path):
         "query 10%",
         "no cache, look-ahead 4",
         "no cache, first 24 layers, prompt-window queries",
+        "epic, first 24 layers, prompt-window queries",
         "naive, first 24 layers, prompt-window queries",
     ]
     assert rows[2][6] == "0.50"  # its own correctness, against joint's 1.00
@@ -772,12 +774,13 @@ def test_a_quality_method_names_the_query_repair_and_its_share(tiny_model, tiny_
 
 
 def test_a_quality_method_scores_a_layer_draft_from_the_document_cache(tiny_model, tiny_draft, tokenizer, monkeypatch):
-    """``--methods specprefill-layers<N>-documents[-naive]``: the draft's first N layers (window queries) scored
-    from the per-document cache, every document a hit, with blend repair or none."""
+    """``--methods specprefill-layers<N>-documents[-naive|-epic]``: the draft's first N layers (window queries)
+    scored from the per-document cache, every document a hit, with blend repair, none, or EPIC's first tokens."""
     import quality
 
     from specprefill_rag import SpecPrefillEngine
     from specprefill_rag.draft import assembly
+    from specprefill_rag.kvcache.prefix_cache import DraftIdentity
     from specprefill_rag.testing import random_documents
 
     with pytest.raises(ValueError, match="layers<N>-documents"):
@@ -787,14 +790,20 @@ def test_a_quality_method_scores_a_layer_draft_from_the_document_cache(tiny_mode
         "specprefill_rag.draft.model.assemble_prompt_kv", lambda *a, **k: seen.append(a[5]) or original(*a, **k)
     )
     engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, tiny_draft, min_prompt_tokens=0)
-    names = ["specprefill-layers1-documents", "specprefill-layers1-documents-naive"]
+    names = [
+        "specprefill-layers1-documents",
+        "specprefill-layers1-documents-naive",
+        "specprefill-layers1-documents-epic",
+    ]
     methods = quality.make_methods(engine, method_args(*names))
     layout = engine.layout("When?", random_documents(2, 40, seed=1))
     for name in names:
         prefill = methods[name]({}, layout, 0.3)
         assert 0 < prefill.kept.numel() < len(layout)
-    assert [repair.kind for repair in seen] == ["blend", "naive"]
-    assert len(engine.draft.document_cache) == 3  # the prefix and both documents, encoded by the 1 layer run
+    assert [repair.kind for repair in seen] == ["blend", "naive", "epic"]
+    entries = engine.draft.document_cache._entries  # the store is shared by the process's drafts: this one's entries
+    mine = [key for key in entries if key.draft == DraftIdentity.of(tiny_draft, 1)]
+    assert len(mine) == 3  # the prefix and both documents, encoded by the 1 layer run
 
 
 def test_reversed_documents_moves_only_the_documents():
@@ -1269,6 +1278,20 @@ def test_the_fresh_forward_study_times_both_attentions_on_the_same_kv(tiny_model
     assert record["largest_relative_difference"] < 1e-5
     assert assembly._masked_attention is fresh_forward.GROUPED
     assert "| 60 |" in fresh_forward.table({"settings": {}, "machine": [], "records": [record]})
+
+
+@pytest.mark.parametrize("repair", ["naive", "blend"])
+def test_the_window_fold_study_scores_both_warm_arms_alike(tiny_model, repair):
+    """``window_fold.py``: the folded window and the two-pass reference score a warm prompt alike (float32), every
+    arm timed per repeat."""
+    import window_fold
+
+    ids, spans = window_fold.prompt(tiny_model.config.vocab_size, documents=3, document_tokens=20, seed=1)
+    assert ids.numel() == window_fold.PREFIX + 3 * 21 + window_fold.QUESTION
+    record = window_fold.run_repair(tiny_model, repair, ids, spans, repeats=2)
+    assert [len(record["seconds"][arm]) for arm in window_fold.ARMS] == [2, 2, 2, 2]
+    assert record["largest_relative_score_difference"] < 1e-5
+    assert f"| {repair} | {ids.numel()} |" in window_fold.table({"settings": {}, "machine": [], "records": [record]})
 
 
 def test_the_first_sight_order_study_runs_every_arm_and_reads_them_against_both_colds(tiny_model, tokenizer):
