@@ -247,6 +247,11 @@ STUDIES: dict[str, Study] = {
             "window's own saving at the Zipf workload's prompt size; the Xeon with AMX, run alone",
             "speed-window": "#44: warm 4k requests, keep 0.1, blend and naive, with the look-ahead and without "
             "(`--draft-layers 24`), 6 requests; the Xeon with AMX, run alone, a slower hour (full prefill 13.7 s)",
+            "window-fold": "#44: the draft alone, a warm window draft (whole 0.5B, last 16 prompt tokens as queries) "
+            "scoring its window in the assembly's fresh forward against a second pass of its own, naive, EPIC and "
+            "blend, 3 repeats, arms rotated (`benchmarks/window_fold.py`); the AMD EPYC, run alone",
+            "speed-window-fold": "`speed-window` again after the window moved into the fresh forward; the AMD EPYC "
+            "(no AMX: full prefill 48 s), run alone; its first cold request (64 s) paid the warm-up",
             "zipf-window": "#44: `zipf-admission-rows` with the cached engine scoring without a look-ahead "
             "(`--draft-layers 24`; the cold engine keeps the default look-ahead): 522 hits, cold / cached 1.48; the "
             "Xeon with AMX, run alone",
