@@ -1,7 +1,8 @@
 """Drafts that score a prompt: a separate small model with its look-ahead (:class:`ModelDraft`, the paper's) or
-the first layers of a model, all of them included, scoring with a window of the prompt's last tokens
-(:class:`LayerPrefixDraft`: the main model's own for ``draft="self"``, or a separate draft's with ``draft_layers``
-or ``draft_queries="window"``; :func:`separate_draft` picks).
+a model's first layers scoring with the prompt's last tokens (:class:`LayerPrefixDraft`).
+
+A layer-prefix draft is the main model's own for ``draft="self"``, or a separate draft's, whole or cut, for
+``draft_queries="window"`` or ``draft_layers`` (:func:`separate_draft` picks).
 
 A draft cut after ``n`` layers has no output to decode look-ahead tokens from (its last hidden state never
 reaches the LM head, and a head read off layer ``n``, a logit lens, is what small models are worst at); so it
