@@ -74,10 +74,10 @@ DocumentRepairKind = Literal["naive", "epic", "blend", "query"]
 DEFAULT_BLEND_SHARE = 0.15  # CacheBlend's share; docs/guide/document-cache.md measures 0.05 against it
 SHARED_REPAIRS = ("blend", "query")  # the repairs that recompute a share of the cached document tokens
 DocumentFirstSight = Literal["alone", "in_context"]
+"""How the per-document draft cache encodes a document it does not hold yet (:mod:`specprefill_rag.draft.assembly`)."""
 DraftQueries = Literal["look_ahead", "window"]
 """What a draft scores with: its look-ahead (the last prompt token and decoded draft tokens) or a window of the
 prompt's last tokens (:mod:`specprefill_rag.draft.model`)."""
-"""How the per-document draft cache encodes a document it does not hold yet (:mod:`specprefill_rag.draft.assembly`)."""
 # Sampling temperatures in (0, MIN_TEMPERATURE) are refused: dividing logits by them overflows float32 (1e-45 gives
 # inf and then NaN probabilities), and below 0.01 sampling is greedy in all but name. vLLM raises such values to
 # 0.01 with a warning; here nothing is changed silently, so they are refused with the fix (0 = greedy).
