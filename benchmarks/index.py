@@ -334,6 +334,11 @@ STUDIES: dict[str, Study] = {
             "a clean-clone CI ran (answers only)",
             "squad-window-cache": "the same on SQuAD, 30 samples",
             "nq-window-cache": "the same on NQ, 30 samples (look-ahead answers equal `nq-look-ahead`'s)",
+            "hotpotqa-window-epic": "#44: the window draft from the per-document cache with EPIC's first-token repair "
+            "against joint scoring with the look-ahead, 30 samples; the AMD EPYC, bfloat16, stopped while a "
+            "clean-clone CI ran (answers only)",
+            "squad-window-epic": "the same on SQuAD, 30 samples; the AMD EPYC",
+            "nq-window-epic": "the same on NQ, 30 samples; the AMD EPYC",
         },
     ),
     "pair-quality": Study(
