@@ -49,7 +49,7 @@ import torch
 from ..errors import InvalidRequestError
 from ..kvcache.prefix_cache import DraftIdentity, KVLayers
 from .document_cache import PREFIX_ENTRY, DocumentKey, DocumentStore
-from .hooks import QueryObserver, StopForward, attention_dispatch, stop_after_layers
+from .hooks import QueryObserver, StopForward, attention_dispatch, observed_attention, stop_after_layers
 from .repair import (
     NAIVE,
     DocumentRepair,
@@ -292,17 +292,6 @@ def _masked_attention(
     return attention
 
 
-def _observed(observe: QueryObserver) -> Any:
-    """transformers' SDPA attention, ``observe`` seeing each layer's queries and keys (a plain causal prefill)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        observe(query, key, scaling)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-
-    return attention
-
-
 def _keys_then_stop(last_layer: int) -> Any:
     """An SDPA attention that ends the forward pass (:class:`StopForward`) when layer ``last_layer`` calls it:
     its keys and values are in the cache by then, and its attention and MLP would only feed the layers after.
@@ -396,7 +385,7 @@ def _assembled_in_context(
     prefix = store.lookup(prefix_key, input_ids[:prefix_length].cpu())
     if prefix is None:
         past = _new_cache(model)
-        with nullcontext() if observe is None else attention_dispatch(model, _observed(observe)):
+        with nullcontext() if observe is None else attention_dispatch(model, observed_attention(observe)):
             _forward(model, draft.layers, input_ids[:until], torch.arange(until, device=input_ids.device), past)
         full = [(layer.keys, layer.values) for layer in past.layers[: draft.layers]]
         _store_seen(model, store, full, prefix_key, input_ids, prefix_length, list(zip(keys, spans.tolist())), inv_freq)

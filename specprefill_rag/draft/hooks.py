@@ -118,18 +118,13 @@ def query_observer(accumulator: ImportanceAccumulator, pool_kernel: int, query_w
     return observe
 
 
-@contextmanager
-def capture_attention(
-    model: nn.Module, accumulator: ImportanceAccumulator, pool_kernel: int, query_window: int = 1
-) -> Iterator[str]:
-    """Score every attention call of ``model`` (batch 1) into ``accumulator`` (:func:`query_observer`), for the
-    ``with`` body only. Yields the private attention-implementation name in use (tests check it is gone afterwards).
+def observed_attention(observe: QueryObserver) -> Any:
+    """transformers' SDPA attention (explicitly masked after prefix-cached keys: :func:`attention_after_cached_keys`)
+    that shows ``observe`` each layer's queries and keys; for :func:`attention_dispatch`.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    observe = query_observer(accumulator, pool_kernel, query_window)
-
-    def scoring_sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
             output = attention_after_cached_keys(module, query, key, value, scaling, **kwargs)
         else:
@@ -137,7 +132,18 @@ def capture_attention(
         observe(query, key, scaling)
         return output
 
-    with attention_dispatch(model, scoring_sdpa) as name:
+    return attention
+
+
+@contextmanager
+def capture_attention(
+    model: nn.Module, accumulator: ImportanceAccumulator, pool_kernel: int, query_window: int = 1
+) -> Iterator[str]:
+    """Score every attention call of ``model`` (batch 1) into ``accumulator`` (:func:`query_observer`), for the
+    ``with`` body only. Yields the private attention-implementation name in use (tests check it is gone afterwards).
+    """
+    observe = query_observer(accumulator, pool_kernel, query_window)
+    with attention_dispatch(model, observed_attention(observe)) as name:
         yield name
 
 
