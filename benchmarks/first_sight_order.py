@@ -35,6 +35,7 @@ from document_cache_speed import (  # noqa: E402
     RATIO,
     SYSTEM,
     UNCACHED,
+    draft_of,
     draw,
     load,
     machine,
@@ -57,7 +58,7 @@ ARMS = ("cold", "cold-new", "in_context-new", "in_context-used")
 
 def arms(model: Any, tokenizer: Any, cold: SpecPrefillEngine, settings: dict, number: int) -> dict[str, Callable]:
     """Each arm of request ``number``: a function of (documents, question) to its record."""
-    common = dict(UNCACHED, keep_rate=settings["keep"])
+    common = dict(UNCACHED, keep_rate=settings["keep"], **draft_of(None))
 
     def run(engine: SpecPrefillEngine, documents: list[str], question: str) -> dict:
         return record(engine.generate(question, documents, SYSTEM, max_new_tokens=1))
@@ -105,7 +106,9 @@ def main() -> None:
     model, tokenizer = loaded.model, loaded.tokenizer
     count = token_counter(tokenizer)
     corpus = squad_paragraphs(args.seed)[:200]
-    cold = SpecPrefillEngine.from_models(model, tokenizer, model, document_cache_mb=0, keep_rate=args.keep, **UNCACHED)
+    cold = SpecPrefillEngine.from_models(
+        model, tokenizer, model, document_cache_mb=0, keep_rate=args.keep, **draft_of(None), **UNCACHED
+    )
     rng = random.Random(args.seed)
     for number in range(args.requests):
         documents, target = draw(corpus, args.length, count, rng)

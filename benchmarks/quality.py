@@ -106,6 +106,13 @@ LAYERS_DOCUMENTS_METHOD = re.compile(r"specprefill-layers([1-9][0-9]*)-documents
 LOOK_AHEAD_METHOD = re.compile(r"specprefill-la([1-9][0-9]?)")  # the engine's draft with look-ahead N
 
 
+# The engine every method starts from. draft_cache_mb=0: every sample is scored cold, as in the earlier runs these
+# tables merge with (samples that share a haystack prefix would otherwise start from each other's draft KV).
+# draft_queries="look_ahead": `specprefill` is the paper's look-ahead in every recorded study, though the library's
+# default for a separate draft is now the window (`specprefill-layers<N>` is the window, whole at N = the depth).
+STUDY_ENGINE = {"min_prompt_tokens": 0, "draft_cache_mb": 0, "draft_queries": "look_ahead"}
+
+
 def look_ahead_draft(engine: SpecPrefillEngine, look_ahead: int) -> Callable[[PromptLayout], torch.Tensor]:
     """Importance from the engine's draft model with ``look_ahead`` queries (the last prompt token and
     ``look_ahead - 1`` decoded tokens, stopping at its end-of-sequence tokens); direct or mapped, as the engine's
@@ -672,11 +679,7 @@ def check_resumed_samples(earlier: dict, digests: list[str], drawn_at: Callable[
 def run(args: argparse.Namespace, save: Callable[[dict], None], earlier: dict | None = None) -> dict:
     """Evaluate every sample; ``save`` gets the report so far after each one (long runs can be stopped).
     ``earlier``: an earlier run's report, whose samples are not evaluated again."""
-    # draft_cache_mb=0: every sample is scored cold, as in the earlier runs these tables merge with (samples that
-    # share a haystack prefix would otherwise start from each other's draft KV)
-    engine = SpecPrefillEngine(
-        main=args.main, draft=args.draft, dtype=args.dtype, min_prompt_tokens=0, draft_cache_mb=0
-    )
+    engine = SpecPrefillEngine(main=args.main, draft=args.draft, dtype=args.dtype, **STUDY_ENGINE)
     samples = load_samples(args, engine.tokenizer)
     digests = [sample_digest(sample) for sample in samples]
     if earlier:

@@ -53,6 +53,7 @@ import torch  # noqa: E402
 from quality import bootstrap_interval, bootstrap_ratio_interval, normalise, scores  # noqa: E402
 
 from specprefill_rag import GenerationParams, SpecPrefillEngine  # noqa: E402
+from specprefill_rag.config import is_self_spec  # noqa: E402
 from specprefill_rag.prompt.chat import ChatMessage  # noqa: E402
 from specprefill_rag.prompt.layout import PromptLayout  # noqa: E402
 from specprefill_rag.prompt.tokens import encode_as_text  # noqa: E402
@@ -259,6 +260,12 @@ def main() -> None:
     options.add_argument("--answer-tokens", type=int, default=32)
     options.add_argument("--system", default=agentic.SYSTEM)
     options.add_argument("--out", type=Path, default=agentic.ROOT / "benchmarks" / "results" / "tool-query" / "run")
+    options.add_argument(
+        "--draft-queries",
+        default="look_ahead",
+        choices=["look_ahead", "window"],
+        help="what the draft scores with (the recorded runs: the look-ahead; the library's default: the window)",
+    )
     options.add_argument("--resume", action="store_true", help="keep the questions an earlier run saved at --out")
     options.add_argument("--report", action="store_true", help="rewrite <out>.md from <out>.json; run nothing")
     args = options.parse_args()
@@ -270,6 +277,8 @@ def main() -> None:
     settings = {name: getattr(args, name) for name in names}
     if args.task != "hotpotqa":  # the earlier runs' settings have no task: they stay resumable
         settings["task"] = args.task
+    if args.draft_queries != "look_ahead":  # likewise
+        settings["draft_queries"] = args.draft_queries
     settings["system"] = args.system
     report: dict[str, Any] = {"settings": settings, "records": []}
     if args.resume and path.exists():
@@ -281,7 +290,8 @@ def main() -> None:
         "machine": agentic.machine(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
     }
-    engine = SpecPrefillEngine(main=args.main, draft=args.draft, min_prompt_tokens=0)
+    queries = {} if is_self_spec(args.draft) else {"draft_queries": args.draft_queries}  # 'self': always the window
+    engine = SpecPrefillEngine(main=args.main, draft=args.draft, min_prompt_tokens=0, **queries)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     samples = load_samples(args.task, args.questions, args.seed)
     for index, sample in enumerate(samples[len(report["records"]) :], start=len(report["records"])):

@@ -228,6 +228,7 @@ def load_engine(args) -> SpecPrefillEngine:
         main_tokenizer,
         draft.model,
         draft_tokenizer=draft.tokenizer,
+        draft_queries="look_ahead",  # `specprefill` is the paper's look-ahead 8, as in every recorded run
         min_prompt_tokens=0,
         draft_cache_mb=0,
         main_cache_mb=0,

@@ -194,7 +194,7 @@ def _model_draft(config: SpecPrefillConfig, draft: LoadedModel) -> ModelDraft | 
         DocumentRepair.of(config),
         config.draft_layers,
         config.self_draft_window,
-        config.draft_queries,
+        config.queries,
     )
 
 

@@ -887,7 +887,7 @@ def test_a_look_ahead_method_keeps_what_an_engine_with_that_look_ahead_keeps(tok
     from specprefill_rag.testing import build_model, random_documents
 
     draft = build_model(tokenizer, layers=2, seed=3, initializer_range=0.2)
-    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft, min_prompt_tokens=0)  # look-ahead 8
+    engine = SpecPrefillEngine.from_models(tiny_model, tokenizer, draft, **quality.STUDY_ENGINE)  # look-ahead 8
     args = method_args("specprefill-la3-sentences")
     layout = engine.layout("When?", random_documents(2, 40, seed=1))
     methods = quality.make_methods(engine, args)

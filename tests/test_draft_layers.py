@@ -61,6 +61,32 @@ def test_without_the_setting_the_draft_runs_whole_and_decodes(tokenizer, big_mai
     assert isinstance(engine.draft, ModelDraft) and engine.draft.look_ahead == 3
 
 
+@pytest.mark.parametrize(
+    ("settings", "queries"),
+    [
+        ({}, "window"),  # the default for a separate draft
+        ({"look_ahead": 8}, "look_ahead"),  # a look-ahead set asks for one, even at the default's value
+        ({"look_ahead": 1}, "look_ahead"),  # the last prompt token alone: the paper's look-ahead of 1
+        ({"draft_queries": "look_ahead"}, "look_ahead"),
+        ({"draft_queries": "window", "look_ahead": 1}, "window"),
+        ({"draft_layers": 2}, "window"),
+    ],
+)
+def test_a_separate_draft_scores_with_the_window_unless_a_look_ahead_is_asked_for(
+    tokenizer, big_main, deep_draft, settings, queries
+):
+    engine = SpecPrefillEngine.from_models(big_main, tokenizer, deep_draft, **settings)
+    assert engine.config.queries == queries
+    assert isinstance(engine.draft, ModelDraft if queries == "look_ahead" else LayerPrefixDraft)
+    expected_look_ahead = settings.get("look_ahead", 8) if queries == "look_ahead" else 1
+    assert engine.draft_scoring.look_ahead == engine.config.effective_look_ahead == expected_look_ahead
+
+
+def test_a_self_draft_scores_with_the_window_whatever_look_ahead_says(tokenizer, big_main):
+    engine = SpecPrefillEngine.from_models(big_main, tokenizer, None, draft="self:2", look_ahead=1)
+    assert engine.config.queries == "window" and engine.draft_scoring.look_ahead == 1
+
+
 def test_window_queries_run_the_whole_draft_without_a_look_ahead(tokenizer, big_main, deep_draft):
     """``draft_queries="window"``: every layer, the last self_draft_window prompt tokens as queries, nothing decoded;
     the auto floor counts no look-ahead steps."""
@@ -80,7 +106,7 @@ def test_the_cost_counts_the_layers_the_draft_runs(tokenizer, big_main, deep_dra
     assert draft_parameter_count(deep_draft, 2) == parameter_count(two_layer_copy)
     assert draft_parameter_count(deep_draft) == draft_parameter_count(deep_draft, 4) == parameter_count(deep_draft)
     main_parameters = parameter_count(big_main)
-    whole = SpecPrefillEngine.from_models(big_main, tokenizer, deep_draft)
+    whole = SpecPrefillEngine.from_models(big_main, tokenizer, deep_draft, draft_queries="look_ahead")
     short = SpecPrefillEngine.from_models(big_main, tokenizer, deep_draft, draft_layers=2)
     assert whole.min_prompt_tokens == pays_from(parameter_count(deep_draft) / main_parameters, 8)
     assert short.min_prompt_tokens == pays_from(parameter_count(two_layer_copy) / main_parameters, 1)
