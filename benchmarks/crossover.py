@@ -1,7 +1,8 @@
 """Where SpecPrefill starts to pay: the prompt length below which it does not lower TTFT (issue #17, item 3).
 
 For each ``main:draft`` pair, full prefill and SpecPrefill (the draft's scoring, selection and the sparse
-prefill to the first token; ``self-<n>``: the main model's first layers as the draft) run at each length,
+prefill to the first token; ``specprefill-window``: the draft scoring with the prompt's last 16 tokens;
+``self-<n>``: the main model's first layers as the draft) run at each length,
 interleaved, in one process (:func:`ttft_lengths.run_length`, without its memory probe). The crossover
 of a method is the shortest measured length from which its median TTFT is below full prefill's at every
 longer measured length; "none" when it never is. ``min_prompt_tokens`` defaults to a length at or above
@@ -21,7 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ttft import ROOT, machine
-from ttft_lengths import load_engine, run_length
+from ttft_lengths import load_engines, run_length
 
 from specprefill_rag.config import SpecPrefillConfig
 
@@ -52,7 +53,7 @@ def markdown(report: dict) -> str:
             cells = [f"{rows[n]['speedup'][method]:.2f}x" if n in rows else "" for n in lengths]
             point = crossover(list(rows.values()), method)
             lines.append(
-                f"| {pair['main']} | {pair['draft'] if method == 'specprefill' else 'self'} | {method} | "
+                f"| {pair['main']} | {'self' if method.startswith('self') else pair['draft']} | {method} | "
                 + " | ".join(cells)
                 + f" | {'none' if point is None else f'{point:,}'} |"
             )
@@ -99,15 +100,15 @@ def main() -> None:
             repeats=args.repeats,
             self_layers=None,
         )
-        engine = load_engine(study)
+        engine, window = load_engines(study)
         pair["draft_path"] = engine.draft_path
         for length in todo:
-            pair["results"].append(run_length(engine, None, None, length, study, probe_memory=False))
+            pair["results"].append(run_length(engine, window, None, None, length, study, probe_memory=False))
             pair["results"].sort(key=lambda r: r["length"])
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(report, indent=1))
             Path(f"{args.out}.md").write_text(markdown(report))
-        del engine
+        del engine, window
     print(markdown(report))
 
 

@@ -24,9 +24,20 @@ from pathlib import Path
 from compare import paired_differences
 from quality import bootstrap_interval, summarise, table_metrics
 
-METHODS = ["full", "specprefill", "self", "contiguous", "longllmlingua", "embeddings-filter", "random"]
+METHODS = [
+    "full",
+    "specprefill",
+    "specprefill-window",
+    "self",
+    "contiguous",
+    "longllmlingua",
+    "embeddings-filter",
+    "random",
+]
 # ttft_lengths.py names the self draft by its layer count (self-11); contiguous prefills specprefill's tokens
 TTFT_NAMES = {"contiguous": "specprefill"}
+# quality.py names the whole draft scoring with its last 16 prompt tokens by its depth (the 0.5B's 24 layers)
+QUALITY_NAMES = {"specprefill-window": "specprefill-layers24"}
 
 
 def load(path: Path) -> dict:
@@ -54,7 +65,7 @@ def ttft_speedup(runs: list[dict], length: int, method: str, keep_rate: float) -
         if run["keep_rate"] != keep_rate or row is None:
             continue
         name = TTFT_NAMES.get(method, method)
-        found = [v for k, v in row["speedup"].items() if k == name or k.startswith(f"{name}-")]
+        found = [v for k, v in row["speedup"].items() if k == name or (name == "self" and k.startswith("self-"))]
         if found:  # the bound is the --draft model's: specprefill's row
             return f"{found[0]:.2f}x" + (f" (bound {row['bound']:.2f}x)" if method == "specprefill" else "")
     return "not measured"
@@ -79,7 +90,8 @@ def quality_table(studies: dict[str, list[dict]], runs: list[dict], length: int,
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for method in METHODS:
         for keep_rate in [1.0] if method == "full" else keep_rates:
-            cells = [quality_cell(summaries[task].get((method, keep_rate))) for task in studies]
+            recorded = QUALITY_NAMES.get(method, method)
+            cells = [quality_cell(summaries[task].get((recorded, keep_rate))) for task in studies]
             if all(c == "not run" for c in cells):
                 continue
             lines.append(
@@ -112,8 +124,9 @@ def paired_table(studies: dict[str, list[dict]], first: str, others: list[str]) 
     for other in others:
         for task, reports in studies.items():
             records = records_of(reports)
-            main = paired_differences(records, first, other, main_metric(reports[0]))
-            logprob = paired_differences(records, first, other, "logprob")
+            recorded = QUALITY_NAMES.get(other, other)
+            main = paired_differences(records, first, recorded, main_metric(reports[0]))
+            logprob = paired_differences(records, first, recorded, "logprob")
             for keep_rate, values in sorted(main.items()):
                 lines.append(
                     f"| {first} - {other} | {task} | {keep_rate:g} | {len(values)} | "

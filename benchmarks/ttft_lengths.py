@@ -14,6 +14,8 @@ one. The models' own weights are loaded before and are not part of it.
   full           the main model prefills the whole prompt to its first token
   specprefill    the --draft model scores (look-ahead 8; the engine's direct or mapped path, as the report's
                  draft_path says), selection, sparse prefill at original positions
+  specprefill-window  the same draft scoring with the prompt's last 16 tokens, nothing decoded (the library's
+                 default for a separate draft, ``draft_queries``), then the same sparse prefill
   self-<n>       draft='self': the main model's first n layers score (40% of them, the last 16 prompt
                  tokens as queries), then the same sparse prefill
   longllmlingua  ``llmlingua`` compresses the documents' text (the --draft model as its compressor, so both
@@ -65,6 +67,7 @@ def documents_of(tokenizer, length: int) -> list[str]:
 
 def methods(
     engine: SpecPrefillEngine,
+    window: SpecPrefillEngine,
     compressor: LongLLMLingua | None,
     sentence_filter: SentenceFilter | None,
     documents: list[str],
@@ -73,7 +76,11 @@ def methods(
     layout = engine.layout(QUESTION, documents)
     n_layers = args.self_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * engine.main.model.config.num_hidden_layers))
     itself = LayerPrefixDraft(engine.main.model, n_layers, 13, SpecPrefillConfig().self_draft_window)
-    drafts = {"specprefill": engine.draft_scoring, f"self-{n_layers}": DirectScoring(itself, None, 1, path="self")}
+    drafts = {
+        "specprefill": engine.draft_scoring,
+        "specprefill-window": window.draft_scoring,
+        f"self-{n_layers}": DirectScoring(itself, None, 1, path="self"),
+    }
 
     kept_tokens: dict[str, int] = {}
 
@@ -127,8 +134,8 @@ def peak_memory_mb(runs: dict) -> dict[str, float]:
     return peaks
 
 
-def run_length(engine, compressor, sentence_filter, length: int, args, probe_memory: bool = True) -> dict:
-    study = methods(engine, compressor, sentence_filter, documents_of(engine.tokenizer, length), args)
+def run_length(engine, window, compressor, sentence_filter, length: int, args, probe_memory: bool = True) -> dict:
+    study = methods(engine, window, compressor, sentence_filter, documents_of(engine.tokenizer, length), args)
     samples: dict[str, list[float]] = {name: [] for name in study["runs"]}
     for _ in range(args.repeats):
         for name, fn in study["runs"].items():
@@ -210,9 +217,11 @@ def plot(report: dict, path: Path) -> None:
 SHAPE_MAIN = "smollm2-1.7b-shape"
 
 
-def load_engine(args) -> SpecPrefillEngine:
-    """The main model (a spec, or the random SmolLM2-1.7B shape with SmolLM2's tokenizer) and the draft;
-    the engine picks the direct or mapped path by vocabulary."""
+def load_engines(args) -> tuple[SpecPrefillEngine, SpecPrefillEngine]:
+    """The main model (a spec, or the random SmolLM2-1.7B shape with SmolLM2's tokenizer) and the draft, as two
+    engines over the same models: the draft scoring with its look-ahead (`specprefill`, the paper's 8, as in every
+    recorded run) and with the prompt's last 16 tokens (`specprefill-window`, the library's default); each picks
+    the direct or mapped path by vocabulary."""
     draft = load_model(args.draft, "cpu", args.dtype)
     if args.main == SHAPE_MAIN:
         main_model, main_tokenizer = shape_model("smollm2-1.7b", torch.float32, "cpu"), load_tokenizer("smollm2-135m")
@@ -223,15 +232,10 @@ def load_engine(args) -> SpecPrefillEngine:
         main_model, main_tokenizer = main.model, main.tokenizer
     # draft_cache_mb=0, main_cache_mb=0: every repeat times a cold draft and a cold main prefill (the prefix caches
     # would serve repeats 2+ from repeat 1's KV)
-    return SpecPrefillEngine.from_models(
-        main_model,
-        main_tokenizer,
-        draft.model,
-        draft_tokenizer=draft.tokenizer,
-        draft_queries="look_ahead",  # `specprefill` is the paper's look-ahead 8, as in every recorded run
-        min_prompt_tokens=0,
-        draft_cache_mb=0,
-        main_cache_mb=0,
+    common = {"draft_tokenizer": draft.tokenizer, "min_prompt_tokens": 0, "draft_cache_mb": 0, "main_cache_mb": 0}
+    return tuple(  # type: ignore[return-value]
+        SpecPrefillEngine.from_models(main_model, main_tokenizer, draft.model, draft_queries=queries, **common)
+        for queries in ("look_ahead", "window")
     )
 
 
@@ -255,7 +259,7 @@ def main() -> None:
     args = options.parse_args()
     if args.filter_share is not None and not (args.keep_rate < args.filter_share < 1):
         options.error("--filter-share must lie between --keep-rate and 1")
-    engine = load_engine(args)
+    engine, window = load_engines(args)
     dtype = engine.draft.model.dtype  # LongLLMLingua's compressor in the draft's dtype: the same cost per token
     compressor = None if args.no_longllmlingua else LongLLMLingua(resolve(args.draft, dtype), dtype)
     sentence_filter = None if args.no_embeddings_filter else SentenceFilter(engine.tokenizer)
@@ -273,7 +277,7 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / "ttft-lengths" / f"{Path(args.main).name}{suffix}"
     out.parent.mkdir(parents=True, exist_ok=True)
     for length in args.lengths:  # written after each length: a run cut short keeps what it measured
-        report["results"].append(run_length(engine, compressor, sentence_filter, length, args))
+        report["results"].append(run_length(engine, window, compressor, sentence_filter, length, args))
         Path(f"{out}.json").write_text(json.dumps(report, indent=1))
         Path(f"{out}.md").write_text(markdown(report) + "\n")
     plot(report, Path(f"{out}.png"))

@@ -353,14 +353,29 @@ def test_ttft_lengths_bound_counts_the_tokens_kept_whole(monkeypatch, tiny_model
 
     text = (Path(__file__).parent.parent / "examples" / "documents" / "brooklyn_bridge.txt").read_text()
     monkeypatch.setattr(ttft_lengths, "documents_of", lambda _tokenizer, _length: [text[:600], text[600:1200]])
-    engine = SpecPrefillEngine.from_models(
-        tiny_model, tokenizer, tiny_draft, draft_tokenizer=tokenizer, min_prompt_tokens=0, draft_cache_mb=0
+    engine, window = (
+        SpecPrefillEngine.from_models(
+            tiny_model,
+            tokenizer,
+            tiny_draft,
+            draft_tokenizer=tokenizer,
+            min_prompt_tokens=0,
+            draft_cache_mb=0,
+            draft_queries=queries,
+        )
+        for queries in ("look_ahead", "window")
     )
     args = argparse.Namespace(keep_rate=0.1, repeats=1, self_layers=1, filter_share=0.5)
     sentence_filter = SentenceFilter(tokenizer, KeywordEmbedder())
-    row = ttft_lengths.run_length(engine, None, sentence_filter, 0, args, probe_memory=False)
-    assert set(row["kept_tokens"]) == {"specprefill", "self-1"}
-    assert set(row["speedup"]) == {"specprefill", "self-1", "embeddings-filter", "embeddings-filter50-specprefill"}
+    row = ttft_lengths.run_length(engine, window, None, sentence_filter, 0, args, probe_memory=False)
+    assert set(row["kept_tokens"]) == {"specprefill", "specprefill-window", "self-1"}
+    assert set(row["speedup"]) == {
+        "specprefill",
+        "specprefill-window",
+        "self-1",
+        "embeddings-filter",
+        "embeddings-filter50-specprefill",
+    }
     assert row["kept_share"] == row["kept_tokens"]["specprefill"] / row["prompt_tokens"]
     assert row["kept_tokens"]["specprefill"] >= row["prompt_tokens"] - row["document_tokens"]
     assert row["kept_share"] > args.keep_rate
@@ -401,6 +416,7 @@ def test_headline_reads_each_study_and_the_ttft_row_of_its_keep_rate():
                 {
                     "full": [1, 1, 1, 1],
                     "specprefill": [1, 1, 1, 1],
+                    "specprefill-layers24": [1, 0, 1, 1],  # the window, by the name quality.py records
                     "self": [1, 1, 1, 0],
                     "longllmlingua": [0, 0, 0, 0],
                 },
@@ -421,7 +437,7 @@ def test_headline_reads_each_study_and_the_ttft_row_of_its_keep_rate():
         "keep_rate": 0.1,
         "results": [
             {"length": 2048, "bound": 3.0, "speedup": {"specprefill": 9.9}},
-            {"length": 4096, "bound": 2.0, "speedup": {"specprefill": 1.8, "self-11": 1.9}},
+            {"length": 4096, "bound": 2.0, "speedup": {"specprefill": 1.8, "specprefill-window": 2.1, "self-11": 1.9}},
         ],
     }
     table = quality_table(studies, [ttft], 4096, [0.1, 0.3]).splitlines()
@@ -432,6 +448,11 @@ def test_headline_reads_each_study_and_the_ttft_row_of_its_keep_rate():
     # self: the ttft run's self-<layers> row, without the bound (it is the --draft model's); not run on squad
     self_row = next(line for line in table if line.startswith("| self | 0.1 |"))
     assert self_row.endswith("| 0.75, 75% (25%-100%) | not run | 1.90x |")
+    # the window: its own TTFT arm (not specprefill's, whose name it extends) and its recorded quality name
+    window_row = next(line for line in table if line.startswith("| specprefill-window | 0.1 |"))
+    assert window_row.endswith("| 0.75, 75% (25%-100%) | not run | 2.10x |")
+    window_paired = paired_table(studies, "specprefill", ["specprefill-window"]).splitlines()
+    assert window_paired[2].startswith("| specprefill - specprefill-window | niah | 0.1 | 4 | +0.250")
     filter_row = next(line for line in table if line.startswith("| embeddings-filter | 0.1 |"))
     assert filter_row.startswith("| embeddings-filter | 0.1 | not run | 0.50, 50% ")
     paired = paired_table(studies, "specprefill", ["self", "longllmlingua"]).splitlines()
