@@ -532,8 +532,8 @@ class EngineSettings(CompressionSettings, GrammarLimits):
         description="What a separate draft model scores with: 'window' (the last self_draft_window prompt tokens, "
         "the question and the template's tail: no decoding, so a warm request from the document cache is one draft "
         "pass) or 'look_ahead' (the last prompt token and look_ahead-1 decoded draft tokens, the paper's). None: "
-        "'look_ahead' where look_ahead is set, else 'window' (answers level over 180 samples, a cold 4k request "
-        "about 10% faster; docs: Drafts). 'self' drafts and draft_layers always use the window.",
+        "'look_ahead' where look_ahead is set, else 'window' (answers level with the look-ahead's, a cold request "
+        "faster; docs: Drafts). 'self' drafts and draft_layers always use the window.",
     )
     draft_layers: int | None = Field(
         None,

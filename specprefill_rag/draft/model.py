@@ -21,8 +21,10 @@ instead assembled from documents drafted once each (:mod:`.assembly`): an approx
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 
@@ -30,7 +32,7 @@ from ..config import DraftQueries
 from ..errors import DraftScoringError, InvalidRequestError
 from ..kvcache.prefix_cache import DraftIdentity, PrefixKVCache, PrefixReuse
 from .assembly import DocumentSpans, assemble_prompt_kv, encode_documents, held_documents
-from .batch import score_model_batch
+from .batch import score_model_batch, score_window_batch
 from .document_cache import DocumentStore
 from .hooks import (
     StopForward,
@@ -138,22 +140,8 @@ class ModelDraft:
         per-document cache), are scored alone (only what is not cached is computed, which is cheaper than a
         padded row); the rest share one forward (batched rows neither read nor fill a cache).
         """
-        spans = documents if documents is not None else [None] * len(prompts)
-        owners = namespaces if namespaces is not None else [None] * len(prompts)
-        alone = [
-            len(prompts) == 1 or self._has_cached_prefix(p, n) or self._uses_documents(s)
-            for p, s, n in zip(prompts, spans, owners)
-        ]
-        batched = [(p, n) for p, n, single in zip(prompts, owners, alone) if not single]
-        together = iter(
-            score_model_batch(self, [p for p, _ in batched])
-            if len(batched) > 1
-            else [_score_or_error(self.score_prompt, p, None, n) for p, n in batched]
-        )
-        return [
-            _score_or_error(self.score_prompt, p, s, n) if single else next(together)
-            for p, s, n, single in zip(prompts, spans, owners, alone)
-        ]
+        limit = self.model.config.num_hidden_layers, 1
+        return _score_batched(self, prompts, documents, namespaces, limit, partial(score_model_batch, self))
 
     def warm(self, input_ids: torch.Tensor, documents: DocumentSpans, namespace: str | None = None) -> int:
         """Encode the ``documents`` of the ``[L]`` prompt into the per-document cache (after their prefix) in
@@ -162,15 +150,6 @@ class ModelDraft:
         """
         layers = self.model.config.num_hidden_layers
         return _warm(self.model, layers, self.document_cache, input_ids, documents, namespace)
-
-    def _uses_documents(self, documents: DocumentSpans | None) -> bool:
-        return documents is not None and self.document_cache is not None and documents.spans.numel() > 0
-
-    def _has_cached_prefix(self, input_ids: torch.Tensor, namespace: str | None) -> bool:
-        if self.prefix_cache is None:
-            return False
-        draft = DraftIdentity.of(self.model, self.model.config.num_hidden_layers)
-        return self.prefix_cache.lookup(draft, input_ids, input_ids.numel() - 1, namespace) is not None
 
 
 @dataclass
@@ -265,13 +244,13 @@ class LayerPrefixDraft:
         documents: list[DocumentSpans | None] | None = None,
         namespaces: list[str | None] | None = None,
     ) -> list[DraftScore | DraftScoringError]:
-        """One prompt after another (a layer-prefix draft is not batched); each its score or its error;
-        ``documents``: per prompt its documents for the per-document cache, or None; ``namespaces``: per prompt
-        the tenant whose cache entries it may use (None: all shared).
+        """Several ``[L_i]`` prompts in one forward (:func:`~specprefill_rag.draft.batch.score_window_batch`); per
+        prompt its ``[L_i]`` importance, equal to :meth:`score`'s within float tolerance, or its own error. As for
+        :meth:`ModelDraft.score_batch`, prompts the prefix cache can serve and those with ``documents`` are scored
+        alone; ``namespaces``: per prompt the tenant whose cache entries it may use (None: all shared).
         """
-        spans = documents if documents is not None else [None] * len(prompts)
-        owners = namespaces if namespaces is not None else [None] * len(prompts)
-        return [_score_or_error(self.score_prompt, prompt, s, n) for prompt, s, n in zip(prompts, spans, owners)]
+        limit = self.n_layers, self.query_window
+        return _score_batched(self, prompts, documents, namespaces, limit, partial(score_window_batch, self))
 
 
 def separate_draft(
@@ -318,6 +297,61 @@ def _warm(
     (spans, prefix_length), draft = documents.checked(input_ids.numel()), DraftIdentity.of(model, layers)
     encode_documents(model, draft, input_ids, prefix_length, spans, store, namespace, evict=False)  # never displace
     return held_documents(draft, input_ids, prefix_length, spans, store, namespace)
+
+
+class _CachedDraft(Protocol):
+    model: Any
+    prefix_cache: PrefixKVCache | None
+    document_cache: DocumentStore | None
+
+    def score_prompt(
+        self, input_ids: torch.Tensor, documents: DocumentSpans | None = None, namespace: str | None = None
+    ) -> DraftScore: ...
+
+
+def _score_batched(
+    draft: _CachedDraft,
+    prompts: list[torch.Tensor],
+    documents: list[DocumentSpans | None] | None,
+    namespaces: list[str | None] | None,
+    limit: tuple[int, int],
+    together: Callable[[list[torch.Tensor]], list[DraftScore | DraftScoringError]],
+) -> list[DraftScore | DraftScoringError]:
+    """Per prompt its score or its error: ``together`` scores the prompts in one batched forward, except those
+    that are cheaper alone (the prefix cache serves them, their KV comes from the per-document cache, or they are
+    the only one). ``limit``: the draft's layers and the queries at the prompt's end the prefix cache cannot hold.
+    """
+    spans = documents if documents is not None else [None] * len(prompts)
+    owners = namespaces if namespaces is not None else [None] * len(prompts)
+    alone = [
+        len(prompts) == 1 or _has_cached_prefix(draft, p, n, limit) or _uses_documents(draft, s)
+        for p, s, n in zip(prompts, spans, owners)
+    ]
+    batched = [(p, n) for p, n, single in zip(prompts, owners, alone) if not single]
+    rows = iter(
+        together([p for p, _ in batched])
+        if len(batched) > 1
+        else [_score_or_error(draft.score_prompt, p, None, n) for p, n in batched]
+    )
+    return [
+        _score_or_error(draft.score_prompt, p, s, n) if single else next(rows)
+        for p, s, n, single in zip(prompts, spans, owners, alone)
+    ]
+
+
+def _uses_documents(draft: _CachedDraft, documents: DocumentSpans | None) -> bool:
+    return documents is not None and draft.document_cache is not None and documents.spans.numel() > 0
+
+
+def _has_cached_prefix(
+    draft: _CachedDraft, input_ids: torch.Tensor, namespace: str | None, limit: tuple[int, int]
+) -> bool:
+    if draft.prefix_cache is None:
+        return False
+    layers, queries = limit
+    identity = DraftIdentity.of(draft.model, layers)
+    reusable = max(input_ids.numel() - queries, 0)  # the queries are always computed
+    return draft.prefix_cache.lookup(identity, input_ids, reusable, namespace) is not None
 
 
 def _score_or_error(
