@@ -189,7 +189,7 @@ class LayerPrefixDraft:
         window = min(self.query_window, input_ids.numel())
         accumulator = ImportanceAccumulator(input_ids.numel(), window, input_ids.device)
         if documents is not None and self.document_cache is not None and documents.spans.numel():
-            return self._score_with_documents(input_ids, documents, self.document_cache, accumulator, namespace)
+            return self._score_with_documents(input_ids, documents, self.document_cache, accumulator, window, namespace)
         reuse = PrefixReuse.begin(
             self.prefix_cache,
             self.model,
@@ -217,13 +217,14 @@ class LayerPrefixDraft:
         documents: DocumentSpans,
         store: DocumentStore,
         accumulator: ImportanceAccumulator,
+        window: int,
         namespace: str | None,
     ) -> DraftScore:
-        """Score the query window inside the assembly's fresh forward (it runs the window after the tokens the
-        store did not supply), so the window costs no pass of its own; never stored in the (exact) prefix cache.
+        """Score the last ``window`` tokens as queries inside the assembly's fresh forward (it runs them after the
+        tokens the store did not supply), so the window costs no pass of its own; never stored in the (exact) prefix
+        cache.
         """
         draft = DraftIdentity.of(self.model, self.n_layers)
-        window = accumulator.scores.shape[0]
         observe = query_observer(accumulator, self.pool_kernel, window)
         until = input_ids.numel() - window
         assembled = assemble_prompt_kv(
