@@ -127,8 +127,8 @@ def layers_scoring(
     """The engine's draft model run to its first ``layers`` layers, as ``draft_layers`` builds it: queries its last
     ``self_draft_window`` (16) prompt tokens; direct or mapped, as the engine's path; ``store``: its per-document
     draft cache, repaired by ``repair``."""
-    window = SpecPrefillConfig().self_draft_window
-    draft = LayerPrefixDraft(engine.draft.model, layers, 13, window, document_cache=store, repair=repair)
+    window, kernel = engine.config.self_draft_window, engine.config.pool_kernel
+    draft = LayerPrefixDraft(engine.draft.model, layers, kernel, window, document_cache=store, repair=repair)
     return replace(engine.draft_scoring, draft=draft, look_ahead=1)
 
 
@@ -253,7 +253,7 @@ def extra_draft(engine: SpecPrefillEngine, spec: str, look_ahead: int = 8) -> Ca
     """Importance from another draft model (``--extra-drafts``): direct when it shares the main model's
     vocabulary, mapped through the documents' characters when not (e.g. SmolLM2-135M for a Qwen main)."""
     draft = shared_model(spec, engine.config.device, engine.config.dtype)
-    scorer = ModelDraft(draft.model, look_ahead, 13, eos_token_ids(draft.model, draft.tokenizer))
+    scorer = ModelDraft(draft.model, look_ahead, engine.config.pool_kernel, eos_token_ids(draft.model, draft.tokenizer))
     return draft_scoring(scorer, draft.tokenizer, engine.tokenizer, look_ahead).importance
 
 
@@ -322,7 +322,7 @@ def in_context_document_draft(engine: SpecPrefillEngine) -> Callable[[PromptLayo
 
 def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[str, Callable]:
     """The methods named in ``args.methods``; each call takes (sample, layout, keep_rate)."""
-    model = engine.main.model
+    model, kernel = engine.main.model, engine.config.pool_kernel
 
     def token_scorer(draft) -> Callable[[PromptLayout], torch.Tensor]:
         return lambda layout: draft.score(layout.input_ids)
@@ -353,9 +353,9 @@ def make_methods(engine: SpecPrefillEngine, args: argparse.Namespace) -> dict[st
             for name in args.methods
             if LAYERS_METHOD.fullmatch(name)
         },
-        "self": lambda: token_scorer(LayerPrefixDraft(model, default_self_layers(model), 13, 16)),
+        "self": lambda: token_scorer(LayerPrefixDraft(model, default_self_layers(model), kernel, 16)),
         **{
-            self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, 13, w)))
+            self_name(n, w): (lambda n=n, w=w: token_scorer(LayerPrefixDraft(model, n, kernel, w)))
             for n in args.self_layers
             for w in args.self_windows
         },

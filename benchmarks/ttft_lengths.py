@@ -49,7 +49,7 @@ from ttft import ESSAYS, ROOT, clock, first_token, machine, peak_rss_growth_mb, 
 
 from specprefill_rag import SpecPrefillEngine
 from specprefill_rag.backends.base import SparsePrompt
-from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE, SpecPrefillConfig
+from specprefill_rag.config import DEFAULT_SELF_LAYER_SHARE
 from specprefill_rag.draft.model import LayerPrefixDraft
 from specprefill_rag.draft.paths import DirectScoring
 from specprefill_rag.models.loading import load_model, load_tokenizer, resolve
@@ -75,7 +75,7 @@ def methods(
 ) -> dict:
     layout = engine.layout(QUESTION, documents)
     n_layers = args.self_layers or max(1, round(DEFAULT_SELF_LAYER_SHARE * engine.main.model.config.num_hidden_layers))
-    itself = LayerPrefixDraft(engine.main.model, n_layers, 13, SpecPrefillConfig().self_draft_window)
+    itself = LayerPrefixDraft(engine.main.model, n_layers, engine.config.pool_kernel, engine.config.self_draft_window)
     drafts = {
         "specprefill": engine.draft_scoring,
         "specprefill-window": window.draft_scoring,
