@@ -182,6 +182,7 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
     assert serve_settings(parser().parse_args(["serve"])).engine_config().positions == "original"
     renumbered = serve_settings(parser().parse_args(["serve", "--positions", "contiguous"]))
     assert renumbered.engine_config().positions == "contiguous"
+
     # a separate draft scores with the window unless --look-ahead or --draft-queries asks for the look-ahead
     def queries(*flags: str) -> tuple[str, int]:
         config = serve_settings(parser().parse_args(["serve", "--draft", "smollm2-135m", *flags])).engine_config()
