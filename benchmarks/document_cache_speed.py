@@ -80,7 +80,7 @@ UNCACHED = {"min_prompt_tokens": 0, "draft_cache_mb": 0, "main_cache_mb": 0}
 
 def draft_of(layers: int | None) -> dict[str, Any]:
     """An arm's draft settings: its first ``layers`` layers (which score with the window), or for None the whole draft
-    with the paper's look-ahead, these studies' cold and default arms (the library's default is now the window).
+    with the paper's look-ahead, these studies' cold and default arms (named, so they stay so whatever the default).
     """
     return {"draft_queries": "look_ahead"} if layers is None else {"draft_layers": layers}
 

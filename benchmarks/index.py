@@ -339,6 +339,9 @@ STUDIES: dict[str, Study] = {
             "clean-clone CI ran (answers only)",
             "squad-window-epic": "the same on SQuAD, 30 samples; the AMD EPYC",
             "nq-window-epic": "the same on NQ, 30 samples; the AMD EPYC",
+            "longbench-window": "#44: LongBench, the first 21 of the headline's 30 samples (stopped for the session's "
+            "time), the whole 0.5B scoring with its last 16 prompt tokens (`specprefill-layers24`) against the "
+            "look-ahead; the AMD EPYC, bfloat16, beside a clean-clone CI run and a tool-query run (answers only)",
         },
     ),
     "pair-quality": Study(
@@ -550,6 +553,9 @@ STUDIES: dict[str, Study] = {
             "squad-0.5b-endings": f"held out: `Answer:` against `Short answer:` on SQuAD v1.1 questions (gold passage "
             f"among 10, one search); {XEON}",
             "nq-0.5b-endings": f"held out: the same on NQ-open questions; {XEON}",
+            "hotpotqa-0.5b-window": "#44: the 0.5B draft scoring with its last 16 prompt tokens (`--draft-queries "
+            "window`), the engine's form only, against `hotpotqa-0.5b`'s look-ahead on the same questions (a run of "
+            "2026-12-06); beside a quality run and a clean-clone CI run",
         },
     ),
     "ttft": Study(

@@ -108,8 +108,8 @@ LOOK_AHEAD_METHOD = re.compile(r"specprefill-la([1-9][0-9]?)")  # the engine's d
 
 # The engine every method starts from. draft_cache_mb=0: every sample is scored cold, as in the earlier runs these
 # tables merge with (samples that share a haystack prefix would otherwise start from each other's draft KV).
-# draft_queries="look_ahead": `specprefill` is the paper's look-ahead in every recorded study, though the library's
-# default for a separate draft is now the window (`specprefill-layers<N>` is the window, whole at N = the depth).
+# draft_queries="look_ahead": `specprefill` is the paper's look-ahead in every recorded study, named so it stays so
+# whatever the library's default (`specprefill-layers<N>` is the window, the whole draft at N = its depth).
 STUDY_ENGINE = {"min_prompt_tokens": 0, "draft_cache_mb": 0, "draft_queries": "look_ahead"}
 
 

@@ -264,7 +264,7 @@ def main() -> None:
         "--draft-queries",
         default="look_ahead",
         choices=["look_ahead", "window"],
-        help="what the draft scores with (the recorded runs: the look-ahead; the library's default: the window)",
+        help="what a separate draft scores with (the recorded runs: the look-ahead, the library's default)",
     )
     options.add_argument("--resume", action="store_true", help="keep the questions an earlier run saved at --out")
     options.add_argument("--report", action="store_true", help="rewrite <out>.md from <out>.json; run nothing")

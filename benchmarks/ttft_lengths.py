@@ -14,8 +14,8 @@ one. The models' own weights are loaded before and are not part of it.
   full           the main model prefills the whole prompt to its first token
   specprefill    the --draft model scores (look-ahead 8; the engine's direct or mapped path, as the report's
                  draft_path says), selection, sparse prefill at original positions
-  specprefill-window  the same draft scoring with the prompt's last 16 tokens, nothing decoded (the library's
-                 default for a separate draft, ``draft_queries``), then the same sparse prefill
+  specprefill-window  the same draft scoring with the prompt's last 16 tokens, nothing decoded
+                 (``draft_queries="window"``), then the same sparse prefill
   self-<n>       draft='self': the main model's first n layers score (40% of them, the last 16 prompt
                  tokens as queries), then the same sparse prefill
   longllmlingua  ``llmlingua`` compresses the documents' text (the --draft model as its compressor, so both
@@ -220,7 +220,7 @@ SHAPE_MAIN = "smollm2-1.7b-shape"
 def load_engines(args) -> tuple[SpecPrefillEngine, SpecPrefillEngine]:
     """The main model (a spec, or the random SmolLM2-1.7B shape with SmolLM2's tokenizer) and the draft, as two
     engines over the same models: the draft scoring with its look-ahead (`specprefill`, the paper's 8, as in every
-    recorded run) and with the prompt's last 16 tokens (`specprefill-window`, the library's default); each picks
+    recorded run) and with the prompt's last 16 tokens (`specprefill-window`, `draft_queries="window"`); each picks
     the direct or mapped path by vocabulary."""
     draft = load_model(args.draft, "cpu", args.dtype)
     if args.main == SHAPE_MAIN:

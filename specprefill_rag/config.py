@@ -196,7 +196,7 @@ def check_draft_layers(settings: CompressionSettings, draft: str | None, draft_l
         )
 
 
-def check_draft_queries(settings: CompressionSettings, draft_queries: str | None, window_only: bool) -> None:
+def check_draft_queries(settings: CompressionSettings, draft_queries: str, window_only: bool) -> None:
     """``ValueError`` for ``draft_queries="window"`` with ``look_ahead`` set above 1 (a window decodes nothing), and
     for ``draft_queries="look_ahead"`` set for a draft that cannot decode (``window_only``: 'self', draft_layers).
     """
@@ -205,7 +205,7 @@ def check_draft_queries(settings: CompressionSettings, draft_queries: str | None
             "draft_queries='window' scores with the prompt's last self_draft_window tokens and decodes nothing; "
             "leave look_ahead unset or set it to 1, or set draft_queries='look_ahead'"
         )
-    if draft_queries == "look_ahead" and window_only:
+    if draft_queries == "look_ahead" and window_only and "draft_queries" in settings.model_fields_set:
         raise ValueError(
             "a 'self' draft or a draft of its first draft_layers layers has no output to decode look-ahead tokens "
             "from; leave draft_queries unset or set it to 'window', or name a whole draft model"
@@ -318,8 +318,7 @@ class CompressionSettings(BaseModel):
         strict=True,
         ge=1,
         le=64,
-        description="Look-ahead queries: the last prompt token + look_ahead-1 draft tokens. Setting it asks a whole "
-        "separate draft to score with them (draft_queries unset: the window otherwise); not for 'self' drafts.",
+        description="Queries: last prompt token + look_ahead-1 draft tokens (not for 'self' drafts).",
     )
     min_prompt_tokens: MinPromptTokens = Field(
         AUTO,
@@ -527,13 +526,12 @@ class EngineSettings(CompressionSettings, GrammarLimits):
         description="Queries of a draft that scores with a window ('self', draft_layers, draft_queries='window'): "
         "the last this-many prompt tokens.",
     )
-    draft_queries: DraftQueries | None = Field(
-        None,
-        description="What a separate draft model scores with: 'window' (the last self_draft_window prompt tokens, "
-        "the question and the template's tail: no decoding, so a warm request from the document cache is one draft "
-        "pass) or 'look_ahead' (the last prompt token and look_ahead-1 decoded draft tokens, the paper's). None: "
-        "'look_ahead' where look_ahead is set, else 'window' (answers level with the look-ahead's, a cold request "
-        "faster; docs: Drafts). 'self' drafts and draft_layers always use the window.",
+    draft_queries: DraftQueries = Field(
+        "look_ahead",
+        description="What a separate draft model scores with: 'look_ahead' (the last prompt token and look_ahead-1 "
+        "decoded draft tokens, the paper's) or 'window' (the last self_draft_window prompt tokens, the question "
+        "and the template's tail: no decoding, so a warm request from the document cache is one draft pass; docs: "
+        "Drafts). 'self' drafts and draft_layers always use the window.",
     )
     draft_layers: int | None = Field(
         None,
@@ -702,14 +700,11 @@ class SpecPrefillConfig(EngineSettings):
 
     @property
     def queries(self) -> DraftQueries:
-        """What the draft scores with: ``draft_queries`` where set; else the window, unless a separate whole draft
-        was given a ``look_ahead``. 'self' drafts and ``draft_layers`` always score with the window.
+        """What the draft scores with: ``draft_queries``, except for 'self' drafts and ``draft_layers``, which always
+        score with the window (they cannot decode).
         """
-        if self.is_self_draft or self.draft_layers is not None:
-            return "window"
-        if self.draft_queries is not None:
-            return self.draft_queries
-        return "look_ahead" if "look_ahead" in self.model_fields_set else "window"
+        window_only = self.is_self_draft or self.draft_layers is not None
+        return "window" if window_only else self.draft_queries
 
     @property
     def scores_with_window(self) -> bool:

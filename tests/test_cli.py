@@ -183,14 +183,14 @@ def test_serve_options_fill_the_gateway_settings(monkeypatch):
     renumbered = serve_settings(parser().parse_args(["serve", "--positions", "contiguous"]))
     assert renumbered.engine_config().positions == "contiguous"
 
-    # a separate draft scores with the window unless --look-ahead or --draft-queries asks for the look-ahead
+    # a separate draft scores with the look-ahead unless --draft-queries asks for the window
     def queries(*flags: str) -> tuple[str, int]:
         config = serve_settings(parser().parse_args(["serve", "--draft", "smollm2-135m", *flags])).engine_config()
         return config.queries, config.effective_look_ahead
 
-    assert queries() == ("window", 1)
+    assert queries() == ("look_ahead", 8)
     assert queries("--look-ahead", "4") == ("look_ahead", 4)
-    assert queries("--draft-queries", "look_ahead") == ("look_ahead", 8)
+    assert queries("--draft-queries", "window") == ("window", 1)
 
 
 def test_serve_reports_bad_settings_without_traceback(capsys):

@@ -64,15 +64,14 @@ def test_without_the_setting_the_draft_runs_whole_and_decodes(tokenizer, big_mai
 @pytest.mark.parametrize(
     ("settings", "queries"),
     [
-        ({}, "window"),  # the default for a separate draft
-        ({"look_ahead": 8}, "look_ahead"),  # a look-ahead set asks for one, even at the default's value
+        ({}, "look_ahead"),  # the default for a separate draft (the window lost answers after tool results)
         ({"look_ahead": 1}, "look_ahead"),  # the last prompt token alone: the paper's look-ahead of 1
-        ({"draft_queries": "look_ahead"}, "look_ahead"),
+        ({"draft_queries": "window"}, "window"),
         ({"draft_queries": "window", "look_ahead": 1}, "window"),
         ({"draft_layers": 2}, "window"),
     ],
 )
-def test_a_separate_draft_scores_with_the_window_unless_a_look_ahead_is_asked_for(
+def test_a_separate_draft_scores_with_the_look_ahead_unless_the_window_is_asked_for(
     tokenizer, big_main, deep_draft, settings, queries
 ):
     engine = SpecPrefillEngine.from_models(big_main, tokenizer, deep_draft, **settings)

@@ -44,7 +44,7 @@ class AdapterSettings(CompressionSettings, GrammarLimits):
     max_draft_tokens: int | None = declared_field(EngineSettings, "max_draft_tokens", "adapters")
     draft_layers: int | None = declared_field(EngineSettings, "draft_layers", "adapters")
     self_draft_window: int = declared_field(EngineSettings, "self_draft_window", "adapters")
-    draft_queries: DraftQueries | None = declared_field(EngineSettings, "draft_queries", "adapters")
+    draft_queries: DraftQueries = declared_field(EngineSettings, "draft_queries", "adapters")
     pool_kernel: int = declared_field(EngineSettings, "pool_kernel", "adapters")
     chunk_size: int = declared_field(EngineSettings, "chunk_size", "adapters")
     chunking: Chunking = declared_field(EngineSettings, "chunking", "adapters")

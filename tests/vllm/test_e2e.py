@@ -85,12 +85,13 @@ def server(tiny_folder, llm):
         yield url
 
 
-@pytest.mark.parametrize("queries", [{"look_ahead": 2}, {}])  # the look-ahead; the window, a draft's default
+@pytest.mark.parametrize("queries", ["look_ahead", "window"])
 def test_server_engine_matches_transformers_engine(server, tiny_folder, queries):
-    settings = {"draft": str(tiny_folder), "keep_rate": 0.3, "min_prompt_tokens": 0, **queries}
-    remote = SpecPrefillEngine.for_vllm(server, **settings)
-    local = SpecPrefillEngine(main=str(tiny_folder), **settings)
-    assert remote.config.queries == local.config.queries == ("look_ahead" if queries else "window")
+    look_ahead = {"look_ahead": 2} if queries == "look_ahead" else {}
+    settings = {"draft": str(tiny_folder), "keep_rate": 0.3, "min_prompt_tokens": 0, "draft_queries": queries}
+    remote = SpecPrefillEngine.for_vllm(server, **settings, **look_ahead)
+    local = SpecPrefillEngine(main=str(tiny_folder), **settings, **look_ahead)
+    assert remote.config.queries == local.config.queries == queries
     assert remote.backend.supports_sparse_prefill and remote.backend.context_length == 1024
     layout = remote.layout("When did the bridge open?", random_documents(3, 80))
     params = GenerationParams(max_new_tokens=12)
