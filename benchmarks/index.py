@@ -149,6 +149,11 @@ STUDIES: dict[str, Study] = {
         "docs/benchmarks/crossover.md",
         f"{XEON}, bfloat16, one torch thread; one or two soaks ran beside the Qwen rows (cells move about 0.15x)",
         "contended",
+        runs={
+            "run": "the pairs of the crossover page, 128-2,048 tokens, 5 repeats",
+            "window": "#44: the real pair with the look-ahead, the window (`specprefill-window`) and `self`, "
+            f"384-1,024 tokens, 3 repeats; {EPYC}, two torch threads, nothing else running",
+        },
     ),
     "document_cache": Study(
         "per-document draft KV (issue #28) against joint draft scoring: kept-chunk overlap, gold and answer "
@@ -413,6 +418,9 @@ STUDIES: dict[str, Study] = {
             "filter50-specprefill-keep-0.3": f"the same at keep 0.3; {XEON}, run alone",
             "filter30-specprefill-keep-0.1": "the filter keeping 30%, then SpecPrefill (`--filter-share 0.3`), at 4k, "
             f"keep 0.1; {XEON}, run alone right after a CI run (full prefill 18.3 s: compare ratios only)",
+            "window-keep-0.1": "#44: the draft scoring with its window (`specprefill-window`) beside the look-ahead, "
+            "`self` and full at 4k, keep 0.1, 2 repeats; run alone",
+            "window-keep-0.3": "the same at keep 0.3",
         },
     ),
     "serve-draft-batching": Study(
